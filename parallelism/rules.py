@@ -1,0 +1,103 @@
+"""Logical axis names -> mesh axes.
+
+Every parameter and constrained activation is named with logical axes
+('batch', 'embed', 'mlp', ...). A rule maps each logical axis to zero or more
+mesh axes. Rules are resolved per array: a mesh axis already taken by an
+earlier dimension of the same array is skipped, so activations named
+('batch', 'seq', 'embed') shard batch over (data, fsdp) and leave embed whole,
+while parameters named ('embed', 'mlp') shard embed over fsdp.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from trainer.errors import ConfigError
+
+# The default placement: FSDP shards the model dimension of every weight,
+# tensor parallelism splits MLP width, heads and vocabulary (Megatron style),
+# and the batch is split over every data-parallel axis.
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "seq": (),
+    "embed": ("fsdp",),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "vocab": ("tensor",),
+    "layers": (),
+}
+
+
+def parse_rules(overrides: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Default rules updated with `mesh.rules` overrides ('data,fsdp' or '' for none)."""
+    rules = dict(DEFAULT_RULES)
+    for name, value in overrides.items():
+        if name not in rules:
+            raise ConfigError(f"mesh.rules.{name} names no logical axis; known axes are {sorted(rules)}.")
+        rules[name] = tuple(a.strip() for a in str(value).split(",") if a.strip())
+    return rules
+
+
+def check_rules(rules: Mapping[str, Sequence[str]], mesh_axes: Sequence[str]) -> None:
+    """Refuse rules that name an axis the mesh lacks or use one axis twice for one name."""
+    for name, axes in rules.items():
+        for axis in axes:
+            if axis not in mesh_axes:
+                raise ConfigError(
+                    f"mesh.rules.{name} maps to mesh axis '{axis}', but the mesh has only "
+                    f"{tuple(mesh_axes)}; use one of those or '' to replicate."
+                )
+        if len(set(axes)) != len(axes):
+            raise ConfigError(f"mesh.rules.{name} uses a mesh axis twice ({','.join(axes)}).")
+
+
+@dataclasses.dataclass(frozen=True)
+class LogicalSharding:
+    """A mesh plus the rules that place logically named arrays on it.
+
+    With `mesh=None` (a model built outside any mesh, e.g. in a reference test)
+    constraints are no-ops.
+    """
+
+    mesh: Mesh | None
+    rules: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @classmethod
+    def create(cls, mesh: Mesh | None, rules: Mapping[str, Sequence[str]] | None = None):
+        rules = DEFAULT_RULES if rules is None else rules
+        return cls(mesh, tuple((k, tuple(v)) for k, v in sorted(rules.items())))
+
+    def spec(self, names: Sequence[str | None]) -> PartitionSpec:
+        rules = dict(self.rules)
+        used: set[str] = set()
+        dims = []
+        for name in names:
+            axes = (
+                tuple(a for a in rules.get(name, ()) if a not in used and self._size(a) > 1) if name is not None else ()
+            )
+            used.update(axes)
+            dims.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+        return PartitionSpec(*dims)
+
+    def named(self, names: Sequence[str | None]) -> NamedSharding:
+        assert self.mesh is not None, "a NamedSharding needs a mesh"
+        return NamedSharding(self.mesh, self.spec(names))
+
+    def replicated(self) -> NamedSharding:
+        assert self.mesh is not None, "a NamedSharding needs a mesh"
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    def constrain(self, x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, self.named(names))
+
+    def _size(self, axis: str) -> int:
+        # Axes of size one are dropped from specs so that printed shardings stay readable.
+        return 1 if self.mesh is None else self.mesh.shape[axis]

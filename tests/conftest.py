@@ -1,0 +1,36 @@
+"""Every test runs on the CPU with 8 simulated devices; set before JAX starts."""
+
+import os
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+
+import pytest  # noqa: E402
+
+from trainer.config import defaults  # noqa: E402
+
+
+def micro_config(**sections):
+    """A ~0.1M-parameter model that compiles in seconds; override with section=dict(...)."""
+    c = defaults()
+    c.model.update(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+    c.data.update(seq_len=32, source="synthetic")
+    c.precision.compute_dtype = "float32"
+    c.mesh.update(data=1, fsdp=-1, tensor=1)
+    c.optim.update(lr=1e-2, warmup_steps=2, schedule="cosine")
+    c.train.update(steps=20, global_batch_size=8, log_every=2, eval_every=0, eval_batches=2)
+    c.checkpoint.update({"every_steps": 5, "keep": 2})
+    for name, values in sections.items():
+        c[name].update(values)
+    return c
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory):
+    """The standard-library corpus, prepared once per test session."""
+    from trainer.data import pipeline
+
+    path = str(tmp_path_factory.mktemp("tfds"))
+    cfg = micro_config(data=dict(source="text_files", data_dir=path))
+    pipeline.prepare(cfg.data)
+    return path

@@ -1,0 +1,106 @@
+"""Bad input: one clear sentence, before compiling, and nothing on disk damaged."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import micro_config
+
+from trainer.errors import ConfigError
+from trainer.loop import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def unknown_key():
+    cfg = micro_config()
+    cfg.unlock()
+    cfg.optim.lrr = 1.0
+    return cfg
+
+
+CASES = {
+    "mesh larger than the devices": (
+        lambda: micro_config(mesh=dict(data=2, fsdp=8, tensor=1)),
+        "needs 16 devices but 8",
+    ),
+    "mesh axes that do not divide the devices": (
+        lambda: micro_config(mesh=dict(data=3, fsdp=-1)),
+        "does not divide the 8",
+    ),
+    "two wildcard axes": (lambda: micro_config(mesh=dict(data=-1, fsdp=-1)), "at most one axis"),
+    "batch not divisible over data x fsdp": (
+        lambda: micro_config(train=dict(global_batch_size=12)),
+        "12 sequences .* does not divide over data x fsdp = 8",
+    ),
+    "microbatch not divisible": (
+        lambda: micro_config(train=dict(global_batch_size=16, grad_accum_steps=4)),
+        "microbatch of 4 sequences",
+    ),
+    "kv heads not divisible over tensor": (
+        lambda: micro_config(mesh=dict(fsdp=2, tensor=4)),
+        "model.n_kv_heads=2 does not divide over mesh.tensor=4",
+    ),
+    "heads not divisible over tensor": (
+        lambda: micro_config(mesh=dict(fsdp=1, tensor=8)),
+        "model.n_heads=4 does not divide over mesh.tensor=8",
+    ),
+    "unknown key": (unknown_key, "unknown config key 'optim.lrr'"),
+    "unknown remat policy": (
+        lambda: micro_config(model=dict(remat="sometimes")),
+        "model.remat='sometimes' is not one of none, full",
+    ),
+    "rule naming a missing mesh axis": (lambda: micro_config(mesh=dict(rules=dict(mlp="model"))), "mesh axis 'model'"),
+    "schedule longer than training": (lambda: micro_config(optim=dict(warmup_steps=30)), "exceed train.steps=20"),
+    "vocabulary smaller than the tokenizer": (
+        lambda: micro_config(model=dict(vocab_size=128), data=dict(source="text_files")),
+        "259 ids but model.vocab_size=128",
+    ),
+    "dataset that is not prepared": (
+        lambda: micro_config(data=dict(source="tfds", name="no_such_dataset", data_dir="/nonexistent")),
+        "not prepared",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_config_stops_before_writing_anything(case, tmp_path):
+    make, message = CASES[case]
+    workdir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=message) as info:
+        train(make(), str(workdir))
+    assert "\n" not in str(info.value)
+    assert not workdir.exists()
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
+    workdir = tmp_path / "run"
+    train(micro_config(train=dict(steps=2), checkpoint={"every_steps": 2}), str(workdir))
+    before = {p: os.path.getmtime(os.path.join(dp, p)) for dp, _, files in os.walk(workdir) for p in files}
+    config_text = (workdir / "config.json").read_text()
+    with pytest.raises(ConfigError, match="model.d_model=64, but this config has 128"):
+        train(micro_config(model=dict(d_model=128), train=dict(steps=4)), str(workdir))
+    after = {p: os.path.getmtime(os.path.join(dp, p)) for dp, _, files in os.walk(workdir) for p in files}
+    assert before == after and (workdir / "config.json").read_text() == config_text
+
+
+def test_the_script_prints_one_line_and_fails(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/train.py",
+            "--config",
+            "configs/tiny.py",
+            "--config.optim.lrr=1",
+            f"--workdir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "lrr" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()

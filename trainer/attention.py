@@ -1,0 +1,52 @@
+"""Causal grouped-query attention kernels, chosen by `model.attention`.
+
+All take q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim)
+and optional segment ids (batch, seq): a query attends to a key only if the key
+is not in its future and belongs to the same packed document.
+
+- "xla": the reference, written out in einsums with the softmax in fp32.
+- "dot_product": `jax.nn.dot_product_attention`, letting JAX pick the kernel.
+- "cudnn": the same call forced onto cuDNN's fused flash kernel (GPUs only).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def attention_mask(segment_ids: jax.Array | None, q_len: int, kv_len: int) -> jax.Array:
+    """Boolean (batch|1, 1, q, kv) mask: causal, and within one segment if ids are given."""
+    causal = jnp.tril(jnp.ones((q_len, kv_len), bool), k=kv_len - q_len)[None, None]
+    if segment_ids is None:
+        return causal
+    same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    return causal & same
+
+
+def xla_attention(q, k, v, segment_ids=None):
+    b, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    # Group the query heads that share one key/value head instead of repeating k and v.
+    q = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (h**-0.5)
+    mask = attention_mask(segment_ids, t, k.shape[1])[:, :, None]  # broadcast over the group
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
+    return out.reshape(b, t, n, h)
+
+
+def _jax_nn_attention(q, k, v, segment_ids, implementation):
+    mask = None
+    if segment_ids is not None:
+        mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+
+
+def attend(kind: str, q, k, v, segment_ids=None):
+    """Dispatch on `model.attention`; config validation has already checked `kind`."""
+    if kind == "xla":
+        return xla_attention(q, k, v, segment_ids)
+    return _jax_nn_attention(q, k, v, segment_ids, "cudnn" if kind == "cudnn" else None)

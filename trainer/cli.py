@@ -1,0 +1,50 @@
+"""What every script in scripts/ shares: flag parsing with one-sentence errors.
+
+The library never reads flags; scripts parse them here and pass plain values in.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from trainer.errors import ConfigError
+
+
+def define_config_flag():
+    """--config configs/x.py, with --config.section.key=value overrides (locked: unknown keys fail)."""
+    flag = config_flags.DEFINE_config_file("config", None, "A configs/*.py recipe.", lock_config=True)
+    flags.mark_flags_as_required(["config"])
+    return flag
+
+
+def default_workdir() -> str:
+    name = os.path.splitext(os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0]
+    return os.path.join("runs", name)
+
+
+def _parse(argv):
+    try:
+        return flags.FLAGS(argv)
+    except (AttributeError, KeyError, ValueError, TypeError, flags.Error) as e:
+        detail = " ".join(str(e).replace("\\n", " ").replace("\\", "").replace("'", "").split())
+        sys.exit(f"error: a command-line flag could not be applied ({detail}); check it against trainer/config.py.")
+
+
+def run(main: Callable[[], None]) -> None:
+    """app.run, with ConfigError and flag errors printed as one `error:` line (exit status 1)."""
+
+    def wrapped(argv):
+        if len(argv) > 1:
+            sys.exit(f"error: unexpected arguments {argv[1:]}; options are --flag=value.")
+        logging.set_verbosity(logging.WARNING)  # Orbax logs every file it renames at INFO
+        try:
+            main()
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
+
+    app.run(wrapped, flags_parser=_parse)

@@ -1,0 +1,210 @@
+"""Every config key, its default, and the checks that run before anything compiles.
+
+Recipes in `configs/` start from `defaults()` and change what they need. The
+returned dict is locked, so a misspelt key in a recipe or on the command line
+(`--config.optim.lrr=1`) is refused by name instead of silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+import ml_collections
+
+from parallelism.rules import DEFAULT_RULES
+from trainer.errors import ConfigError
+
+REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
+ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
+SCHEDULES = ("cosine", "wsd", "linear", "constant")
+DTYPES = ("float32", "bfloat16", "float16")
+SOURCES = ("text_files", "tfds", "synthetic")
+TOKENIZERS = ("byte", "sentencepiece")
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """The single home of every key and its default value."""
+    c = ml_collections.ConfigDict()
+
+    c.model = dict(
+        vocab_size=384,  # >= tokenizer size; a multiple of 128 shards evenly over tensor
+        d_model=256,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,  # grouped-query attention: n_heads must be a multiple
+        d_ff=768,
+        max_seq_len=256,
+        rope_theta=10_000.0,
+        norm_eps=1e-5,
+        tie_embeddings=False,
+        remat="none",  # one of REMAT_POLICIES
+        scan_layers=True,
+        attention="xla",  # one of ATTENTION_IMPLS
+        init_std=0.02,
+    )
+    # Each size is a device count or -1 for "the rest". `rules` places each
+    # logical axis on mesh axes ("data,fsdp"; "" replicates), e.g.
+    # --config.mesh.rules.embed=tensor.
+    c.mesh = dict(
+        data=1,
+        fsdp=-1,
+        tensor=1,
+        rules={name: ",".join(axes) for name, axes in DEFAULT_RULES.items()},
+    )
+    c.data = dict(
+        source="text_files",  # one of SOURCES
+        name="python_stdlib",  # TFDS dataset name (text_files: the corpus name)
+        paths="",  # text_files: comma-separated globs; "" = this Python's standard library
+        data_dir="",  # where prepared datasets live; "" = ~/tensorflow_datasets
+        text_key="text",  # tfds: the feature holding the text
+        train_split="train",
+        eval_split="validation",
+        tokenizer="byte",  # one of TOKENIZERS
+        tokenizer_path="",  # sentencepiece model file (scripts/train_tokenizer.py writes one)
+        seq_len=256,
+        packing="concat",  # documents concatenated and split into seq_len windows
+    )
+    c.optim = dict(
+        name="adamw",
+        lr=3e-4,
+        schedule="cosine",  # one of SCHEDULES
+        warmup_steps=100,
+        decay_steps=0,  # cosine/linear: steps of decay after warmup; 0 = to the end of training
+        decay_fraction=0.2,  # wsd: the last fraction of training spent decaying
+        decay_shape="linear",  # wsd: linear or cosine decay
+        min_lr_ratio=0.1,
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        weight_decay=0.1,
+        clip_norm=1.0,  # 0 disables clipping
+    )
+    c.precision = dict(param_dtype="float32", compute_dtype="bfloat16")
+    c.train = dict(
+        steps=1000,
+        global_batch_size=32,  # sequences per optimiser update, over all devices and microbatches
+        grad_accum_steps=1,
+        seed=0,
+        log_every=10,
+        eval_every=200,  # 0 disables validation
+        eval_batches=4,
+    )
+    # `async` is a Python keyword: read it as cfg.checkpoint["async"].
+    c.checkpoint = {"every_steps": 500, "keep": 3, "async": True}
+    c.lock()
+    return c
+
+
+def _walk(node, prefix=""):
+    for key, value in node.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, (ml_collections.ConfigDict, Mapping)):
+            yield from _walk(value, path + ".")
+        else:
+            yield path, value
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+    """Raise ConfigError naming the first key that cannot work; devices are checked elsewhere."""
+    known = dict(_walk(defaults()))
+    for path, value in _walk(cfg):
+        if path not in known:
+            raise ConfigError(f"unknown config key '{path}'; check its spelling against trainer/config.py.")
+        default = known[path]
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{path}={value!r} must be a number.")
+    missing = set(known) - {p for p, _ in _walk(cfg)}
+    if missing:
+        raise ConfigError(
+            f"config key '{sorted(missing)[0]}' is missing; start recipes from trainer.config.defaults()."
+        )
+
+    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    _choice("model.remat", m.remat, REMAT_POLICIES)
+    _choice("model.attention", m.attention, ATTENTION_IMPLS)
+    _choice("optim.schedule", o.schedule, SCHEDULES)
+    _choice("optim.name", o.name, ("adamw",))
+    _choice("optim.decay_shape", o.decay_shape, ("linear", "cosine"))
+    _choice("precision.param_dtype", cfg.precision.param_dtype, ("float32",))
+    _choice("precision.compute_dtype", cfg.precision.compute_dtype, DTYPES)
+    _choice("data.source", d.source, SOURCES)
+    _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
+    _choice("data.packing", d.packing, ("concat",))
+    for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
+        _positive(f"model.{key}", m[key])
+    for key in ("steps", "global_batch_size", "grad_accum_steps", "log_every", "eval_batches"):
+        _positive(f"train.{key}", t[key])
+    _positive("data.seq_len", d.seq_len)
+    _positive("checkpoint.every_steps", cfg.checkpoint.every_steps)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not a multiple of model.n_heads={m.n_heads}.")
+    if (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"the head size d_model/n_heads={m.d_model // m.n_heads} must be even for rotary embeddings.")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}; "
+            "each key/value head must serve a whole group of query heads."
+        )
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}.")
+    if t.global_batch_size % t.grad_accum_steps:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} does not divide into "
+            f"train.grad_accum_steps={t.grad_accum_steps} microbatches."
+        )
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
+    if not 0 < o.decay_fraction <= 1:
+        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must lie in (0, 1].")
+    if o.warmup_steps < 0 or o.decay_steps < 0 or t.eval_every < 0:
+        raise ConfigError("optim.warmup_steps, optim.decay_steps and train.eval_every cannot be negative.")
+    if o.warmup_steps + o.decay_steps > t.steps:
+        raise ConfigError(
+            f"optim.warmup_steps={o.warmup_steps} + optim.decay_steps={o.decay_steps} exceed "
+            f"train.steps={t.steps}; shorten the schedule or train longer."
+        )
+    if d.tokenizer == "sentencepiece" and not d.tokenizer_path:
+        raise ConfigError(
+            "data.tokenizer='sentencepiece' needs data.tokenizer_path; train one with scripts/train_tokenizer.py."
+        )
+
+
+def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
+    """Refuse a batch or head count that does not divide over the mesh."""
+    data_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    tensor = mesh.shape["tensor"]
+    micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
+    if micro % data_ways:
+        raise ConfigError(
+            f"each microbatch of {micro} sequences (train.global_batch_size / train.grad_accum_steps) "
+            f"does not divide over data x fsdp = {data_ways} devices; make it a multiple of {data_ways}."
+        )
+    for key in ("n_heads", "n_kv_heads"):
+        if cfg.model[key] % tensor:
+            raise ConfigError(
+                f"model.{key}={cfg.model[key]} does not divide over mesh.tensor={tensor}; "
+                f"use a tensor size that divides {cfg.model[key]}."
+            )
+    for key in ("d_ff", "vocab_size"):
+        if cfg.model[key] % tensor:
+            raise ConfigError(f"model.{key}={cfg.model[key]} does not divide over mesh.tensor={tensor}.")
+    if cfg.model.d_model % mesh.shape["fsdp"]:
+        raise ConfigError(f"model.d_model={cfg.model.d_model} does not divide over mesh.fsdp={mesh.shape['fsdp']}.")
+
+
+def _choice(path: str, value, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"{path}={value!r} is not one of {', '.join(map(str, valid))}.")
+
+
+def _positive(path: str, value) -> None:
+    if value <= 0 or (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(f"{path}={value} must be positive.")
+
+
+def to_json(cfg: ml_collections.ConfigDict) -> str:
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)

@@ -1,0 +1,1 @@
+"""Text in, packed token batches out: tokenizers, the TFDS corpus builder, the Grain pipeline."""

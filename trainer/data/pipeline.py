@@ -1,0 +1,151 @@
+"""Packed token batches from a prepared corpus, read with `tfds.data_source` and Grain.
+
+Every row of the global batch has a document stream of its own: row r reads
+documents r, r+B, r+2B, ... of the corpus (reshuffled each epoch from the seed)
+and concatenates them into `seq_len` windows, splitting long documents across
+windows. Segment ids mark the documents inside a window and positions restart
+at each document. Because a row's contents depend only on its index, the
+global batch is the same whatever the number of processes, and each process
+opens only the streams of the rows its devices hold. The iterator's state
+(where every stream stands) goes into the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import grain
+import jax
+import numpy as np
+import tensorflow_datasets as tfds
+from grain.experimental import ConcatThenSplitIterDataset, ZipIterDataset
+from jax.sharding import NamedSharding
+
+from trainer.data import text_files
+from trainer.data.tokenizers import BOS_ID, EOS_ID, load_tokenizer
+from trainer.errors import ConfigError
+
+SYNTHETIC_DOCUMENTS = 2**62  # "infinite", yet a valid MapDataset length
+
+
+def data_dir(data_cfg) -> str:
+    return os.path.expanduser(data_cfg.data_dir or "~/tensorflow_datasets")
+
+
+def prepare(data_cfg) -> None:
+    """Build a text_files corpus if it is not on disk yet; other sources need nothing."""
+    if data_cfg.source == "text_files":
+        text_files.prepare(data_cfg.name, data_cfg.paths, data_dir(data_cfg))
+
+
+def open_split(data_cfg, split: str):
+    """A random-access source of examples (dicts) for one split."""
+    name = f"text_files/{data_cfg.name}" if data_cfg.source == "text_files" else data_cfg.name
+    try:
+        return tfds.data_source(name, split=split, data_dir=data_dir(data_cfg), download=False)
+    except tfds.core.registered.DatasetNotFoundError as e:
+        hint = (
+            "run scripts/prepare_data.py with this config"
+            if data_cfg.source == "text_files"
+            else "prepare it with TFDS in array_record format"
+        )
+        raise ConfigError(f"dataset {name!r} is not prepared under {data_dir(data_cfg)}; {hint}.") from e
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"dataset {name!r} has no split {split!r} ({e}).") from e
+
+
+def check_vocab(cfg) -> None:
+    if cfg.data.source == "synthetic":
+        return
+    size = load_tokenizer(cfg.data).vocab_size
+    if size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"the {cfg.data.tokenizer} tokenizer has {size} ids but model.vocab_size={cfg.model.vocab_size}; "
+            f"raise model.vocab_size to at least {size} (a multiple of 128 shards best)."
+        )
+
+
+def _documents(cfg, split: str, shuffle: bool) -> grain.MapDataset:
+    """An endless MapDataset of {"tokens": int32[n]} documents."""
+    seed = cfg.train.seed
+    if cfg.data.source == "synthetic":
+        # Uniform random tokens, one window per "document", fixed by seed and index.
+        def random_doc(i):
+            rng = np.random.default_rng([seed, i, split == cfg.data.eval_split])
+            return {"tokens": rng.integers(3, cfg.model.vocab_size, cfg.data.seq_len, dtype=np.int32)}
+
+        return grain.MapDataset.range(SYNTHETIC_DOCUMENTS).map(random_doc)
+
+    docs = grain.MapDataset.source(open_split(cfg.data, split))
+    if shuffle:
+        docs = docs.shuffle(seed=seed)
+    tokenizer, key = load_tokenizer(cfg.data), cfg.data.text_key
+
+    def tokenize(example):
+        ids = tokenizer.encode(example[key])
+        return {"tokens": np.concatenate([[BOS_ID], ids, [EOS_ID]]).astype(np.int32)}
+
+    return docs.repeat().map(tokenize)  # repeat() reshuffles each epoch
+
+
+def _stack(rows) -> dict[str, np.ndarray]:
+    return {
+        "tokens": np.stack([r["tokens"] for r in rows]),
+        "segment_ids": np.stack([r["tokens_segment_ids"] for r in rows]).astype(np.int32),
+        "positions": np.stack([r["tokens_positions"] for r in rows]).astype(np.int32),
+    }
+
+
+def batches(cfg, split: str, rows: Sequence[int], *, shuffle: bool) -> grain.IterDataset:
+    """Endless batches holding the given rows of each global batch, as numpy arrays."""
+    docs = _documents(cfg, split, shuffle)
+    stride = cfg.train.global_batch_size
+    streams = [
+        ConcatThenSplitIterDataset(docs[r::stride].to_iter_dataset(), length_struct={"tokens": cfg.data.seq_len})
+        for r in rows
+    ]
+    return _JsonSafeRestore(ZipIterDataset(streams).map(_stack))
+
+
+def _slices_as_tuples(state):
+    """Grain 0.2.18's ConcatThenSplit tests `slice != (-1, -1)` to see if a document is
+    half-read; a checkpoint's JSON turns the tuple into a list, the test then always
+    says yes, and every restored row silently skips one document. Undo the JSON."""
+    if isinstance(state, dict):
+        return {
+            k: {f: tuple(v) for f, v in val.items()} if k == "remainder_slices" else _slices_as_tuples(val)
+            for k, val in state.items()
+        }
+    if isinstance(state, list):
+        return [_slices_as_tuples(v) for v in state]
+    return state
+
+
+class _JsonSafeRestore(grain.IterDataset):
+    def __iter__(self) -> grain.DatasetIterator:
+        return _JsonSafeRestoreIterator(self._parent.__iter__())
+
+
+class _JsonSafeRestoreIterator(grain.DatasetIterator):
+    def __next__(self):
+        return next(self._parent)
+
+    def get_state(self) -> dict:
+        return self._parent.get_state()
+
+    def set_state(self, state: dict) -> None:
+        self._parent.set_state(_slices_as_tuples(state))
+
+
+def process_rows(sharding: NamedSharding, global_batch: int, seq_len: int) -> list[int]:
+    """The rows of the global batch that this process's devices hold, in order."""
+    indices = sharding.addressable_devices_indices_map((global_batch, seq_len)).values()
+    return sorted({r for idx in indices for r in range(*idx[0].indices(global_batch))})
+
+
+def to_global(local: dict[str, np.ndarray], sharding: NamedSharding, global_batch: int) -> dict[str, jax.Array]:
+    """Assemble each process's rows into global arrays laid out by `sharding`."""
+    return {
+        k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:])) for k, v in local.items()
+    }

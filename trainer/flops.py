@@ -1,0 +1,78 @@
+"""Parameter counts, FLOPs per token and model FLOPs utilisation (MFU).
+
+FLOPs per token (training, forward + backward), PaLM's convention:
+
+    6 * N  +  12 * n_layers * n_heads * head_dim * seq_len
+
+N counts every parameter that takes part in a matmul: all parameters except an
+untied input embedding table (a lookup, not a matmul); a tied table is counted
+once, as the output projection. The attention term is the QK^T and AV matmuls
+at full length: the causal half that a kernel may skip is NOT subtracted, so
+MFU figures compare directly with PaLM's and MaxText's.
+
+MFU = FLOPs per token * tokens per second / peak FLOP/s of all devices. The
+peak is the chip's dense bf16 figure from `PEAK_FLOPS`; on a CPU it is measured
+with a large fp32 matmul, once, for the whole host (simulated devices share its
+cores).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+
+from trainer.model import ModelSpec
+
+# Dense bf16 peak FLOP/s per chip; matched against jax's device_kind, in order.
+PEAK_FLOPS = (
+    ("TPU v6", 918e12),  # v6e ("TPU v6 lite")
+    ("TPU v5p", 459e12),
+    ("TPU v5 lite", 197e12),  # v5e
+    ("TPU v5", 459e12),
+    ("TPU v4", 275e12),
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+)
+
+
+def count_params(abstract_params: dict) -> dict[str, int]:
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
+    embedding = math.prod(abstract_params["embed"].shape)
+    head = math.prod(abstract_params["lm_head"].shape) if "lm_head" in abstract_params else 0
+    return {"total": total, "embedding": embedding, "non_embedding": total - embedding - head}
+
+
+def flops_per_token(spec: ModelSpec, abstract_params: dict, seq_len: int) -> float:
+    counts = count_params(abstract_params)
+    matmul_params = counts["total"] - (0 if spec.tie_embeddings else counts["embedding"])
+    attention = 12 * spec.n_layers * spec.n_heads * spec.head_dim * seq_len
+    return 6.0 * matmul_params + attention
+
+
+@functools.cache
+def measured_cpu_peak() -> float:
+    """FLOP/s of a 2048^2 fp32 matmul on this host: the CPU's practical ceiling."""
+    n = 2048
+    a = jnp.ones((n, n), jnp.float32)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        matmul(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def peak_flops(devices: list[jax.Device]) -> float | None:
+    """Peak FLOP/s of all the devices together; None for an unknown accelerator."""
+    if devices[0].platform == "cpu":
+        return measured_cpu_peak()
+    kind = devices[0].device_kind
+    per_chip = next((p for name, p in PEAK_FLOPS if name in kind), None)
+    return None if per_chip is None else per_chip * len(devices)

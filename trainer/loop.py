@@ -1,0 +1,161 @@
+"""The training loop: build, restore or initialise, step, log, evaluate, checkpoint.
+
+The loop never waits on the devices between log points: a step's metrics stay
+on device until a log step fetches them, so host work (reading the next batch)
+overlaps with device compute. Step time is wall time over the interval between
+two log points, evaluation and checkpoint time excluded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+
+from trainer.checkpoint import Checkpointer
+from trainer.config import to_json
+from trainer.data import pipeline
+from trainer.errors import ConfigError
+from trainer.evaluate import Evaluator
+from trainer.flops import count_params, flops_per_token, peak_flops
+from trainer.metrics import MetricsWriter
+from trainer.setup import Setup, build
+from trainer.state import abstract_train_state, create_train_state
+from trainer.step import abstract_batch, jit_train_step, make_train_step
+
+CONFIG_FILE = "config.json"
+CHECKPOINT_DIR = "checkpoints"
+
+
+def _check_workdir(cfg, workdir: str) -> None:
+    """Refuse to resume a checkpoint of a differently shaped model."""
+    path = os.path.join(workdir, CONFIG_FILE)
+    if not os.path.exists(path) or not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):
+        return
+    with open(path) as f:
+        saved = json.load(f)["model"]
+    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings"):
+        if saved.get(key) != cfg.model[key]:
+            raise ConfigError(
+                f"{workdir} holds checkpoints of a model with model.{key}={saved.get(key)}, "
+                f"but this config has {cfg.model[key]}; use another --workdir or the same model."
+            )
+
+
+def _write_config(cfg, workdir: str) -> None:
+    os.makedirs(workdir, exist_ok=True)
+    tmp = os.path.join(workdir, CONFIG_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(to_json(cfg))
+    os.replace(tmp, os.path.join(workdir, CONFIG_FILE))
+
+
+def prepare_run(cfg, workdir: str) -> Setup:
+    """Every check that can fail, in order, before anything is compiled or written to the workdir."""
+    setup = build(cfg)
+    pipeline.check_vocab(cfg)
+    if cfg.data.source != "synthetic":
+        if jax.process_index() == 0:
+            pipeline.prepare(cfg.data)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("dataset prepared")
+        pipeline.open_split(cfg.data, cfg.data.train_split)
+        if cfg.train.eval_every:
+            pipeline.open_split(cfg.data, cfg.data.eval_split)
+    _check_workdir(cfg, workdir)
+    return setup
+
+
+def train(cfg, workdir: str) -> dict:
+    """Train, or resume from the newest checkpoint in `workdir`; returns the last logged values."""
+    setup = prepare_run(cfg, workdir)
+    primary = jax.process_index() == 0
+    if primary:
+        _write_config(cfg, workdir)
+    t, B, T = cfg.train, cfg.train.global_batch_size, cfg.data.seq_len
+    say = print if primary else (lambda *a, **k: None)
+
+    rows = pipeline.process_rows(setup.batch_sharding, B, T)
+    data = iter(pipeline.batches(cfg, cfg.data.train_split, rows, shuffle=True))
+    ckpt = Checkpointer(
+        os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR),
+        keep=cfg.checkpoint.keep,
+        async_save=cfg.checkpoint["async"],
+    )
+    start = ckpt.latest_step()
+    if start is None:
+        state = create_train_state(setup.spec, setup.model, setup.tx, setup.shard, t.seed)
+        start = 0
+    else:
+        state = ckpt.restore(start, abstract_train_state(setup.model, setup.tx, setup.shard), data)
+        say(f"resumed from the checkpoint at step {start}")
+    if start >= t.steps:
+        say(f"already trained to step {start} of {t.steps}; raise train.steps to go on")
+        return {"step": start}
+
+    counts = count_params(setup.model.abstract_params)
+    fpt = flops_per_token(setup.spec, setup.model.abstract_params, T)
+    peak = peak_flops(setup.mesh.devices.flatten().tolist())
+    say(
+        f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
+        f"{fpt / 1e6:.1f} MFLOPs/token; mesh {dict(setup.mesh.shape)}"
+    )
+
+    compile_start = time.perf_counter()
+    step_fn = jit_train_step(
+        make_train_step(setup.model, setup.tx, setup.shard, t.grad_accum_steps), setup.state_shardings, setup.shard
+    )
+    step_fn = step_fn.lower(state, abstract_batch(B, T, setup.batch_sharding)).compile()
+    mem = step_fn.memory_analysis()
+    mem_note = (
+        "" if mem is None else f", {(mem.argument_size_in_bytes + mem.temp_size_in_bytes) / 2**30:.2f} GiB/device"
+    )
+    say(f"compiled the train step in {time.perf_counter() - compile_start:.1f}s{mem_note}")
+
+    evaluator = Evaluator(setup, rows) if t.eval_every else None
+    unigram = evaluator.unigram_loss() if evaluator else None
+    writer = MetricsWriter(workdir, resume_step=start, enabled=primary)
+    last: dict = {}
+    step, mark_step, mark_time = start, start, time.perf_counter()
+    try:
+        while step < t.steps:
+            batch = pipeline.to_global(next(data), setup.batch_sharding, B)
+            state, metrics = step_fn(state, batch)
+            step += 1
+            if step % t.log_every == 0 or step == t.steps:
+                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                step_time = (time.perf_counter() - mark_time) / (step - mark_step)
+                tokens_per_sec = B * T / step_time
+                mfu = fpt * tokens_per_sec / peak if peak else None
+                last = {**values, "tokens_per_sec": tokens_per_sec, "mfu": mfu, "step_time": step_time}
+                writer.write(step, last, console=_console_line(step, t.steps, last))
+                mark_step, mark_time = step, time.perf_counter()
+            paused = time.perf_counter()
+            if evaluator and (step % t.eval_every == 0 or step == t.steps):
+                result = {**evaluator(state.params), "unigram_loss": unigram}
+                last.update(result)
+                writer.write(
+                    step,
+                    result,
+                    console=f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {unigram:.4f})",
+                )
+            if step % cfg.checkpoint.every_steps == 0 or step == t.steps:
+                ckpt.save(step, state, data)
+            mark_time += time.perf_counter() - paused
+    finally:
+        ckpt.wait()
+        ckpt.close()
+        writer.close()
+    return {"step": step, **last}
+
+
+def _console_line(step: int, total: int, m: dict) -> str:
+    mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
+    return (
+        f"step {step:>6}/{total}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
+        f"tok/s {m['tokens_per_sec']:,.0f}  mfu {mfu}  step {m['step_time']:.3f}s"
+    )

@@ -1,0 +1,65 @@
+"""Where logged numbers go: the console, metrics.jsonl and TensorBoard.
+
+Only one process (jax.process_index() == 0) writes. On resume, records past
+the restored step (logged after the last checkpoint of an interrupted run) are
+dropped, so metrics.jsonl holds one history with no repeated steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _finite_or_none(value):
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+class MetricsWriter:
+    def __init__(self, workdir: str, *, resume_step: int = 0, enabled: bool = True):
+        self.enabled = enabled
+        self.path = os.path.join(workdir, METRICS_FILE)
+        if not enabled:
+            return
+        self._drop_records_after(resume_step)
+        self._jsonl = open(self.path, "a")
+        self._tb = EventFileWriter(workdir)
+
+    def _drop_records_after(self, step: int) -> None:
+        if not os.path.exists(self.path):
+            return
+        with open(self.path) as f:
+            lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(lines)
+        os.replace(tmp, self.path)
+
+    def write(self, step: int, metrics: dict[str, float], *, console: str | None = None) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        values = [
+            Summary.Value(tag=k, simple_value=float(v))
+            for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)
+        ]
+        self._tb.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+        self._tb.flush()
+        if console:
+            print(console, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._jsonl.close()
+            self._tb.close()

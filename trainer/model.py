@@ -1,0 +1,191 @@
+"""A LLaMA-style decoder in Flax NNX, with every parameter named by logical axes.
+
+tokens -> embedding -> n x [RMSNorm -> GQA attention with RoPE -> residual,
+RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> logits.
+
+Layers are created stacked (one array per weight with a leading 'layers' axis)
+and run by `jax.lax.scan`, so compile time does not grow with depth. Parameters
+stay in fp32; each matmul runs in `compute_dtype`, while norms, the attention
+softmax and the logits are fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import chex
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from parallelism.rules import LogicalSharding
+from trainer.attention import attend
+
+# Named rematerialisation policies: what the backward pass may keep from the forward.
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_saveable,
+    "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+NO_SHARDING = LogicalSharding.create(None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    remat: str = "none"
+    scan_layers: bool = True
+    attention: str = "xla"
+    init_std: float = 0.02
+    compute_dtype: str = "float32"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def from_config(cls, cfg) -> ModelSpec:
+        keys = {f.name for f in dataclasses.fields(cls)} - {"compute_dtype"}
+        return cls(**{k: cfg.model[k] for k in keys}, compute_dtype=cfg.precision.compute_dtype)
+
+
+def _param(rngs: nnx.Rngs, shape, names, std: float) -> nnx.Param:
+    # eager_sharding=False: placement is decided once, by jit out_shardings, not at creation.
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding_names=("embed",), eager_sharding=False)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...]).astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float):
+    """cos and sin of shape (batch, seq, 1, head_dim/2) for the given positions."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, tables) -> jax.Array:
+    """Rotate pairs (i, i + head_dim/2), the layout Hugging Face's Llama uses."""
+    cos, sin = tables
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
+        d, n, k, h = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
+        out_std = spec.init_std / (2 * spec.n_layers) ** 0.5  # keeps the residual stream's growth depth-independent
+        self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), spec.init_std)
+        self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), spec.init_std)
+        self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), spec.init_std)
+        self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
+        self.spec, self.shard = spec, shard
+
+    def __call__(self, x, tables, segment_ids):
+        dt = self.spec.compute_dtype
+        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
+        q = self.shard.constrain(apply_rope(q, tables), ("batch", "seq", "heads", "head_dim"))
+        k = self.shard.constrain(apply_rope(k, tables), ("batch", "seq", "kv_heads", "head_dim"))
+        v = self.shard.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        out = attend(self.spec.attention, q, k, v, segment_ids)
+        return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
+
+
+class MLP(nnx.Module):
+    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
+        out_std = spec.init_std / (2 * spec.n_layers) ** 0.5
+        self.w_gate = _param(rngs, (spec.d_model, spec.d_ff), ("embed", "mlp"), spec.init_std)
+        self.w_up = _param(rngs, (spec.d_model, spec.d_ff), ("embed", "mlp"), spec.init_std)
+        self.w_down = _param(rngs, (spec.d_ff, spec.d_model), ("mlp", "embed"), out_std)
+        self.spec, self.shard = spec, shard
+
+    def __call__(self, x):
+        dt = self.spec.compute_dtype
+        gate = x @ self.w_gate[...].astype(dt)
+        up = x @ self.w_up[...].astype(dt)
+        hidden = self.shard.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        return hidden @ self.w_down[...].astype(dt)
+
+
+class Block(nnx.Module):
+    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(spec.d_model, spec.norm_eps)
+        self.attn = Attention(spec, shard, rngs)
+        self.mlp_norm = RMSNorm(spec.d_model, spec.norm_eps)
+        self.mlp = MLP(spec, shard, rngs)
+        self.shard = shard
+
+    def __call__(self, x, tables, segment_ids):
+        x = x + self.attn(self.attn_norm(x), tables, segment_ids)
+        x = x + self.mlp(self.mlp_norm(x))
+        return self.shard.constrain(x, ("batch", "seq", "embed"))
+
+
+class Decoder(nnx.Module):
+    def __init__(self, spec: ModelSpec, shard: LogicalSharding = NO_SHARDING, *, rngs: nnx.Rngs):
+        self.embed = _param(rngs, (spec.vocab_size, spec.d_model), ("vocab", "embed"), spec.init_std)
+
+        @nnx.split_rngs(splits=spec.n_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(rngs):
+            return Block(spec, shard, rngs)
+
+        self.layers = stacked_blocks(rngs)
+        self.final_norm = RMSNorm(spec.d_model, spec.norm_eps)
+        if not spec.tie_embeddings:
+            self.lm_head = _param(rngs, (spec.d_model, spec.vocab_size), ("embed", "vocab"), spec.init_std)
+        self.spec, self.shard = spec, shard
+
+    def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+        """fp32 logits (batch, seq, vocab). Positions default to 0..seq-1."""
+        spec, dt = self.spec, self.spec.compute_dtype
+        chex.assert_rank(tokens, 2)
+        # A transposed or mis-sliced segment/position array would broadcast silently.
+        chex.assert_equal_shape([tokens, *(a for a in (positions, segment_ids) if a is not None)])
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        # Look up in the whole table, all-gathered like any FSDP weight at its
+        # use: a gather from a sharded table makes XLA fall back to replicating
+        # and re-partitioning its output, which costs more.
+        table = self.shard.constrain(self.embed[...].astype(dt), (None, None))
+        x = table[tokens]
+        x = self.shard.constrain(x, ("batch", "seq", "embed"))
+        tables = rope_tables(positions, spec.head_dim, spec.rope_theta)
+
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(x, params):
+            return nnx.merge(graphdef, params)(x, tables, segment_ids), None
+
+        if REMAT[spec.remat] is not None:
+            layer = jax.checkpoint(layer, policy=REMAT[spec.remat], prevent_cse=not spec.scan_layers)
+        if spec.scan_layers:
+            x, _ = jax.lax.scan(layer, x, stacked)
+        else:
+            for i in range(spec.n_layers):
+                x, _ = layer(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+
+        x = self.final_norm(x)
+        head = self.embed[...].T if spec.tie_embeddings else self.lm_head[...]
+        logits = jnp.dot(x, head.astype(dt), preferred_element_type=jnp.float32)
+        return self.shard.constrain(logits, ("batch", "seq", "vocab"))

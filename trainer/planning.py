@@ -1,0 +1,60 @@
+"""What a config costs before it runs: parameters, FLOPs, and compiled memory per device.
+
+The train step is compiled ahead of time on abstract inputs (shapes and
+shardings, no arrays), so a 1B model can be planned on a laptop with simulated
+devices. XLA's memory analysis is per device: arguments (state and batch),
+outputs not aliased to donated inputs, and temporaries (activations, gradients
+in flight).
+"""
+
+from __future__ import annotations
+
+import time
+
+from trainer.flops import count_params, flops_per_token
+from trainer.setup import build
+from trainer.state import abstract_train_state
+from trainer.step import abstract_batch, jit_train_step, make_train_step
+
+
+def plan(cfg, *, compile_step: bool = True, devices=None) -> dict:
+    setup = build(cfg, devices)
+    t, seq = cfg.train, cfg.data.seq_len
+    counts = count_params(setup.model.abstract_params)
+    fpt = flops_per_token(setup.spec, setup.model.abstract_params, seq)
+    result = {
+        "n_params": counts["total"],
+        "n_params_non_embedding": counts["non_embedding"],
+        "n_params_embedding": counts["embedding"],
+        "flops_per_token": fpt,
+        "flops_formula": "6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len",
+        "tokens_per_step": t.global_batch_size * seq,
+        "flops_per_step": fpt * t.global_batch_size * seq,
+        "mesh": dict(setup.mesh.shape),
+        "devices": setup.mesh.size,
+        "device_kind": setup.mesh.devices.flat[0].device_kind,
+    }
+    if not compile_step:
+        return result
+    start = time.perf_counter()
+    step = jit_train_step(
+        make_train_step(setup.model, setup.tx, setup.shard, t.grad_accum_steps), setup.state_shardings, setup.shard
+    )
+    compiled = step.lower(
+        abstract_train_state(setup.model, setup.tx, setup.shard),
+        abstract_batch(t.global_batch_size, seq, setup.batch_sharding),
+    ).compile()
+    mem = compiled.memory_analysis()
+    breakdown = {
+        "arguments": mem.argument_size_in_bytes,
+        "outputs": mem.output_size_in_bytes,
+        "aliased": mem.alias_size_in_bytes,
+        "temporaries": mem.temp_size_in_bytes,
+        "code": mem.generated_code_size_in_bytes,
+    }
+    result["compiled_bytes_per_device"] = (
+        breakdown["arguments"] + breakdown["outputs"] - breakdown["aliased"] + breakdown["temporaries"]
+    )
+    result["compiled_breakdown"] = breakdown
+    result["compile_seconds"] = time.perf_counter() - start
+    return result
