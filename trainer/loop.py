@@ -21,6 +21,7 @@ from trainer.errors import ConfigError
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, peak_flops
 from trainer.metrics import MetricsWriter
+from trainer.planning import compiled_memory
 from trainer.setup import Setup, build
 from trainer.state import abstract_train_state, create_train_state
 from trainer.step import abstract_batch, jit_train_step, make_train_step
@@ -87,15 +88,16 @@ def train(cfg, workdir: str) -> dict:
         async_save=cfg.checkpoint["async"],
     )
     start = ckpt.latest_step()
+    if start is not None and start >= t.steps:
+        say(f"already trained to step {start} of {t.steps}; raise train.steps to go on")
+        ckpt.close()
+        return {"step": start}
     if start is None:
         state = create_train_state(setup.spec, setup.model, setup.tx, setup.shard, t.seed)
         start = 0
     else:
         state = ckpt.restore(start, abstract_train_state(setup.model, setup.tx, setup.shard), data)
         say(f"resumed from the checkpoint at step {start}")
-    if start >= t.steps:
-        say(f"already trained to step {start} of {t.steps}; raise train.steps to go on")
-        return {"step": start}
 
     counts = count_params(setup.model.abstract_params)
     fpt = flops_per_token(setup.spec, setup.model.abstract_params, T)
@@ -110,11 +112,11 @@ def train(cfg, workdir: str) -> dict:
         make_train_step(setup.model, setup.tx, setup.shard, t.grad_accum_steps), setup.state_shardings, setup.shard
     )
     step_fn = step_fn.lower(state, abstract_batch(B, T, setup.batch_sharding)).compile()
-    mem = step_fn.memory_analysis()
-    mem_note = (
-        "" if mem is None else f", {(mem.argument_size_in_bytes + mem.temp_size_in_bytes) / 2**30:.2f} GiB/device"
+    memory = compiled_memory(step_fn)
+    say(
+        f"compiled the train step in {time.perf_counter() - compile_start:.1f}s, "
+        f"{memory['total'] / 2**30:.2f} GiB per device"
     )
-    say(f"compiled the train step in {time.perf_counter() - compile_start:.1f}s{mem_note}")
 
     evaluator = Evaluator(setup, rows) if t.eval_every else None
     unigram = evaluator.unigram_loss() if evaluator else None
@@ -134,8 +136,15 @@ def train(cfg, workdir: str) -> dict:
                 last = {**values, "tokens_per_sec": tokens_per_sec, "mfu": mfu, "step_time": step_time}
                 writer.write(step, last, console=_console_line(step, t.steps, last))
                 mark_step, mark_time = step, time.perf_counter()
+            evaluate = evaluator is not None and (step % t.eval_every == 0 or step == t.steps)
+            save = step % cfg.checkpoint.every_steps == 0 or step == t.steps
+            if not (evaluate or save):
+                continue
+            # Let queued training steps finish first, so that the pause excluded
+            # from step_time is evaluation and saving alone.
+            jax.block_until_ready(state)
             paused = time.perf_counter()
-            if evaluator and (step % t.eval_every == 0 or step == t.steps):
+            if evaluate:
                 result = {**evaluator(state.params), "unigram_loss": unigram}
                 last.update(result)
                 writer.write(
@@ -143,7 +152,7 @@ def train(cfg, workdir: str) -> dict:
                     result,
                     console=f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {unigram:.4f})",
                 )
-            if step % cfg.checkpoint.every_steps == 0 or step == t.steps:
+            if save:
                 ckpt.save(step, state, data)
             mark_time += time.perf_counter() - paused
     finally:
