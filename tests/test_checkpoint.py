@@ -7,6 +7,7 @@ from conftest import micro_config
 
 from trainer.checkpoint import Checkpointer
 from trainer.data import pipeline
+from trainer.errors import ConfigError
 from trainer.setup import build
 from trainer.state import abstract_train_state, create_train_state
 from trainer.step import jit_train_step, make_train_step
@@ -48,3 +49,80 @@ def test_save_then_restore_gives_back_every_array_and_the_data_position(tmp_path
         np.testing.assert_array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b)))
         assert b.sharding.is_equivalent_to(sharding, b.ndim)
     np.testing.assert_array_equal(next(fresh)["tokens"], upcoming["tokens"])
+
+
+def _save_steps(tmp_path, steps=(1, 2, 3), keep=5, keep_every=0):
+    cfg = micro_config(mesh=dict(fsdp=8))
+    setup = build(cfg)
+    data = iter(pipeline.batches(cfg, "train", list(range(8)), shuffle=True))
+    state = create_train_state(setup.spec, setup.model, setup.tx, setup.shard, 0)
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=keep, keep_every=keep_every)
+    for s in steps:
+        ckpt.save(s, state.replace(step=state.step + s), data)
+    ckpt.wait()
+    return cfg, setup, ckpt
+
+
+def _restorer(cfg, setup, ckpt):
+    target = abstract_train_state(setup.model, setup.tx, setup.shard)
+    return lambda step: ckpt.restore(step, target, iter(pipeline.batches(cfg, "train", list(range(8)), shuffle=True)))
+
+
+def test_retention_keeps_the_newest_and_every_multiple(tmp_path):
+    _, _, ckpt = _save_steps(tmp_path, steps=range(1, 11), keep=2, keep_every=4)
+    assert ckpt.steps() == [4, 8, 9, 10]
+
+
+def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_used(tmp_path):
+    cfg, setup, ckpt = _save_steps(tmp_path)
+    ckpt.close()
+    data_files = sorted(
+        (tmp_path / "checkpoints" / "3" / "params").rglob("ocdbt.process_0/d/*"), key=lambda p: p.stat().st_size
+    )
+    with open(data_files[-1], "r+b") as f:  # truncate the largest shard file of the newest checkpoint
+        f.truncate(data_files[-1].stat().st_size // 2)
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=5)
+    said = []
+    step, state = ckpt.restore_newest_intact(_restorer(cfg, setup, ckpt), said.append)
+    assert step == 2 and int(state.step) == 2
+    assert "step 3 cannot be read" in said[0]
+    assert (tmp_path / "damaged_checkpoints" / "3").is_dir() and ckpt.steps() == [1, 2]
+
+
+def test_when_every_checkpoint_is_damaged_the_run_stops_instead_of_starting_over(tmp_path):
+    cfg, setup, ckpt = _save_steps(tmp_path, steps=(1, 2))
+    ckpt.close()
+    for step in ("1", "2"):
+        (tmp_path / "checkpoints" / step / "params" / "manifest.ocdbt").unlink()
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=5)
+    with pytest.raises(ConfigError, match="none of the checkpoints .1, 2. .* can be read"):
+        ckpt.restore_newest_intact(_restorer(cfg, setup, ckpt), lambda _: None)
+
+
+def test_a_half_written_save_is_ignored_and_cleaned_up(tmp_path):
+    cfg, setup, ckpt = _save_steps(tmp_path, steps=(1, 2))
+    ckpt.close()
+    leftover = tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1234" / "params"
+    leftover.mkdir(parents=True)  # what a process killed mid-save leaves behind
+    ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=5)
+    assert ckpt.latest_step() == 2
+    step, _ = ckpt.restore_newest_intact(_restorer(cfg, setup, ckpt), lambda _: None)
+    assert step == 2 and not leftover.exists()
+
+
+def test_a_checkpoint_of_another_shape_names_the_parameter_and_both_shapes(tmp_path):
+    _, _, ckpt = _save_steps(tmp_path, steps=(1,))
+    wider = build(micro_config(model=dict(d_ff=256)))
+    with pytest.raises(
+        ConfigError, match=r"layers.mlp.w_down has shape \(2, 128, 64\) in the checkpoint and \(2, 256, 64\)"
+    ):
+        ckpt.restore_params(1, wider.model.abstract_params)
+
+
+def test_parameters_restore_alone_onto_one_device(tmp_path):
+    cfg, setup, ckpt = _save_steps(tmp_path, steps=(1,))
+    one = build(micro_config(mesh=dict(fsdp=1)), jax.devices()[:1])
+    target = abstract_train_state(one.model, one.tx, one.shard).params
+    params = ckpt.restore_params(1, target)
+    assert jax.tree.structure(params) == jax.tree.structure(target)
+    assert all(x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(params))

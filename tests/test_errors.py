@@ -79,7 +79,7 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
     train(micro_config(train=dict(steps=2), checkpoint={"every_steps": 2}), str(workdir))
     before = {p: os.path.getmtime(os.path.join(dp, p)) for dp, _, files in os.walk(workdir) for p in files}
     config_text = (workdir / "config.json").read_text()
-    with pytest.raises(ConfigError, match="model.d_model=64, but this config has 128"):
+    with pytest.raises(ConfigError, match="belongs to another run .model.d_model=64 there, 128 here"):
         train(micro_config(model=dict(d_model=128), train=dict(steps=4)), str(workdir))
     after = {p: os.path.getmtime(os.path.join(dp, p)) for dp, _, files in os.walk(workdir) for p in files}
     assert before == after and (workdir / "config.json").read_text() == config_text

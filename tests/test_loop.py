@@ -34,13 +34,10 @@ def text_config(corpus_dir, **sections):
 
 def restore_params(cfg, workdir, step):
     setup = build(cfg)
-    from trainer.data import pipeline
-
-    data = iter(pipeline.batches(cfg, cfg.data.train_split, list(range(cfg.train.global_batch_size)), shuffle=True))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=10, async_save=False)
-    state = ckpt.restore(step, abstract_train_state(setup.model, setup.tx, setup.shard), data)
+    params = ckpt.restore_params(step, abstract_train_state(setup.model, setup.tx, setup.shard).params)
     ckpt.close()
-    return jax.device_get(state.params)
+    return jax.device_get(params)
 
 
 def test_a_run_leaves_config_metrics_tensorboard_and_checkpoints(tmp_path, corpus_dir):
@@ -67,8 +64,8 @@ def test_a_run_leaves_config_metrics_tensorboard_and_checkpoints(tmp_path, corpu
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "5"]
 
 
-def test_stopping_and_rerunning_continues_the_same_run(tmp_path, corpus_dir):
-    """8 steps in one go == 4 steps, stop, the same command to 8: same data, same losses, same weights."""
+def test_stopping_and_rerunning_continues_the_same_run_bit_for_bit(tmp_path, corpus_dir):
+    """8 steps in one go == 4 steps, stop, the same command to 8: same data, same losses, same weights, exactly."""
     # A constant schedule, so that train.steps=4 and =8 schedule the same rates.
     sections = dict(optim=dict(schedule="constant", warmup_steps=2), checkpoint={"every_steps": 4})
     straight = str(tmp_path / "straight")
@@ -81,12 +78,12 @@ def test_stopping_and_rerunning_continues_the_same_run(tmp_path, corpus_dir):
     a, b = records(straight), records(resumed)
     assert [r["step"] for r in b] == list(range(1, 9))  # the step count went on from 4
     for ra, rb in zip(a, b, strict=True):
-        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-6)
+        assert (rb["loss"], rb["grad_norm"], rb["lr"]) == (ra["loss"], ra["grad_norm"], ra["lr"])
     cfg = text_config(corpus_dir, train=dict(steps=8), **sections)
     for pa, pb in zip(
         jax.tree.leaves(restore_params(cfg, straight, 8)), jax.tree.leaves(restore_params(cfg, resumed, 8)), strict=True
     ):
-        np.testing.assert_allclose(pa, pb, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(pa, pb)
 
 
 def test_a_finished_run_rerun_does_nothing(tmp_path):

@@ -24,18 +24,32 @@ def attention_mask(segment_ids: jax.Array | None, q_len: int, kv_len: int) -> ja
     return causal & same
 
 
-def xla_attention(q, k, v, segment_ids=None):
+def masked_attention(q, k, v, mask):
+    """Softmax attention under an explicit boolean mask (batch|1, 1, q, kv), fp32 softmax."""
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
     # Group the query heads that share one key/value head instead of repeating k and v.
     q = q.reshape(b, t, kv_heads, n // kv_heads, h)
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5)
-    mask = attention_mask(segment_ids, t, k.shape[1])[:, :, None]  # broadcast over the group
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)  # mask broadcast over the group
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(b, t, n, h)
+
+
+def xla_attention(q, k, v, segment_ids=None):
+    return masked_attention(q, k, v, attention_mask(segment_ids, q.shape[1], k.shape[1]))
+
+
+def cached_attention(q, k_cache, v_cache, q_positions):
+    """Decoding: queries at absolute `q_positions` (batch, q) over a cache whose slot s holds position s.
+
+    Slots past a query's position are empty or in its future; the mask hides both.
+    """
+    slots = jnp.arange(k_cache.shape[1])
+    mask = slots[None, None, None, :] <= q_positions[:, None, :, None]
+    return masked_attention(q, k_cache, v_cache, mask)
 
 
 def _jax_nn_attention(q, k, v, segment_ids, implementation):

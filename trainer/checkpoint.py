@@ -1,49 +1,155 @@
-"""Orbax checkpoints of the train state and the data iterator, together.
+"""Orbax checkpoints: the train state in parts, and the data iterator, together.
 
-One checkpoint = step directory with two items: `state` (params, optimiser
-state, step, RNG; each process writes its own shards) and `data` (every
-process's Grain iterator position, as JSON). Saves are asynchronous by
-default: the arrays are copied off the devices, then written while training
-goes on. Orbax writes into a temporary directory and renames it when complete,
-so a crash mid-save never leaves a checkpoint that looks whole.
+A checkpoint is a step directory with up to four items:
+`params` and `opt_state` (each process writes its own shards), `meta` (step and
+RNG) and `data` (every process's Grain iterator position, as JSON). Parameters
+are an item of their own so that evaluation and export read nothing else.
+
+Saves are asynchronous: the arrays are copied off the devices, then written
+while training goes on. Orbax writes into a temporary directory and renames it
+when complete, so a crash mid-save leaves no checkpoint that looks whole; its
+leftovers are removed at the next start. A checkpoint that fails to restore
+(a truncated or missing file) is moved to `damaged_checkpoints/` beside the
+checkpoint directory, never deleted, and the next older one is tried.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Callable
+
 import grain
+import jax
 import orbax.checkpoint as ocp
 
+from trainer.errors import ConfigError
 from trainer.state import TrainState
+
+PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
 
 
 class Checkpointer:
-    def __init__(self, directory: str, *, keep: int, async_save: bool):
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
-        self._manager = ocp.CheckpointManager(directory, options=options, item_names=("state", "data"))
+    def __init__(
+        self, directory: str, *, keep: int = 1, keep_every: int = 0, async_save: bool = True, read_only: bool = False
+    ):
+        """`read_only` for evaluation and export: nothing is created, cleaned up or deleted, so it is
+        safe beside a training run that is writing into the same directory."""
+        self.directory = os.path.abspath(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else keep,
+            keep_period=keep_every or None,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=not read_only,
+            create=not read_only,
+            read_only=read_only,
+        )
+        handlers = {
+            PARAMS: ocp.StandardCheckpointHandler(),
+            OPT_STATE: ocp.StandardCheckpointHandler(),
+            META: ocp.StandardCheckpointHandler(),
+            DATA: grain.checkpoint.CheckpointHandler(),
+        }
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state: TrainState, data_iterator: grain.DatasetIterator) -> None:
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iterator)
-            ),
-        )
+    def save(self, step: int, state: TrainState, data_iterator: grain.DatasetIterator | None) -> None:
+        items = {
+            PARAMS: ocp.args.StandardSave(state.params),
+            OPT_STATE: ocp.args.StandardSave(state.opt_state),
+            META: ocp.args.StandardSave({"step": state.step, "rng": state.rng}),
+        }
+        if data_iterator is not None:
+            items[DATA] = grain.checkpoint.CheckpointSave(data_iterator)
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def check_params(self, step: int, abstract_params: dict) -> None:
+        """Refuse a checkpoint whose parameters differ from the model's, naming the first that does."""
+        metadata = self._manager.item_metadata(step)
+        if PARAMS not in metadata.keys():
+            raise ConfigError(
+                f"the checkpoint at step {step} in {self.directory} holds {sorted(metadata.keys())}, not "
+                f"'{PARAMS}': it was not written by this trainer's checkpoint layout."
+            )
+        saved = metadata[PARAMS]
+        saved_shapes = {_path(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(saved)}
+        wanted = {_path(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(abstract_params)}
+        for name in sorted(saved_shapes.keys() | wanted.keys()):
+            have, want = saved_shapes.get(name), wanted.get(name)
+            if have != want:
+                raise ConfigError(
+                    f"the checkpoint at step {step} in {self.directory} does not fit this model: parameter "
+                    f"{name} has shape {have} in the checkpoint and {want} in the model "
+                    "(None = absent); use the config it was trained with."
+                )
+
+    def restore_params(self, step: int, target: dict) -> dict:
+        """Parameters only, placed as `target`'s shardings say; the optimiser state is never read."""
+        self.check_params(step, target)
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))
+        return restored[PARAMS]
 
     def restore(self, step: int, target: TrainState, data_iterator: grain.DatasetIterator) -> TrainState:
-        """Restore into `target`'s shapes and shardings; the iterator is restored in place."""
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(target), data=grain.checkpoint.CheckpointRestore(data_iterator)
-            ),
-        )
-        return restored["state"]
+        """The whole state into `target`'s shapes and shardings; the iterator is restored in place."""
+        self.check_params(step, target.params)
+        items = {
+            PARAMS: ocp.args.StandardRestore(target.params),
+            OPT_STATE: ocp.args.StandardRestore(target.opt_state),
+            META: ocp.args.StandardRestore({"step": target.step, "rng": target.rng}),
+        }
+        if os.path.isdir(os.path.join(self.directory, str(step), DATA)):
+            items[DATA] = grain.checkpoint.CheckpointRestore(data_iterator)
+        r = self._manager.restore(step, args=ocp.args.Composite(**items))
+        return TrainState(step=r[META]["step"], params=r[PARAMS], opt_state=r[OPT_STATE], rng=r[META]["rng"])
+
+    def restore_newest_intact(
+        self, restore: Callable[[int], object], say: Callable[[str], None]
+    ) -> tuple[int, object] | None:
+        """`restore(step)` on the newest checkpoint that reads back whole, setting damaged ones aside.
+
+        Returns None when there are no checkpoints; raises ConfigError when there
+        are some but none can be read (never a silent fresh start).
+        """
+        steps = self.steps()
+        for step in reversed(steps):
+            try:
+                return step, restore(step)
+            except ConfigError:
+                raise
+            except Exception as e:  # Orbax/TensorStore raise many types for unreadable files
+                reason = " ".join(str(e).split())[:200]
+                moved = self._set_aside(step)
+                say(f"checkpoint at step {step} cannot be read ({reason}); moved to {moved}, trying an older one")
+        if steps:
+            raise ConfigError(
+                f"none of the checkpoints {steps} in {self.directory} can be read (moved to damaged_checkpoints/); "
+                "restore one from a backup, or move the directory away to start afresh."
+            )
+        return None
+
+    def _set_aside(self, step: int) -> str:
+        target_dir = os.path.join(os.path.dirname(self.directory), "damaged_checkpoints")
+        os.makedirs(target_dir, exist_ok=True)
+        target = os.path.join(target_dir, str(step))
+        suffix = 0
+        while os.path.exists(target):
+            suffix += 1
+            target = os.path.join(target_dir, f"{step}.{suffix}")
+        shutil.move(os.path.join(self.directory, str(step)), target)
+        self._manager.reload()
+        return target
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _path(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)

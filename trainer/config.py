@@ -91,8 +91,9 @@ def defaults() -> ml_collections.ConfigDict:
         eval_every=200,  # 0 disables validation
         eval_batches=4,
     )
+    # Keep the newest `keep`, plus every multiple of `keep_every` (0 = none).
     # `async` is a Python keyword: read it as cfg.checkpoint["async"].
-    c.checkpoint = {"every_steps": 500, "keep": 3, "async": True}
+    c.checkpoint = {"every_steps": 500, "keep": 3, "keep_every": 0, "async": True}
     c.lock()
     return c
 
@@ -160,8 +161,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
     if not 0 < o.decay_fraction <= 1:
         raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must lie in (0, 1].")
-    if o.warmup_steps < 0 or o.decay_steps < 0 or t.eval_every < 0:
-        raise ConfigError("optim.warmup_steps, optim.decay_steps and train.eval_every cannot be negative.")
+    if o.warmup_steps < 0 or o.decay_steps < 0 or t.eval_every < 0 or cfg.checkpoint.keep_every < 0:
+        raise ConfigError(
+            "optim.warmup_steps, optim.decay_steps, train.eval_every and checkpoint.keep_every cannot be negative."
+        )
     if o.warmup_steps + o.decay_steps > t.steps:
         raise ConfigError(
             f"optim.warmup_steps={o.warmup_steps} + optim.decay_steps={o.decay_steps} exceed "

@@ -4,57 +4,32 @@ The loop never waits on the devices between log points: a step's metrics stay
 on device until a log step fetches them, so host work (reading the next batch)
 overlaps with device compute. Step time is wall time over the interval between
 two log points, evaluation and checkpoint time excluded.
+
+SIGTERM (preemption) finishes the step in flight, saves a checkpoint at it and
+returns; the same command later resumes from there.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import jax
 
+from trainer import workdir as wd
 from trainer.checkpoint import Checkpointer
-from trainer.config import to_json
 from trainer.data import pipeline
-from trainer.errors import ConfigError
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, peak_flops
 from trainer.metrics import MetricsWriter
 from trainer.planning import compiled_memory
+from trainer.preemption import watch_for_sigterm
 from trainer.setup import Setup, build
 from trainer.state import abstract_train_state, create_train_state
 from trainer.step import abstract_batch, jit_train_step, make_train_step
 
-CONFIG_FILE = "config.json"
-CHECKPOINT_DIR = "checkpoints"
-
-
-def _check_workdir(cfg, workdir: str) -> None:
-    """Refuse to resume a checkpoint of a differently shaped model."""
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.exists(path) or not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):
-        return
-    with open(path) as f:
-        saved = json.load(f)["model"]
-    for key in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "tie_embeddings"):
-        if saved.get(key) != cfg.model[key]:
-            raise ConfigError(
-                f"{workdir} holds checkpoints of a model with model.{key}={saved.get(key)}, "
-                f"but this config has {cfg.model[key]}; use another --workdir or the same model."
-            )
-
-
-def _write_config(cfg, workdir: str) -> None:
-    os.makedirs(workdir, exist_ok=True)
-    tmp = os.path.join(workdir, CONFIG_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(to_json(cfg))
-    os.replace(tmp, os.path.join(workdir, CONFIG_FILE))
-
 
 def prepare_run(cfg, workdir: str) -> Setup:
-    """Every check that can fail, in order, before anything is compiled or written to the workdir."""
+    """Every check that can fail, before anything is compiled; the workdir is created last."""
     setup = build(cfg)
     pipeline.check_vocab(cfg)
     if cfg.data.source != "synthetic":
@@ -67,36 +42,46 @@ def prepare_run(cfg, workdir: str) -> Setup:
         pipeline.open_split(cfg.data, cfg.data.train_split)
         if cfg.train.eval_every:
             pipeline.open_split(cfg.data, cfg.data.eval_split)
-    _check_workdir(cfg, workdir)
+    wd.check_matches(workdir, cfg, wd.RESUME_KEYS)
+    wd.check_writable(workdir)
     return setup
 
 
 def train(cfg, workdir: str) -> dict:
-    """Train, or resume from the newest checkpoint in `workdir`; returns the last logged values."""
+    """Train, or resume from the newest readable checkpoint in `workdir`; returns the last logged values."""
     setup = prepare_run(cfg, workdir)
     primary = jax.process_index() == 0
-    if primary:
-        _write_config(cfg, workdir)
-    t, B, T = cfg.train, cfg.train.global_batch_size, cfg.data.seq_len
     say = print if primary else (lambda *a, **k: None)
+    if primary:
+        wd.write_config(workdir, cfg)
+    t, B, T = cfg.train, cfg.train.global_batch_size, cfg.data.seq_len
 
     rows = pipeline.process_rows(setup.batch_sharding, B, T)
-    data = iter(pipeline.batches(cfg, cfg.data.train_split, rows, shuffle=True))
     ckpt = Checkpointer(
-        os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR),
+        wd.checkpoint_dir(workdir),
         keep=cfg.checkpoint.keep,
+        keep_every=cfg.checkpoint.keep_every,
         async_save=cfg.checkpoint["async"],
     )
-    start = ckpt.latest_step()
-    if start is not None and start >= t.steps:
-        say(f"already trained to step {start} of {t.steps}; raise train.steps to go on")
+    latest = ckpt.latest_step()
+    if latest is not None and latest >= t.steps:
+        say(f"already trained to step {latest} of {t.steps}; raise train.steps to go on")
         ckpt.close()
-        return {"step": start}
-    if start is None:
+        return {"step": latest}
+
+    abstract = abstract_train_state(setup.model, setup.tx, setup.shard)
+
+    def restore(step):
+        data = iter(pipeline.batches(cfg, cfg.data.train_split, rows, shuffle=True))
+        return ckpt.restore(step, abstract, data), data
+
+    found = ckpt.restore_newest_intact(restore, say)
+    if found is None:
         state = create_train_state(setup.spec, setup.model, setup.tx, setup.shard, t.seed)
+        data = iter(pipeline.batches(cfg, cfg.data.train_split, rows, shuffle=True))
         start = 0
     else:
-        state = ckpt.restore(start, abstract_train_state(setup.model, setup.tx, setup.shard), data)
+        start, (state, data) = found
         say(f"resumed from the checkpoint at step {start}")
 
     counts = count_params(setup.model.abstract_params)
@@ -112,10 +97,9 @@ def train(cfg, workdir: str) -> dict:
         make_train_step(setup.model, setup.tx, setup.shard, t.grad_accum_steps), setup.state_shardings, setup.shard
     )
     step_fn = step_fn.lower(state, abstract_batch(B, T, setup.batch_sharding)).compile()
-    memory = compiled_memory(step_fn)
     say(
         f"compiled the train step in {time.perf_counter() - compile_start:.1f}s, "
-        f"{memory['total'] / 2**30:.2f} GiB per device"
+        f"{compiled_memory(step_fn)['total'] / 2**30:.2f} GiB per device"
     )
 
     evaluator = Evaluator(setup, rows) if t.eval_every else None
@@ -124,37 +108,41 @@ def train(cfg, workdir: str) -> dict:
     last: dict = {}
     step, mark_step, mark_time = start, start, time.perf_counter()
     try:
-        while step < t.steps:
-            batch = pipeline.to_global(next(data), setup.batch_sharding, B)
-            state, metrics = step_fn(state, batch)
-            step += 1
-            if step % t.log_every == 0 or step == t.steps:
-                values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                step_time = (time.perf_counter() - mark_time) / (step - mark_step)
-                tokens_per_sec = B * T / step_time
-                mfu = fpt * tokens_per_sec / peak if peak else None
-                last = {**values, "tokens_per_sec": tokens_per_sec, "mfu": mfu, "step_time": step_time}
-                writer.write(step, last, console=_console_line(step, t.steps, last))
-                mark_step, mark_time = step, time.perf_counter()
-            evaluate = evaluator is not None and (step % t.eval_every == 0 or step == t.steps)
-            save = step % cfg.checkpoint.every_steps == 0 or step == t.steps
-            if not (evaluate or save):
-                continue
-            # Let queued training steps finish first, so that the pause excluded
-            # from step_time is evaluation and saving alone.
-            jax.block_until_ready(state)
-            paused = time.perf_counter()
-            if evaluate:
-                result = {**evaluator(state.params), "unigram_loss": unigram}
-                last.update(result)
-                writer.write(
-                    step,
-                    result,
-                    console=f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {unigram:.4f})",
-                )
-            if save:
-                ckpt.save(step, state, data)
-            mark_time += time.perf_counter() - paused
+        with watch_for_sigterm() as stop:
+            while step < t.steps and not stop.requested:
+                batch = pipeline.to_global(next(data), setup.batch_sharding, B)
+                state, metrics = step_fn(state, batch)
+                step += 1
+                if step % t.log_every == 0 or step == t.steps:
+                    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    step_time = (time.perf_counter() - mark_time) / (step - mark_step)
+                    tokens_per_sec = B * T / step_time
+                    mfu = fpt * tokens_per_sec / peak if peak else None
+                    last = {**values, "tokens_per_sec": tokens_per_sec, "mfu": mfu, "step_time": step_time}
+                    writer.write(step, last, console=_console_line(step, t.steps, last))
+                    mark_step, mark_time = step, time.perf_counter()
+                evaluate = evaluator is not None and (step % t.eval_every == 0 or step == t.steps)
+                save = step % cfg.checkpoint.every_steps == 0 or step == t.steps or stop.requested
+                if not (evaluate or save):
+                    continue
+                # Let queued training steps finish first, so that the pause excluded
+                # from step_time is evaluation and saving alone.
+                jax.block_until_ready(state)
+                paused = time.perf_counter()
+                if evaluate:
+                    result = {**evaluator(state.params), "unigram_loss": unigram}
+                    last.update(result)
+                    writer.write(
+                        step,
+                        result,
+                        console=f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {unigram:.4f})",
+                    )
+                if save:
+                    ckpt.save(step, state, data)
+                mark_time += time.perf_counter() - paused
+            if stop.requested:
+                say(f"stopping on signal {stop.signal}: checkpoint saved at step {step}; rerun to resume")
+                last["preempted"] = True
     finally:
         ckpt.wait()
         ckpt.close()

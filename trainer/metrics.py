@@ -23,6 +23,14 @@ def _finite_or_none(value):
     return value if not isinstance(value, float) or math.isfinite(value) else None
 
 
+def _step_of(line: str) -> int | None:
+    """The record's step; None for a line cut short by a killed process."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError):
+        return None
+
+
 class MetricsWriter:
     def __init__(self, workdir: str, *, resume_step: int = 0, enabled: bool = True):
         self.enabled = enabled
@@ -37,7 +45,7 @@ class MetricsWriter:
         if not os.path.exists(self.path):
             return
         with open(self.path) as f:
-            lines = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+            lines = [line for line in f if _step_of(line) is not None and _step_of(line) <= step]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
             f.writelines(lines)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallelism.rules import LogicalSharding
-from trainer.attention import attend
+from trainer.attention import attend, cached_attention
 
 # Named rematerialisation policies: what the backward pass may keep from the forward.
 REMAT = {
@@ -99,7 +99,9 @@ class Attention(nnx.Module):
         self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
         self.spec, self.shard = spec, shard
 
-    def __call__(self, x, tables, segment_ids):
+    def __call__(self, x, tables, segment_ids, cache=None):
+        """With `cache` = (k_cache, v_cache, positions), writes this call's keys and values at
+        `positions` and attends over the whole cache; returns (output, updated cache)."""
         dt = self.spec.compute_dtype
         q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
@@ -107,8 +109,15 @@ class Attention(nnx.Module):
         q = self.shard.constrain(apply_rope(q, tables), ("batch", "seq", "heads", "head_dim"))
         k = self.shard.constrain(apply_rope(k, tables), ("batch", "seq", "kv_heads", "head_dim"))
         v = self.shard.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-        out = attend(self.spec.attention, q, k, v, segment_ids)
-        return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt))
+        if cache is None:
+            out, new_cache = attend(self.spec.attention, q, k, v, segment_ids), None
+        else:
+            k_cache, v_cache, positions = cache
+            start = positions[0, 0]  # all rows decode in step
+            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
+            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
+            out, new_cache = cached_attention(q, k_cache, v_cache, positions), (k_cache, v_cache)
+        return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)), new_cache
 
 
 class MLP(nnx.Module):
@@ -135,10 +144,11 @@ class Block(nnx.Module):
         self.mlp = MLP(spec, shard, rngs)
         self.shard = shard
 
-    def __call__(self, x, tables, segment_ids):
-        x = x + self.attn(self.attn_norm(x), tables, segment_ids)
+    def __call__(self, x, tables, segment_ids, cache=None):
+        attended, cache = self.attn(self.attn_norm(x), tables, segment_ids, cache)
+        x = x + attended
         x = x + self.mlp(self.mlp_norm(x))
-        return self.shard.constrain(x, ("batch", "seq", "embed"))
+        return self.shard.constrain(x, ("batch", "seq", "embed")), cache
 
 
 class Decoder(nnx.Module):
@@ -158,34 +168,51 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
         """fp32 logits (batch, seq, vocab). Positions default to 0..seq-1."""
-        spec, dt = self.spec, self.spec.compute_dtype
         chex.assert_rank(tokens, 2)
         # A transposed or mis-sliced segment/position array would broadcast silently.
         chex.assert_equal_shape([tokens, *(a for a in (positions, segment_ids) if a is not None)])
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        logits, _ = self._run(tokens, positions, segment_ids, None)
+        return logits
+
+    def decode(self, tokens, positions, cache):
+        """Logits for `tokens` at `positions` given a KV cache of earlier positions; returns (logits, cache).
+
+        `cache` is (k, v), each (layers, batch, max_len, kv_heads, head_dim); one
+        call can prefill a whole prompt or extend by a token.
+        """
+        chex.assert_equal_shape([tokens, positions])
+        return self._run(tokens, positions, None, cache)
+
+    def _run(self, tokens, positions, segment_ids, cache):
+        spec, dt = self.spec, self.spec.compute_dtype
         # Look up in the whole table, all-gathered like any FSDP weight at its
         # use: a gather from a sharded table makes XLA fall back to replicating
         # and re-partitioning its output, which costs more.
         table = self.shard.constrain(self.embed[...].astype(dt), (None, None))
-        x = table[tokens]
-        x = self.shard.constrain(x, ("batch", "seq", "embed"))
+        x = self.shard.constrain(table[tokens], ("batch", "seq", "embed"))
         tables = rope_tables(positions, spec.head_dim, spec.rope_theta)
 
         graphdef, stacked = nnx.split(self.layers)
 
-        def layer(x, params):
-            return nnx.merge(graphdef, params)(x, tables, segment_ids), None
+        def layer(x, inputs):
+            params, layer_cache = inputs
+            block_cache = None if layer_cache is None else (*layer_cache, positions)
+            return nnx.merge(graphdef, params)(x, tables, segment_ids, block_cache)
 
-        if REMAT[spec.remat] is not None:
+        if REMAT[spec.remat] is not None and cache is None:
             layer = jax.checkpoint(layer, policy=REMAT[spec.remat], prevent_cse=not spec.scan_layers)
         if spec.scan_layers:
-            x, _ = jax.lax.scan(layer, x, stacked)
+            x, cache = jax.lax.scan(layer, x, (stacked, cache))
         else:
+            new = []
             for i in range(spec.n_layers):
-                x, _ = layer(x, jax.tree.map(lambda a, i=i: a[i], stacked))
+                x, layer_cache = layer(x, jax.tree.map(lambda a, i=i: a[i], (stacked, cache)))
+                new.append(layer_cache)
+            cache = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
 
         x = self.final_norm(x)
         head = self.embed[...].T if spec.tie_embeddings else self.lm_head[...]
         logits = jnp.dot(x, head.astype(dt), preferred_element_type=jnp.float32)
-        return self.shard.constrain(logits, ("batch", "seq", "vocab"))
+        return self.shard.constrain(logits, ("batch", "seq", "vocab")), cache

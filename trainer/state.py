@@ -45,8 +45,8 @@ class ModelDef:
         )
         return cls(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(names))
 
-    def apply(self, params: dict, *args, **kwargs) -> jax.Array:
-        return nnx.merge(self.graphdef, params)(*args, **kwargs)
+    def apply(self, params: dict, *args, method: str = "__call__", **kwargs):
+        return getattr(nnx.merge(self.graphdef, params), method)(*args, **kwargs)
 
 
 def init_params(spec: ModelSpec, shard: LogicalSharding, seed) -> dict:
@@ -56,6 +56,15 @@ def init_params(spec: ModelSpec, shard: LogicalSharding, seed) -> dict:
 
 def param_shardings(model: ModelDef, shard: LogicalSharding) -> dict:
     return jax.tree.map(shard.named, model.logical_names, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def abstract_params(model: ModelDef, shard: LogicalSharding) -> dict:
+    """Parameter shapes with their shardings: the target for restoring parameters alone."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        model.abstract_params,
+        param_shardings(model, shard),
+    )
 
 
 def state_shardings(model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding) -> TrainState:

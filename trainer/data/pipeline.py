@@ -12,8 +12,9 @@ opens only the streams of the rows its devices hold. The iterator's state
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import grain
 import jax
@@ -66,8 +67,8 @@ def check_vocab(cfg) -> None:
         )
 
 
-def _documents(cfg, split: str, shuffle: bool) -> grain.MapDataset:
-    """An endless MapDataset of {"tokens": int32[n]} documents."""
+def _documents(cfg, split: str, shuffle: bool, endless: bool = True) -> grain.MapDataset:
+    """A MapDataset of {"tokens": int32[n]} documents: endless, or the split once, in order."""
     seed = cfg.train.seed
     if cfg.data.source == "synthetic":
         # Uniform random tokens, one window per "document", fixed by seed and index.
@@ -86,7 +87,9 @@ def _documents(cfg, split: str, shuffle: bool) -> grain.MapDataset:
         ids = tokenizer.encode(example[key])
         return {"tokens": np.concatenate([[BOS_ID], ids, [EOS_ID]]).astype(np.int32)}
 
-    return docs.repeat().map(tokenize)  # repeat() reshuffles each epoch
+    if endless:
+        docs = docs.repeat()  # repeat() reshuffles each epoch
+    return docs.map(tokenize)
 
 
 def _stack(rows) -> dict[str, np.ndarray]:
@@ -136,6 +139,28 @@ class _JsonSafeRestoreIterator(grain.DatasetIterator):
 
     def set_state(self, state: dict) -> None:
         self._parent.set_state(_slices_as_tuples(state))
+
+
+def one_pass(cfg, split: str, rows: Sequence[int]) -> Iterator[dict[str, np.ndarray]]:
+    """Every document of the split exactly once, in order, packed into windows dealt out to the rows.
+
+    One stream packs the whole split, and window i goes to row i mod B, so the
+    rows end together and only the last batch carries padding (segment id 0,
+    no loss). Every process packs the same stream and keeps its own rows, so
+    the batches do not depend on the number of processes; a held-out split is
+    small enough for each process to read it whole.
+    """
+    if cfg.data.source == "synthetic":
+        raise ConfigError("a synthetic source has no end; evaluate a fixed number of batches instead.")
+    docs = _documents(cfg, split, shuffle=False, endless=False).to_iter_dataset()
+    windows = iter(ConcatThenSplitIterDataset(docs, length_struct={"tokens": cfg.data.seq_len}))
+    padding = {k: np.zeros(cfg.data.seq_len, np.int32) for k in ("tokens", "tokens_segment_ids", "tokens_positions")}
+    while True:
+        batch = list(itertools.islice(windows, cfg.train.global_batch_size))
+        if not batch:
+            return
+        batch += [padding] * (cfg.train.global_batch_size - len(batch))
+        yield _stack([batch[r] for r in rows])
 
 
 def process_rows(sharding: NamedSharding, global_batch: int, seq_len: int) -> list[int]:

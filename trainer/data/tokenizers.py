@@ -23,6 +23,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
+    def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes of text each id stands for (0 for special ids): the denominator of bits per byte."""
+
 
 class ByteTokenizer:
     """UTF-8 bytes shifted past the three special ids: zero set-up, 259 symbols."""
@@ -38,6 +41,9 @@ class ByteTokenizer:
         data = bytes(i - self.offset for i in ids if self.offset <= i < self.vocab_size)
         return data.decode("utf-8", errors="replace")
 
+    def token_bytes(self) -> np.ndarray:
+        return np.array([0] * self.offset + [1] * 256)
+
 
 class SentencePieceTokenizer:
     def __init__(self, path: str):
@@ -52,6 +58,18 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    def token_bytes(self) -> np.ndarray:
+        sp, sizes = self._sp, []
+        for i in range(self.vocab_size):
+            piece = sp.id_to_piece(i)
+            if sp.is_control(i) or sp.is_unknown(i):
+                sizes.append(0)
+            elif sp.is_byte(i):
+                sizes.append(1)  # <0xNN>
+            else:
+                sizes.append(len(piece.replace("\u2581", " ").encode("utf-8")))
+        return np.array(sizes)
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, path: str) -> None:

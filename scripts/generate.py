@@ -1,0 +1,55 @@
+"""Sample text from a checkpoint:
+
+    python scripts/generate.py --config configs/tiny.py --workdir runs/tiny --prompt "def main(" \\
+        [--max_new_tokens 200] [--temperature 0.8 --top_k 50 --top_p 0.95] [--seed 0] [--json]
+
+Temperature 0 (the default) is greedy. Generation uses a KV cache and runs
+sharded on the config's mesh. With --json the output ends with one line
+{"prompt", "completion"}.
+"""
+
+import json
+
+import numpy as np
+from absl import flags
+
+from trainer import cli
+from trainer.data.tokenizers import BOS_ID, EOS_ID, load_tokenizer
+from trainer.errors import ConfigError
+from trainer.generate import make_generate
+from trainer.restore import load_params
+
+_CONFIG = cli.define_config_flag()
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default the newest.")
+_PROMPT = flags.DEFINE_string("prompt", "", "Text to continue.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate at most.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0 = all).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample among the most likely tokens holding this probability mass.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_JSON = flags.DEFINE_bool("json", False, "End with a JSON line {prompt, completion}.")
+
+
+def main():
+    cfg = _CONFIG.value
+    if _MAX_NEW.value < 1 or _TEMPERATURE.value < 0 or not 0 < _TOP_P.value <= 1 or _TOP_K.value < 0:
+        raise ConfigError("need --max_new_tokens >= 1, --temperature >= 0, 0 < --top_p <= 1 and --top_k >= 0.")
+    tokenizer = load_tokenizer(cfg.data)
+    setup, step, params = load_params(cfg, _WORKDIR.value or cli.default_workdir(), _STEP.value)
+    prompt = np.concatenate([[BOS_ID], tokenizer.encode(_PROMPT.value)]).astype(np.int32)[None]
+    generate = make_generate(
+        setup.model, setup.spec, setup.shard, max_new_tokens=_MAX_NEW.value,
+        temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
+    )  # fmt: skip
+    ids = np.asarray(generate(params, prompt, _SEED.value))[0].tolist()
+    if EOS_ID in ids:
+        ids = ids[: ids.index(EOS_ID)]
+    completion = tokenizer.decode(ids)
+    print(_PROMPT.value + completion)
+    if _JSON.value:
+        print(json.dumps({"prompt": _PROMPT.value, "completion": completion, "step": step}))
+
+
+if __name__ == "__main__":
+    cli.run(main)

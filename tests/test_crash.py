@@ -1,0 +1,113 @@
+"""Real training processes killed at random moments end where an uninterrupted run ends, bit for bit."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import micro_config
+
+from trainer.checkpoint import Checkpointer
+from trainer.setup import build
+from trainer.state import abstract_params
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 30
+
+
+def command(workdir, corpus_dir):
+    micro = micro_config().model
+    return [
+        sys.executable, "scripts/train.py", "--config", "configs/tiny.py", f"--workdir={workdir}",
+        f"--config.data.data_dir={corpus_dir}", "--config.data.seq_len=32",
+        *(f"--config.model.{k}={micro[k]}" for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")),
+        "--config.model.max_seq_len=64", "--config.train.global_batch_size=8", f"--config.train.steps={STEPS}",
+        "--config.train.log_every=1", "--config.train.eval_every=0", "--config.optim.warmup_steps=2",
+        "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=3",
+    ]  # fmt: skip
+
+
+def logged_lines(workdir):
+    try:
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def start(workdir, corpus_dir):
+    return subprocess.Popen(
+        command(workdir, corpus_dir), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_for_progress(proc, workdir, lines, timeout=120):
+    deadline = time.time() + timeout
+    while proc.poll() is None and logged_lines(workdir) < lines and time.time() < deadline:
+        time.sleep(0.01)
+
+
+def final_params(workdir, corpus_dir):
+    cfg = micro_config(data=dict(source="text_files", data_dir=corpus_dir))
+    setup = build(cfg)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=3)
+    assert ckpt.latest_step() == STEPS
+    params = jax.device_get(ckpt.restore_params(STEPS, abstract_params(setup.model, setup.shard)))
+    ckpt.close()
+    return params
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, corpus_dir):
+    workdir = str(tmp_path_factory.mktemp("straight") / "run")
+    result = subprocess.run(command(workdir, corpus_dir), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return final_params(workdir, corpus_dir)
+
+
+def test_sigkill_at_random_moments_loses_nothing(tmp_path, corpus_dir, uninterrupted):
+    rng = random.Random(1234)  # random moments, reproducibly
+    workdir = str(tmp_path / "run")
+    kills = 0
+    # First a kill during start-up, before any checkpoint exists.
+    proc = start(workdir, corpus_dir)
+    time.sleep(rng.uniform(0.5, 3.0))
+    proc.kill()
+    proc.wait()
+    # Then kills in the middle of training, where a save (one per step, asynchronous) is nearly always in flight.
+    while kills < 4:
+        proc = start(workdir, corpus_dir)
+        wait_for_progress(proc, workdir, logged_lines(workdir) + rng.randint(1, 6))
+        time.sleep(rng.uniform(0.0, 0.08))
+        if proc.poll() is not None:
+            break  # finished before the kill landed
+        proc.kill()
+        proc.wait()
+        kills += 1
+    final = subprocess.run(command(workdir, corpus_dir), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stdout[-3000:]
+    assert kills >= 3
+    for a, b in zip(jax.tree.leaves(final_params(workdir, corpus_dir)), jax.tree.leaves(uninterrupted), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_sigterm_saves_at_the_current_step_and_exits_cleanly(tmp_path, corpus_dir, uninterrupted):
+    workdir = str(tmp_path / "run")
+    proc = start(workdir, corpus_dir)
+    wait_for_progress(proc, workdir, 8)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "stopping on signal 15: checkpoint saved at step" in out
+    stopped_at = int(out.split("checkpoint saved at step ")[1].split(";")[0])
+    assert 8 <= stopped_at < STEPS
+    assert Checkpointer(os.path.join(workdir, "checkpoints"), keep=3).latest_step() == stopped_at
+    resumed = subprocess.run(command(workdir, corpus_dir), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert f"resumed from the checkpoint at step {stopped_at}" in resumed.stdout
+    for a, b in zip(jax.tree.leaves(final_params(workdir, corpus_dir)), jax.tree.leaves(uninterrupted), strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -1,0 +1,90 @@
+"""Evaluating a saved checkpoint: the same numbers on any mesh, over every held-out token once."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import micro_config
+
+from trainer.data import pipeline
+from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer
+from trainer.errors import ConfigError
+from trainer.evaluate import evaluate_checkpoint
+from trainer.loop import train
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def text_cfg(corpus_dir, **mesh):
+    return micro_config(data=dict(source="text_files", data_dir=corpus_dir), mesh=mesh or dict(fsdp=8))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus_dir):
+    workdir = str(tmp_path_factory.mktemp("eval") / "run")
+    train(micro_config(data=dict(source="text_files", data_dir=corpus_dir), train=dict(steps=6)), workdir)
+    return workdir
+
+
+@pytest.mark.parametrize("mesh,n_devices", [(dict(fsdp=4, tensor=2), 8), (dict(data=2, fsdp=4), 8), (dict(fsdp=1), 1)])
+def test_the_same_checkpoint_scores_the_same_on_any_mesh(trained, corpus_dir, mesh, n_devices):
+    reference = evaluate_checkpoint(text_cfg(corpus_dir), trained, max_batches=4)
+    other = evaluate_checkpoint(text_cfg(corpus_dir, **mesh), trained, max_batches=4, devices=jax.devices()[:n_devices])
+    assert other["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+    assert (other["tokens"], other["bytes"], other["step"]) == (reference["tokens"], reference["bytes"], 6)
+
+
+def test_reported_figures_are_consistent_and_written(trained, corpus_dir):
+    result = evaluate_checkpoint(text_cfg(corpus_dir), trained, step=5, max_batches=3)
+    assert result["step"] == 5 and result["batches"] == 3
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
+    # Byte tokenizer: every target but the end-of-document token is one byte.
+    assert result["bits_per_byte"] == pytest.approx(result["loss"] * result["tokens"] / math.log(2) / result["bytes"])
+    with open(os.path.join(trained, "eval", "validation_step5.json")) as f:
+        assert json.load(f) == result
+
+
+def test_one_pass_covers_every_held_out_token_exactly_once(corpus_dir):
+    cfg = text_cfg(corpus_dir)
+    source = pipeline.open_split(cfg.data, "validation")
+    tok = ByteTokenizer()
+    expected = np.concatenate(
+        [np.concatenate([[BOS_ID], tok.encode(source[i]["text"]), [EOS_ID]]) for i in range(len(source))]
+    )
+    got = np.concatenate([b["tokens"][b["segment_ids"] > 0] for b in pipeline.one_pass(cfg, "validation", range(8))])
+    assert len(got) == len(expected)
+    np.testing.assert_array_equal(np.bincount(got, minlength=259), np.bincount(expected, minlength=259))
+
+
+def test_eval_refuses_bad_steps_empty_workdirs_and_other_models(trained, corpus_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"no checkpoint at step 7; it has steps \[5, 6\]"):
+        evaluate_checkpoint(text_cfg(corpus_dir), trained, step=7)
+    with pytest.raises(ConfigError, match="holds no checkpoints"):
+        evaluate_checkpoint(text_cfg(corpus_dir), str(tmp_path / "empty"))
+    assert not (tmp_path / "empty").exists()
+    other = text_cfg(corpus_dir)
+    other.model.d_ff = 256
+    with pytest.raises(ConfigError, match="model.d_ff=128 there, 256 here"):
+        evaluate_checkpoint(other, trained)
+
+
+def test_the_scripts_print_their_json(trained, corpus_dir):
+    common = ["--config", "configs/tiny.py", f"--workdir={trained}", f"--config.data.data_dir={corpus_dir}",
+              "--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.n_heads=4",
+              "--config.model.n_kv_heads=2", "--config.model.d_ff=128", "--config.model.max_seq_len=64",
+              "--config.data.seq_len=32", "--config.train.global_batch_size=8"]  # fmt: skip
+    ev = subprocess.run([sys.executable, "scripts/eval.py", *common, "--max_batches=2"], cwd=REPO,
+                        capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    assert set(json.loads(ev.stdout.strip().splitlines()[-1])) >= {"step", "loss", "perplexity", "bits_per_byte"}
+    gen = subprocess.run([sys.executable, "scripts/generate.py", *common, "--prompt=def f(", "--max_new_tokens=16",
+                          "--temperature=0.8", "--top_k=20", "--json"], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    line = json.loads(gen.stdout.strip().splitlines()[-1])
+    assert line["prompt"] == "def f(" and isinstance(line["completion"], str)

@@ -1,0 +1,71 @@
+"""Autoregressive sampling with a KV cache.
+
+The prompt is run once (prefill), filling every layer's key/value cache; each
+new token then costs one position's worth of compute over the cache instead of
+re-running the prefix. The whole loop is one jitted function (a fori_loop), so
+a token costs no host round trip. Parameters keep their training shardings;
+the cache is split over the tensor axis by key/value head, like attention.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from parallelism.rules import LogicalSharding
+from trainer.model import ModelSpec
+from trainer.state import ModelDef
+
+CACHE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # a single prompt: batch and time stay whole
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+    """One token per row of `logits` (batch, vocab). temperature 0 is greedy (argmax)."""
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # Keep the smallest set of most likely tokens whose mass reaches top_p (always the first).
+        outside = jnp.cumsum(probs, axis=-1) - probs > top_p
+        sorted_logits = jnp.where(outside, -jnp.inf, sorted_logits)
+        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(sorted_logits)
+    return jax.random.categorical(key, logits, axis=-1)
+
+
+def empty_cache(spec: ModelSpec, batch: int, length: int, shard: LogicalSharding):
+    shape = (spec.n_layers, batch, length, spec.n_kv_heads, spec.head_dim)
+    zeros = jnp.zeros(shape, spec.compute_dtype)
+    return shard.constrain(zeros, CACHE_NAMES), shard.constrain(zeros, CACHE_NAMES)
+
+
+def make_generate(model: ModelDef, spec: ModelSpec, shard: LogicalSharding, *, max_new_tokens: int,
+                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):  # fmt: skip
+    """A jitted (params, prompt (batch, P) int32, seed) -> (batch, max_new_tokens) continuation."""
+
+    @jax.jit
+    def generate(params, prompt, seed):
+        batch, prompt_len = prompt.shape
+        cache = empty_cache(spec, batch, prompt_len + max_new_tokens, shard)
+        keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+        positions = jnp.broadcast_to(jnp.arange(prompt_len), prompt.shape)
+        logits, cache = model.apply(params, prompt, positions, cache, method="decode")
+        first = sample(logits[:, -1], keys[0], temperature, top_k, top_p)
+        out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
+
+        def step(i, carry):
+            out, cache = carry
+            token = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
+            pos = jnp.full((batch, 1), prompt_len + i - 1)
+            logits, cache = model.apply(params, token, pos, cache, method="decode")
+            return out.at[:, i].set(sample(logits[:, -1], keys[i], temperature, top_k, top_p)), cache
+
+        out, _ = jax.lax.fori_loop(1, max_new_tokens, step, (out, cache))
+        return out
+
+    return generate
