@@ -39,7 +39,7 @@ def main():
     setup, step, params = load_params(cfg, _WORKDIR.value or cli.default_workdir(), _STEP.value)
     prompt = np.concatenate([[BOS_ID], tokenizer.encode(_PROMPT.value)]).astype(np.int32)[None]
     generate = make_generate(
-        setup.model, setup.spec, setup.shard, max_new_tokens=_MAX_NEW.value,
+        setup.spec, setup.shard, max_new_tokens=_MAX_NEW.value,
         temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
     )  # fmt: skip
     ids = np.asarray(generate(params, prompt, _SEED.value))[0].tolist()

@@ -85,6 +85,19 @@ def test_a_checkpoint_of_another_model_is_refused_and_kept(tmp_path):
     assert before == after and (workdir / "config.json").read_text() == config_text
 
 
+def test_an_unwritable_workdir_fails_before_training(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    with pytest.raises(ConfigError, match="cannot write checkpoints under .*a_file/run"):
+        train(micro_config(), str(tmp_path / "a_file" / "run"))
+
+
+def test_resuming_with_another_data_stream_names_the_keys(tmp_path):
+    workdir = str(tmp_path / "run")
+    train(micro_config(train=dict(steps=2)), workdir)
+    with pytest.raises(ConfigError, match="data.seq_len=32 there, 16 here; train.global_batch_size=8 there, 16 here"):
+        train(micro_config(data=dict(seq_len=16), train=dict(steps=4, global_batch_size=16)), workdir)
+
+
 def test_the_script_prints_one_line_and_fails(tmp_path):
     result = subprocess.run(
         [

@@ -31,19 +31,19 @@ def naive_greedy(setup, params, prompt, n):
 def test_cached_greedy_decoding_equals_recomputing_the_prefix(mesh, n_devices):
     setup, params = setup_and_params(mesh, n_devices)
     prompt = np.random.default_rng(0).integers(3, 384, (2, 7)).astype(np.int32)
-    generate = make_generate(setup.model, setup.spec, setup.shard, max_new_tokens=12)
+    generate = make_generate(setup.spec, setup.shard, max_new_tokens=12)
     np.testing.assert_array_equal(np.asarray(generate(params, prompt, 0)), naive_greedy(setup, params, prompt, 12))
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy_and_sampling_is_seeded():
     setup, params = setup_and_params(dict(fsdp=1), 1)
     prompt = np.random.default_rng(1).integers(3, 384, (1, 5)).astype(np.int32)
-    greedy = make_generate(setup.model, setup.spec, setup.shard, max_new_tokens=8)(params, prompt, 0)
-    top1 = make_generate(setup.model, setup.spec, setup.shard, max_new_tokens=8, temperature=1.0, top_k=1)
-    nucleus = make_generate(setup.model, setup.spec, setup.shard, max_new_tokens=8, temperature=1.0, top_p=1e-6)
+    greedy = make_generate(setup.spec, setup.shard, max_new_tokens=8)(params, prompt, 0)
+    top1 = make_generate(setup.spec, setup.shard, max_new_tokens=8, temperature=1.0, top_k=1)
+    nucleus = make_generate(setup.spec, setup.shard, max_new_tokens=8, temperature=1.0, top_p=1e-6)
     np.testing.assert_array_equal(np.asarray(top1(params, prompt, 3)), np.asarray(greedy))
     np.testing.assert_array_equal(np.asarray(nucleus(params, prompt, 3)), np.asarray(greedy))
-    free = make_generate(setup.model, setup.spec, setup.shard, max_new_tokens=8, temperature=1.0)
+    free = make_generate(setup.spec, setup.shard, max_new_tokens=8, temperature=1.0)
     np.testing.assert_array_equal(np.asarray(free(params, prompt, 5)), np.asarray(free(params, prompt, 5)))
     assert not np.array_equal(np.asarray(free(params, prompt, 5)), np.asarray(free(params, prompt, 6)))
 

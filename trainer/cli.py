@@ -22,9 +22,12 @@ def define_config_flag():
     return flag
 
 
+def config_path() -> str:
+    return config_flags.get_config_filename(flags.FLAGS["config"])
+
+
 def default_workdir() -> str:
-    name = os.path.splitext(os.path.basename(config_flags.get_config_filename(flags.FLAGS["config"])))[0]
-    return os.path.join("runs", name)
+    return os.path.join("runs", os.path.splitext(os.path.basename(config_path()))[0])
 
 
 def _parse(argv):
@@ -35,16 +38,19 @@ def _parse(argv):
         sys.exit(f"error: a command-line flag could not be applied ({detail}); check it against trainer/config.py.")
 
 
-def run(main: Callable[[], None]) -> None:
-    """app.run, with ConfigError and flag errors printed as one `error:` line (exit status 1)."""
+def run(main: Callable[..., None], *, takes_args: bool = False) -> None:
+    """app.run, with ConfigError and flag errors printed as one `error:` line (exit status 1).
+
+    With `takes_args`, main receives the positional arguments (a sub-command).
+    """
 
     def wrapped(argv):
-        if len(argv) > 1:
+        if len(argv) > 1 and not takes_args:
             sys.exit(f"error: unexpected arguments {argv[1:]}; options are --flag=value.")
         # Orbax logs every file it renames and TFDS every custom config; our own lines are prints.
         logging.set_verbosity(logging.ERROR)
         try:
-            main()
+            main(argv[1:]) if takes_args else main()
         except ConfigError as e:
             sys.exit(f"error: {e}")
 

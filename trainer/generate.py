@@ -44,9 +44,15 @@ def empty_cache(spec: ModelSpec, batch: int, length: int, shard: LogicalSharding
     return shard.constrain(zeros, CACHE_NAMES), shard.constrain(zeros, CACHE_NAMES)
 
 
-def make_generate(model: ModelDef, spec: ModelSpec, shard: LogicalSharding, *, max_new_tokens: int,
+def make_generate(spec: ModelSpec, shard: LogicalSharding, *, max_new_tokens: int,
                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):  # fmt: skip
-    """A jitted (params, prompt (batch, P) int32, seed) -> (batch, max_new_tokens) continuation."""
+    """A jitted (params, prompt (batch, P) int32, seed) -> (batch, max_new_tokens) continuation.
+
+    A handful of prompts cannot be split over the data-parallel devices, so the
+    batch axis is replicated; parameters keep their placement.
+    """
+    shard = LogicalSharding.create(shard.mesh, {**dict(shard.rules), "batch": ()})
+    model = ModelDef.create(spec, shard)
 
     @jax.jit
     def generate(params, prompt, seed):

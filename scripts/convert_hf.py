@@ -1,0 +1,42 @@
+"""Move weights between this trainer and Hugging Face's Llama format (needs the hf extra:
+pip install -e ".[hf]"):
+
+    python scripts/convert_hf.py export --config configs/tiny.py --workdir runs/tiny [--step N] --out hf/tiny
+    python scripts/convert_hf.py import --hf hf/tiny --config configs/tiny.py --workdir runs/tiny-imported
+
+An exported directory loads with transformers' AutoModelForCausalLM and
+AutoTokenizer. An imported one is step 0 of a run that train.py continues and
+eval.py evaluates; the config's model section must describe the same model.
+"""
+
+from absl import flags
+
+from trainer import cli
+from trainer.errors import ConfigError
+from trainer.huggingface import export_checkpoint, import_checkpoint
+
+_CONFIG = cli.define_config_flag()
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")
+_STEP = flags.DEFINE_integer("step", None, "export: checkpoint step; default the newest.")
+_OUT = flags.DEFINE_string("out", None, "export: directory to write.")
+_HF = flags.DEFINE_string("hf", None, "import: Hugging Face model directory to read.")
+
+
+def main(args):
+    workdir = _WORKDIR.value or cli.default_workdir()
+    if args == ["export"]:
+        if not _OUT.value:
+            raise ConfigError("export needs --out DIR.")
+        step = export_checkpoint(_CONFIG.value, workdir, _STEP.value, _OUT.value)
+        print(f"exported step {step} of {workdir} to {_OUT.value}")
+    elif args == ["import"]:
+        if not _HF.value:
+            raise ConfigError("import needs --hf DIR.")
+        import_checkpoint(_HF.value, _CONFIG.value, workdir)
+        print(f"imported {_HF.value} into {workdir} as step 0")
+    else:
+        raise ConfigError("say what to do: convert_hf.py export ... or convert_hf.py import ...")
+
+
+if __name__ == "__main__":
+    cli.run(main, takes_args=True)

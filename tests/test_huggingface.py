@@ -1,0 +1,96 @@
+"""Interop with transformers' own LlamaForCausalLM and AutoTokenizer, in both directions."""
+
+import os
+import sysconfig
+
+import jax
+import numpy as np
+import pytest
+from conftest import micro_config
+
+torch = pytest.importorskip("torch", reason="the hf extra is not installed: pip install -e '.[hf]'")
+transformers = pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
+
+from trainer.data.tokenizers import BOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece  # noqa: E402
+from trainer.errors import ConfigError  # noqa: E402
+from trainer.evaluate import evaluate_checkpoint  # noqa: E402
+from trainer.huggingface import export_checkpoint, import_checkpoint, write_tokenizer  # noqa: E402
+from trainer.loop import train  # noqa: E402
+from trainer.restore import load_params  # noqa: E402
+
+TOKENS = np.random.default_rng(0).integers(3, 384, (2, 24))
+
+
+def hf_logits(model_dir_or_model):
+    model = model_dir_or_model
+    if isinstance(model, str):
+        model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.numpy()
+
+
+def our_logits(cfg, workdir):
+    setup, _, params = load_params(cfg, workdir)
+    return np.asarray(jax.jit(setup.model.apply)(params, TOKENS))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_exported_checkpoint_gives_transformers_our_logits(tmp_path, tied):
+    cfg = micro_config(model=dict(tie_embeddings=tied), train=dict(steps=3))
+    workdir = str(tmp_path / "run")
+    train(cfg, workdir)  # trained a little, so the weights are not just their initialisation
+    out = str(tmp_path / "hf")
+    assert export_checkpoint(cfg, workdir, None, out) == 3
+    np.testing.assert_allclose(hf_logits(out), our_logits(cfg, workdir), rtol=1e-4, atol=1e-5)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    text = "def f(x):\n\treturn  x  # ünïcode ✓"
+    assert tokenizer(text)["input_ids"] == [BOS_ID, *ByteTokenizer().encode(text).tolist()]
+    assert tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_transformers_model_imports_and_trains_on(tmp_path, tied):
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10_000.0,
+        tie_word_embeddings=tied, initializer_range=0.2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(hf_config)
+    model.save_pretrained(str(tmp_path / "hf"))
+    cfg = micro_config(model=dict(tie_embeddings=tied, norm_eps=1e-5), train=dict(steps=2))
+    workdir = str(tmp_path / "run")
+    import_checkpoint(str(tmp_path / "hf"), cfg, workdir)
+    np.testing.assert_allclose(our_logits(cfg, workdir), hf_logits(model), rtol=1e-4, atol=1e-5)
+    assert train(cfg, workdir)["step"] == 2  # continues from step 0
+    assert evaluate_checkpoint(cfg, workdir, max_batches=1)["step"] == 2
+
+
+def test_import_refuses_a_config_that_describes_another_model(tmp_path):
+    hf_config = transformers.LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(hf_config).save_pretrained(str(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match=r"model.n_kv_heads=4 \(config has 2\), model.d_ff=96 \(config has 128\)"):
+        import_checkpoint(str(tmp_path / "hf"), micro_config(), str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_sentencepiece_tokenizer_exports_with_identical_encodings(tmp_path):
+    stdlib = sysconfig.get_paths()["stdlib"]
+    json_dir = os.path.join(stdlib, "json")
+    texts = [open(os.path.join(json_dir, f)).read() for f in sorted(os.listdir(json_dir)) if f.endswith(".py")]
+    path = str(tmp_path / "spm.model")
+    train_sentencepiece(texts, 500, path)
+    cfg = micro_config(data=dict(tokenizer="sentencepiece", tokenizer_path=path))
+    write_tokenizer(cfg.data, str(tmp_path / "hf"))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ours = SentencePieceTokenizer(path)
+    samples = [open(os.path.join(stdlib, f)).read() for f in ("abc.py", "this.py", "keyword.py", "glob.py")]
+    samples += ["  leading spaces", "", " ", "x\n\n\ty  ", "ünïcode ✓ 🐍"]
+    for text in samples:
+        ids = theirs(text)["input_ids"]
+        assert ids == [BOS_ID, *ours.encode(text).tolist()], text[:40]
+        assert theirs.decode(ids, skip_special_tokens=True) == text
