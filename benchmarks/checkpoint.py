@@ -73,4 +73,4 @@ def main():
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, uses_devices=False)

@@ -35,6 +35,9 @@ def get_config():
     c.data.update(seq_len=2048, tokenizer="sentencepiece", tokenizer_path="tokenizers/python_stdlib_32k.model")
     c.precision.compute_dtype = "bfloat16"
     c.optim.update(lr=3e-4, warmup_steps=2000, schedule="cosine", min_lr_ratio=0.1, weight_decay=0.1)
-    c.train.update(steps=42_000, global_batch_size=256, log_every=10, eval_every=1000, eval_batches=8)
+    # 8 microbatches of 32 sequences: 4 per device on 8 devices, ~14 GiB each (scripts/plan.py).
+    c.train.update(
+        steps=42_000, global_batch_size=256, grad_accum_steps=8, log_every=10, eval_every=1000, eval_batches=8
+    )
     c.checkpoint.update({"every_steps": 1000, "keep": 3})
     return c

@@ -1,4 +1,12 @@
-"""Build the device mesh from `config.mesh`."""
+"""Build the device mesh from `config.mesh`.
+
+`mesh.data`, `mesh.fsdp` and `mesh.tensor` size the axes within one slice (a
+TPU slice, or a host of GPUs); `mesh.dcn_data` and `mesh.dcn_fsdp` say how many
+slices an axis spans over the slower data-centre network. Tensor parallelism,
+the most talkative, stays inside a slice. With several slices the device array
+comes from JAX's hybrid-mesh helper: slices are told apart by the devices'
+`slice_index` (multi-slice TPU) or, where that is absent or single, by process.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +14,16 @@ import math
 from collections.abc import Sequence
 
 import jax
+import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from trainer.errors import ConfigError
 
 # Outermost to innermost: tensor parallelism talks most, so it gets the
-# closest devices (jax.make_mesh lays the last axis over neighbours).
+# closest devices (the last axis is laid over neighbours).
 AXES = ("data", "fsdp", "tensor")
+DCN_KEYS = ("dcn_data", "dcn_fsdp", None)  # no tensor parallelism across slices
 
 
 def resolve_shape(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
@@ -43,8 +54,33 @@ def resolve_shape(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
     return shape
 
 
+def dcn_shape(mesh_cfg) -> tuple[int, ...]:
+    shape = tuple(1 if key is None else int(mesh_cfg[key]) for key in DCN_KEYS)
+    if min(shape) < 1:
+        raise ConfigError(f"mesh.dcn_data and mesh.dcn_fsdp must be positive, not {shape[:2]}.")
+    return shape
+
+
+def device_array(mesh_cfg, devices: Sequence) -> np.ndarray:
+    """Devices laid out as (data, fsdp, tensor), slices outermost along the dcn axes."""
+    dcn = dcn_shape(mesh_cfg)
+    ici_sizes = {a: int(mesh_cfg[a]) for a in AXES}
+    if math.prod(dcn) == 1:
+        return mesh_utils.create_device_mesh(resolve_shape(ici_sizes, len(devices)), devices)
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    by_slice = len(slices) > 1
+    groups = len(slices) if by_slice else len({d.process_index for d in devices})
+    if groups != math.prod(dcn):
+        unit = "slices" if by_slice else "processes (one per slice)"
+        raise ConfigError(
+            f"mesh.dcn_data x mesh.dcn_fsdp = {math.prod(dcn)}, but the devices form {groups} {unit}; "
+            f"make them multiply to {groups}."
+        )
+    ici = resolve_shape(ici_sizes, len(devices) // groups)
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=not by_slice)
+
+
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh over all devices (or the given ones) shaped by `mesh.data/fsdp/tensor`."""
+    """A mesh over all devices (or the given ones) shaped by `config.mesh`."""
     devices = list(jax.devices() if devices is None else devices)
-    shape = resolve_shape({a: int(mesh_cfg[a]) for a in AXES}, len(devices))
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    return Mesh(device_array(mesh_cfg, devices), AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -24,6 +24,9 @@ from trainer.errors import ConfigError
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
     "seq": (),
+    # The residual stream's sequence axis between blocks (where the norms run);
+    # mesh.sequence_parallel sets it to tensor.
+    "residual_seq": (),
     "embed": ("fsdp",),
     "mlp": ("tensor",),
     "heads": ("tensor",),
@@ -34,13 +37,21 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-def parse_rules(overrides: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
-    """Default rules updated with `mesh.rules` overrides ('data,fsdp' or '' for none)."""
+def parse_rules(overrides: Mapping[str, str], sequence_parallel: bool = False) -> dict[str, tuple[str, ...]]:
+    """Default rules updated with `mesh.rules` overrides ('data,fsdp' or '' for none).
+
+    Sequence parallelism (Megatron's): between blocks the residual stream is
+    split along the sequence over the tensor axis, so norms and the residual
+    adds hold 1/tensor of the activations; XLA turns the all-reduce after each
+    tensor-parallel block into a reduce-scatter and gathers before the next.
+    """
     rules = dict(DEFAULT_RULES)
     for name, value in overrides.items():
         if name not in rules:
             raise ConfigError(f"mesh.rules.{name} names no logical axis; known axes are {sorted(rules)}.")
         rules[name] = tuple(a.strip() for a in str(value).split(",") if a.strip())
+    if sequence_parallel:
+        rules["residual_seq"] = ("tensor",)
     return rules
 
 

@@ -16,6 +16,27 @@ _CONFIG = cli.define_config_flag()
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 _SIMULATE = flags.DEFINE_integer("simulate_devices", 0, "Plan for this many simulated CPU devices.")
 _NO_COMPILE = flags.DEFINE_bool("no_compile", False, "Skip the compiled memory analysis.")
+_SHARDING = flags.DEFINE_bool(
+    "sharding", False, "Also print where each parameter lives and the step's collectives (from its HLO)."
+)
+
+
+def print_sharding(result):
+    mib = 2**20
+    rows = [(r["name"], str(tuple(r["shape"])), ",".join(r["logical"]), r["spec"], f"{r['bytes_per_device'] / mib:.2f}")
+            for r in result["sharding"]]  # fmt: skip
+    header = ("parameter", "shape", "logical axes", "mesh placement", "MiB/device")
+    widths = [max(len(x) for x in col) for col in zip(header, *rows, strict=True)]
+    for row in (header, *rows):
+        print("  ".join(x.ljust(w) if i < 4 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths, strict=True))))
+    state = result["state_bytes_per_device"]
+    print(f"per device: parameters {state['params'] / mib:.1f} MiB, optimiser state {state['optimizer'] / mib:.1f} MiB")
+    measured, textbook = result["collectives"]["measured"], result["collectives"]["textbook"]
+    print(f"\n{'collective':<16} {'count':>7} {'result MiB':>12} {'sent MiB':>10} {'textbook sent MiB':>18}")
+    for kind in sorted(set(measured) | set(textbook)):
+        m = measured.get(kind, {"count": 0, "bytes": 0, "sent": 0})
+        print(f"{kind:<16} {m['count']:>7} {m['bytes'] / mib:>12.1f} {m['sent'] / mib:>10.1f} "
+              f"{textbook.get(kind, 0) / mib:>18.1f}")  # fmt: skip
 
 
 def main():
@@ -27,7 +48,7 @@ def main():
         )
     from trainer.planning import plan
 
-    result = plan(_CONFIG.value, compile_step=not _NO_COMPILE.value)
+    result = plan(_CONFIG.value, compile_step=not _NO_COMPILE.value, sharding=_SHARDING.value)
     if _JSON.value:
         print(json.dumps(result))
         return
@@ -44,7 +65,9 @@ def main():
             f"outputs not aliased {(b['outputs'] - b['aliased']) / gib:.2f}); "
             f"compiled in {result['compile_seconds']:.1f}s"
         )
+    if "sharding" in result:
+        print_sharding(result)
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, uses_devices=False)

@@ -1,5 +1,6 @@
 """Every test runs on the CPU with 8 simulated devices; set before JAX starts."""
 
+import importlib.util
 import os
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -23,6 +24,32 @@ def micro_config(**sections):
     for name, values in sections.items():
         c[name].update(values)
     return c
+
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def cli_args(cfg) -> list[str]:
+    """`--config configs/tiny.py` plus the overrides that turn it into `cfg`, for running scripts."""
+    spec = importlib.util.spec_from_file_location("tiny_config", os.path.join(REPO, "configs", "tiny.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    base = _flatten(module.get_config().to_dict())
+    args = ["--config", "configs/tiny.py"]
+    for key, value in _flatten(cfg.to_dict()).items():
+        if base[key] != value:
+            args.append(f"--config.{key}={str(value).lower() if isinstance(value, bool) else value}")
+    return args
+
+
+def _flatten(tree, prefix=""):
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import micro_config
+from conftest import cli_args, micro_config
 
 from trainer.checkpoint import Checkpointer
 from trainer.setup import build
@@ -20,16 +20,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 30
 
 
+def run_config(corpus_dir):
+    return micro_config(
+        data=dict(source="text_files", data_dir=corpus_dir),
+        train=dict(steps=STEPS, log_every=1),
+        checkpoint={"every_steps": 1, "keep": 3},
+    )
+
+
 def command(workdir, corpus_dir):
-    micro = micro_config().model
-    return [
-        sys.executable, "scripts/train.py", "--config", "configs/tiny.py", f"--workdir={workdir}",
-        f"--config.data.data_dir={corpus_dir}", "--config.data.seq_len=32",
-        *(f"--config.model.{k}={micro[k]}" for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff")),
-        "--config.model.max_seq_len=64", "--config.train.global_batch_size=8", f"--config.train.steps={STEPS}",
-        "--config.train.log_every=1", "--config.train.eval_every=0", "--config.optim.warmup_steps=2",
-        "--config.checkpoint.every_steps=1", "--config.checkpoint.keep=3",
-    ]  # fmt: skip
+    return [sys.executable, "scripts/train.py", *cli_args(run_config(corpus_dir)), f"--workdir={workdir}"]
 
 
 def logged_lines(workdir):
@@ -53,8 +53,7 @@ def wait_for_progress(proc, workdir, lines, timeout=120):
 
 
 def final_params(workdir, corpus_dir):
-    cfg = micro_config(data=dict(source="text_files", data_dir=corpus_dir))
-    setup = build(cfg)
+    setup = build(run_config(corpus_dir))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=3)
     assert ckpt.latest_step() == STEPS
     params = jax.device_get(ckpt.restore_params(STEPS, abstract_params(setup.model, setup.shard)))

@@ -9,7 +9,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import micro_config
+from conftest import cli_args, micro_config
 
 from trainer.data import pipeline
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer
@@ -74,10 +74,7 @@ def test_eval_refuses_bad_steps_empty_workdirs_and_other_models(trained, corpus_
 
 
 def test_the_scripts_print_their_json(trained, corpus_dir):
-    common = ["--config", "configs/tiny.py", f"--workdir={trained}", f"--config.data.data_dir={corpus_dir}",
-              "--config.model.d_model=64", "--config.model.n_layers=2", "--config.model.n_heads=4",
-              "--config.model.n_kv_heads=2", "--config.model.d_ff=128", "--config.model.max_seq_len=64",
-              "--config.data.seq_len=32", "--config.train.global_batch_size=8"]  # fmt: skip
+    common = [*cli_args(micro_config(data=dict(source="text_files", data_dir=corpus_dir))), f"--workdir={trained}"]
     ev = subprocess.run([sys.executable, "scripts/eval.py", *common, "--max_batches=2"], cwd=REPO,
                         capture_output=True, text=True, timeout=300)  # fmt: skip
     assert ev.returncode == 0, ev.stderr[-2000:]

@@ -75,19 +75,6 @@ def test_microbatch_accumulation_equals_the_full_batch(single_device):
     assert_same_training(accumulated, single_device)
 
 
-@pytest.mark.parametrize(
-    "mesh,accum",
-    [
-        (dict(data=1, fsdp=8, tensor=1), 1),
-        (dict(data=1, fsdp=4, tensor=2), 1),
-        (dict(data=2, fsdp=2, tensor=2), 2),
-    ],
-)
-def test_sharded_step_equals_the_single_device_step(single_device, mesh, accum):
-    sharded = run_steps(micro_config(mesh=mesh, train=dict(grad_accum_steps=accum)), 8)
-    assert_same_training(sharded, single_device)
-
-
 def test_accumulated_gradient_equals_the_full_batch_gradient():
     """Before Adam has a chance to amplify anything: one step, gradients compared elementwise."""
     cfg = micro_config()
@@ -112,15 +99,17 @@ def test_fsdp_shards_every_weight_and_its_adam_moments_eightfold():
     assert {s.data.shape for s in w.addressable_shards} == {(2, 64 // 8, 128)}
     mu = state.opt_state[1].inner_state[0].mu["layers"]["mlp"]["w_up"]
     assert mu.sharding == w.sharding
-    total = sum(x.nbytes for x in jax.tree.leaves(state.params))
-    on_device0 = sum(
-        s.data.nbytes
-        for x in jax.tree.leaves(state.params)
-        for s in x.addressable_shards
-        if s.device == jax.devices()[0]
-    )
-    # Norm scales (64 values) also shard over fsdp, so the split is exact.
-    assert on_device0 == pytest.approx(total / 8, rel=0.01)
+
+    def held_by(tree, device):
+        return sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards if s.device == device)
+
+    params_total = sum(x.nbytes for x in jax.tree.leaves(state.params))
+    opt_total = sum(x.nbytes for x in jax.tree.leaves(state.opt_state))
+    for device in jax.devices():
+        # Read from the arrays' shards: every weight and both Adam moments split eight ways
+        # (the optimiser's few scalar counters are replicated, hence "within a few percent").
+        assert held_by(state.params, device) == pytest.approx(params_total / 8, rel=0.01)
+        assert held_by(state.opt_state, device) == pytest.approx(opt_total / 8, rel=0.03)
 
 
 def test_tensor_parallel_splits_mlp_columns_then_rows_and_heads():

@@ -2,7 +2,8 @@
 
 A checkpoint is a step directory with up to four items:
 `params` and `opt_state` (each process writes its own shards), `meta` (step and
-RNG) and `data` (every process's Grain iterator position, as JSON). Parameters
+RNG) and `data` (the position of every batch row's data stream, as JSON, one
+file per process, merged on restore so any process layout can resume). Parameters
 are an item of their own so that evaluation and export read nothing else.
 
 Saves are asynchronous: the arrays are copied off the devices, then written
@@ -15,9 +16,12 @@ checkpoint directory, never deleted, and the next older one is tried.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import shutil
 from collections.abc import Callable
+from typing import Any
 
 import grain
 import jax
@@ -27,6 +31,50 @@ from trainer.errors import ConfigError
 from trainer.state import TrainState
 
 PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
+
+
+class DataStateHandler:
+    """The data iterator's position: each process writes its rows' states; restoring reads
+    every process's file and takes the rows it now holds, whatever the process count was."""
+
+    def save(self, directory, args=None):
+        path = directory / f"process_{jax.process_index()}.json"
+        path.write_text(json.dumps(args.item.get_state()))
+
+    def restore(self, directory, args=None):
+        rows = {}
+        for path in directory.glob("process_*.json"):
+            rows.update(json.loads(path.read_text())["rows"])
+        args.item.set_state({"rows": rows})
+        return args.item
+
+    def metadata(self, directory):
+        return None
+
+    def structure(self, directory):
+        return None
+
+    def finalize(self, directory):
+        pass
+
+    def close(self):
+        pass
+
+    @classmethod
+    def typestr(cls):
+        return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_save=True)
+@dataclasses.dataclass
+class DataSave(ocp.args.CheckpointArgs):
+    item: Any
+
+
+@ocp.args.register_with_handler(DataStateHandler, for_restore=True)
+@dataclasses.dataclass
+class DataRestore(ocp.args.CheckpointArgs):
+    item: Any
 
 
 class Checkpointer:
@@ -48,7 +96,7 @@ class Checkpointer:
             PARAMS: ocp.StandardCheckpointHandler(),
             OPT_STATE: ocp.StandardCheckpointHandler(),
             META: ocp.StandardCheckpointHandler(),
-            DATA: grain.checkpoint.CheckpointHandler(),
+            DATA: DataStateHandler(),
         }
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
@@ -65,7 +113,7 @@ class Checkpointer:
             META: ocp.args.StandardSave({"step": state.step, "rng": state.rng}),
         }
         if data_iterator is not None:
-            items[DATA] = grain.checkpoint.CheckpointSave(data_iterator)
+            items[DATA] = DataSave(data_iterator)
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
     def check_params(self, step: int, abstract_params: dict) -> None:
@@ -103,7 +151,7 @@ class Checkpointer:
             META: ocp.args.StandardRestore({"step": target.step, "rng": target.rng}),
         }
         if os.path.isdir(os.path.join(self.directory, str(step), DATA)):
-            items[DATA] = grain.checkpoint.CheckpointRestore(data_iterator)
+            items[DATA] = DataRestore(data_iterator)
         r = self._manager.restore(step, args=ocp.args.Composite(**items))
         return TrainState(step=r[META]["step"], params=r[PARAMS], opt_state=r[OPT_STATE], rng=r[META]["rng"])
 

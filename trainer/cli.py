@@ -14,6 +14,10 @@ from ml_collections import config_flags
 
 from trainer.errors import ConfigError
 
+_COORDINATOR = flags.DEFINE_string("coordinator", None, "Multi-process runs: host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many processes.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index.")
+
 
 def define_config_flag():
     """--config configs/x.py, with --config.section.key=value overrides (locked: unknown keys fail)."""
@@ -38,10 +42,12 @@ def _parse(argv):
         sys.exit(f"error: a command-line flag could not be applied ({detail}); check it against trainer/config.py.")
 
 
-def run(main: Callable[..., None], *, takes_args: bool = False) -> None:
+def run(main: Callable[..., None], *, takes_args: bool = False, uses_devices: bool = True) -> None:
     """app.run, with ConfigError and flag errors printed as one `error:` line (exit status 1).
 
     With `takes_args`, main receives the positional arguments (a sub-command).
+    Scripts that use devices first join a multi-process run if one is asked for
+    (see parallelism/distributed.py); the planner sets its devices up itself.
     """
 
     def wrapped(argv):
@@ -50,6 +56,10 @@ def run(main: Callable[..., None], *, takes_args: bool = False) -> None:
         # Orbax logs every file it renames and TFDS every custom config; our own lines are prints.
         logging.set_verbosity(logging.ERROR)
         try:
+            if uses_devices:
+                from parallelism import distributed
+
+                distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
             main(argv[1:]) if takes_args else main()
         except ConfigError as e:
             sys.exit(f"error: {e}")

@@ -44,13 +44,16 @@ def defaults() -> ml_collections.ConfigDict:
         attention="xla",  # one of ATTENTION_IMPLS
         init_std=0.02,
     )
-    # Each size is a device count or -1 for "the rest". `rules` places each
-    # logical axis on mesh axes ("data,fsdp"; "" replicates), e.g.
+    # Each size is a device count (within a slice) or -1 for "the rest". `rules`
+    # places each logical axis on mesh axes ("data,fsdp"; "" replicates), e.g.
     # --config.mesh.rules.embed=tensor.
     c.mesh = dict(
         data=1,
         fsdp=-1,
         tensor=1,
+        dcn_data=1,  # slices (TPU slices or hosts) the data axis spans; sizes above are per slice
+        dcn_fsdp=1,
+        sequence_parallel=False,  # shard the residual stream's sequence axis over tensor between blocks
         rules={name: ",".join(axes) for name, axes in DEFAULT_RULES.items()},
     )
     c.data = dict(

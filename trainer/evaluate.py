@@ -23,6 +23,7 @@ import os
 import jax
 import numpy as np
 
+from parallelism.distributed import fetch
 from trainer.data import pipeline
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
@@ -45,17 +46,21 @@ class Evaluator:
         total, count = 0.0, 0.0
         for local in self._batches:
             batch = pipeline.to_global(local, setup.batch_sharding, setup.cfg.train.global_batch_size)
-            s, n = jax.device_get(self._step(params, batch))
+            s, n = fetch(self._step(params, batch))
             total, count = total + float(s), count + float(n)
         return {"eval_loss": total / max(count, 1.0), "eval_tokens": count}
 
     def unigram_loss(self) -> float:
-        """Entropy (nats) of this process's eval target tokens."""
+        """Entropy (nats) of the eval batches' target tokens, over all processes' rows."""
         vocab = self._setup.cfg.model.vocab_size
         counts = np.zeros(vocab)
         for b in self._batches:
             targets, weights = (np.asarray(a) for a in target_weights(b["tokens"], b["segment_ids"]))
             counts += np.bincount(targets[weights > 0], minlength=vocab)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            counts = multihost_utils.process_allgather(counts).sum(axis=0)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
 
@@ -86,7 +91,7 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     step_fn = jit_eval_step(make_eval_step(setup.model), setup.state_shardings, setup.shard)
     total, count, n_bytes, n_batches = 0.0, 0.0, 0, 0
     for local in local_batches:
-        s, n = jax.device_get(step_fn(params, pipeline.to_global(local, setup.batch_sharding, B)))
+        s, n = fetch(step_fn(params, pipeline.to_global(local, setup.batch_sharding, B)))
         total, count, n_batches = total + float(s), count + float(n), n_batches + 1
         targets, weights = (np.asarray(a) for a in target_weights(local["tokens"], local["segment_ids"]))
         n_bytes += int(token_bytes[targets[weights > 0]].sum())

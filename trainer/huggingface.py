@@ -242,6 +242,8 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
 
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir} is not empty; export into a new directory.")
+    if jax.process_count() > 1:
+        raise ConfigError("export in a single process: it gathers the whole model onto one host anyway.")
     setup, step, params = load_params(cfg, workdir, step)
     tensors = to_hf_tensors(jax.device_get(params), setup.spec)
     os.makedirs(out_dir, exist_ok=True)

@@ -15,6 +15,7 @@ import time
 
 import jax
 
+from parallelism.distributed import fetch
 from trainer import workdir as wd
 from trainer.checkpoint import Checkpointer
 from trainer.data import pipeline
@@ -114,7 +115,7 @@ def train(cfg, workdir: str) -> dict:
                 state, metrics = step_fn(state, batch)
                 step += 1
                 if step % t.log_every == 0 or step == t.steps:
-                    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    values = {k: float(v) for k, v in fetch(metrics).items()}
                     step_time = (time.perf_counter() - mark_time) / (step - mark_step)
                     tokens_per_sec = B * T / step_time
                     mfu = fpt * tokens_per_sec / peak if peak else None

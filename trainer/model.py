@@ -29,6 +29,7 @@ REMAT = {
     "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 NO_SHARDING = LogicalSharding.create(None)
+RESIDUAL = ("batch", "residual_seq", "embed")  # the residual stream between blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +149,7 @@ class Block(nnx.Module):
         attended, cache = self.attn(self.attn_norm(x), tables, segment_ids, cache)
         x = x + attended
         x = x + self.mlp(self.mlp_norm(x))
-        return self.shard.constrain(x, ("batch", "seq", "embed")), cache
+        return self.shard.constrain(x, RESIDUAL), cache
 
 
 class Decoder(nnx.Module):
@@ -191,7 +192,7 @@ class Decoder(nnx.Module):
         # use: a gather from a sharded table makes XLA fall back to replicating
         # and re-partitioning its output, which costs more.
         table = self.shard.constrain(self.embed[...].astype(dt), (None, None))
-        x = self.shard.constrain(table[tokens], ("batch", "seq", "embed"))
+        x = self.shard.constrain(table[tokens], RESIDUAL)
         tables = rope_tables(positions, spec.head_dim, spec.rope_theta)
 
         graphdef, stacked = nnx.split(self.layers)

@@ -9,15 +9,22 @@ in flight).
 
 from __future__ import annotations
 
+import math
 import time
 
+import jax
+import jax.numpy as jnp
+
+from parallelism import collectives
 from trainer.flops import count_params, flops_per_token
 from trainer.setup import build
-from trainer.state import abstract_train_state
+from trainer.state import abstract_train_state, param_shardings
 from trainer.step import abstract_batch, jit_train_step, make_train_step
 
 
-def plan(cfg, *, compile_step: bool = True, devices=None) -> dict:
+def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False) -> dict:
+    """Counts and FLOPs; with `compile_step`, XLA's memory per device; with `sharding`, where every
+    parameter lives and what the compiled step communicates, beside the textbook volumes."""
     setup = build(cfg, devices)
     t, seq = cfg.train, cfg.data.seq_len
     counts = count_params(setup.model.abstract_params)
@@ -48,7 +55,52 @@ def plan(cfg, *, compile_step: bool = True, devices=None) -> dict:
     result["compiled_bytes_per_device"] = breakdown.pop("total")
     result["compiled_breakdown"] = breakdown
     result["compile_seconds"] = time.perf_counter() - start
+    if sharding:
+        result["sharding"] = sharding_table(setup)
+        result["state_bytes_per_device"] = state_bytes_per_device(setup)
+        result["collectives"] = {
+            "measured": collectives.parse(compiled.as_text()),
+            "textbook": collectives.textbook(
+                counts["total"],
+                dict(setup.mesh.shape),
+                n_layers=cfg.model.n_layers,
+                d_model=cfg.model.d_model,
+                seq_len=seq,
+                micro_rows=t.global_batch_size // t.grad_accum_steps,
+                microbatches=t.grad_accum_steps,
+                act_bytes=jnp.dtype(cfg.precision.compute_dtype).itemsize,
+            ),  # fmt: skip
+        }
     return result
+
+
+def sharding_table(setup) -> list[dict]:
+    """One row per parameter: shape, logical axes, mesh placement and bytes on each device."""
+    shardings = param_shardings(setup.model, setup.shard)
+    names = dict(jax.tree_util.tree_leaves_with_path(setup.model.logical_names, is_leaf=lambda x: isinstance(x, tuple)))
+    rows = []
+    for (path, array), sharding in zip(
+        jax.tree_util.tree_leaves_with_path(setup.model.abstract_params), jax.tree.leaves(shardings), strict=True
+    ):
+        shard = sharding.shard_shape(array.shape)
+        rows.append({
+            "name": ".".join(str(k.key) for k in path),
+            "shape": list(array.shape),
+            "logical": list(names[path]),
+            "spec": str(tuple(sharding.spec)),
+            "bytes_per_device": math.prod(shard) * array.dtype.itemsize,
+        })  # fmt: skip
+    return rows
+
+
+def state_bytes_per_device(setup) -> dict[str, int]:
+    """Bytes of parameters and optimiser state on one device, from the shardings alone."""
+    state = abstract_train_state(setup.model, setup.tx, setup.shard)
+
+    def size(tree):
+        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    return {"params": size(state.params), "optimizer": size(state.opt_state)}
 
 
 def compiled_memory(compiled) -> dict[str, int]:

@@ -39,7 +39,7 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     make_schedule(cfg.optim, cfg.train.steps)  # refuses schedule phases that do not fit
     mesh = make_mesh(cfg.mesh, devices)
     check_mesh_fit(cfg, mesh)
-    rules = parse_rules(cfg.mesh.rules)
+    rules = parse_rules(cfg.mesh.rules, cfg.mesh.sequence_parallel)
     check_rules(rules, mesh.axis_names)
     shard = LogicalSharding.create(mesh, rules)
     spec = ModelSpec.from_config(cfg)

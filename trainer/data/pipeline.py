@@ -7,7 +7,8 @@ windows. Segment ids mark the documents inside a window and positions restart
 at each document. Because a row's contents depend only on its index, the
 global batch is the same whatever the number of processes, and each process
 opens only the streams of the rows its devices hold. The iterator's state
-(where every stream stands) goes into the checkpoint.
+(where every row's stream stands, keyed by row) goes into the checkpoint, so a
+run can resume under another number of processes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import grain
 import jax
 import numpy as np
 import tensorflow_datasets as tfds
-from grain.experimental import ConcatThenSplitIterDataset, ZipIterDataset
+from grain.experimental import ConcatThenSplitIterDataset
 from jax.sharding import NamedSharding
 
 from trainer.data import text_files
@@ -104,11 +105,47 @@ def batches(cfg, split: str, rows: Sequence[int], *, shuffle: bool) -> grain.Ite
     """Endless batches holding the given rows of each global batch, as numpy arrays."""
     docs = _documents(cfg, split, shuffle)
     stride = cfg.train.global_batch_size
-    streams = [
-        ConcatThenSplitIterDataset(docs[r::stride].to_iter_dataset(), length_struct={"tokens": cfg.data.seq_len})
-        for r in rows
-    ]
-    return _JsonSafeRestore(ZipIterDataset(streams).map(_stack))
+    return _RowBatches(
+        {
+            r: ConcatThenSplitIterDataset(docs[r::stride].to_iter_dataset(), length_struct={"tokens": cfg.data.seq_len})
+            for r in rows
+        }
+    )
+
+
+class _RowBatches(grain.IterDataset):
+    """Row streams read side by side into batches; the state is keyed by global row index,
+    so a checkpoint written by one process layout restores under another."""
+
+    def __init__(self, streams: dict[int, grain.IterDataset]):
+        super().__init__(list(streams.values()))
+        self._streams = streams
+
+    def __iter__(self) -> grain.DatasetIterator:
+        return _RowBatchesIterator({r: s.__iter__() for r, s in self._streams.items()})
+
+
+class _RowBatchesIterator(grain.DatasetIterator):
+    def __init__(self, streams: dict[int, grain.DatasetIterator]):
+        super().__init__(list(streams.values()))
+        self._streams = streams
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return _stack([next(s) for s in self._streams.values()])
+
+    def get_state(self) -> dict:
+        return {"rows": {str(r): s.get_state() for r, s in self._streams.items()}}
+
+    def set_state(self, state: dict) -> None:
+        saved = state["rows"]
+        missing = [r for r in self._streams if str(r) not in saved]
+        if missing:
+            raise ConfigError(
+                f"the checkpoint holds no data position for batch rows {missing[:4]}...; was it written with "
+                "another train.global_batch_size?"
+            )
+        for r, stream in self._streams.items():
+            stream.set_state(_slices_as_tuples(saved[str(r)]))
 
 
 def _slices_as_tuples(state):
@@ -123,22 +160,6 @@ def _slices_as_tuples(state):
     if isinstance(state, list):
         return [_slices_as_tuples(v) for v in state]
     return state
-
-
-class _JsonSafeRestore(grain.IterDataset):
-    def __iter__(self) -> grain.DatasetIterator:
-        return _JsonSafeRestoreIterator(self._parent.__iter__())
-
-
-class _JsonSafeRestoreIterator(grain.DatasetIterator):
-    def __next__(self):
-        return next(self._parent)
-
-    def get_state(self) -> dict:
-        return self._parent.get_state()
-
-    def set_state(self, state: dict) -> None:
-        self._parent.set_state(_slices_as_tuples(state))
 
 
 def one_pass(cfg, split: str, rows: Sequence[int]) -> Iterator[dict[str, np.ndarray]]:
