@@ -75,7 +75,10 @@ def check_matches(workdir: str, cfg, keys: tuple[str, ...]) -> None:
 
 def check_writable(workdir: str) -> None:
     """Create the workdir and its checkpoint directory now, so a bad path fails before training, not after."""
-    probe = os.path.join(checkpoint_dir(workdir), ".write_probe")
+    import jax
+
+    # One probe per process: several processes check the same shared directory at once.
+    probe = os.path.join(checkpoint_dir(workdir), f".write_probe_{jax.process_index()}")
     try:
         os.makedirs(checkpoint_dir(workdir), exist_ok=True)
         with open(probe, "w") as f:
