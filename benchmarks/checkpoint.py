@@ -36,14 +36,13 @@ def main():
     from trainer.checkpoint import Checkpointer
     from trainer.flops import count_params
     from trainer.setup import build
-    from trainer.state import abstract_train_state, create_train_state
 
     cfg = _CONFIG.value
     setup = build(cfg)
-    state = create_train_state(setup.spec, setup.model, setup.tx, setup.shard, 0)
+    state = setup.new_state()
     jax.block_until_ready(state)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    target = abstract_train_state(setup.model, setup.tx, setup.shard)
+    target = setup.abstract_state()
     blocked, total, restore = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Checkpointer(os.path.join(tmp, "checkpoints"), keep=2)

@@ -9,15 +9,15 @@ from trainer.checkpoint import Checkpointer
 from trainer.data import pipeline
 from trainer.errors import ConfigError
 from trainer.setup import build
-from trainer.state import abstract_train_state, create_train_state
-from trainer.step import jit_train_step, make_train_step
+from trainer.step import no_knobs
 
 
 def trained_state(cfg, setup, data):
-    state = create_train_state(setup.spec, setup.model, setup.tx, setup.shard, 0)
-    step = jit_train_step(make_train_step(setup.model, setup.tx, setup.shard, 1), setup.state_shardings, setup.shard)
+    state, step = setup.new_state(), setup.train_step()
     for _ in range(2):
-        state, _ = step(state, pipeline.to_global(next(data), setup.batch_sharding, cfg.train.global_batch_size))
+        state, _ = step(
+            state, pipeline.to_global(next(data), setup.batch_sharding, cfg.train.global_batch_size), no_knobs()
+        )
     return state
 
 
@@ -39,7 +39,7 @@ def test_save_then_restore_gives_back_every_array_and_the_data_position(tmp_path
     target_cfg = micro_config(mesh=target_mesh)
     target = build(target_cfg, jax.devices()[:n_devices])
     fresh = iter(pipeline.batches(target_cfg, "train", rows, shuffle=True))
-    restored = ckpt.restore(2, abstract_train_state(target.model, target.tx, target.shard), fresh)
+    restored = ckpt.restore(2, target.abstract_state(), fresh)
     ckpt.close()
 
     assert int(restored.step) == 2
@@ -55,7 +55,7 @@ def _save_steps(tmp_path, steps=(1, 2, 3), keep=5, keep_every=0):
     cfg = micro_config(mesh=dict(fsdp=8))
     setup = build(cfg)
     data = iter(pipeline.batches(cfg, "train", list(range(8)), shuffle=True))
-    state = create_train_state(setup.spec, setup.model, setup.tx, setup.shard, 0)
+    state = setup.new_state()
     ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=keep, keep_every=keep_every)
     for s in steps:
         ckpt.save(s, state.replace(step=state.step + s), data)
@@ -64,7 +64,7 @@ def _save_steps(tmp_path, steps=(1, 2, 3), keep=5, keep_every=0):
 
 
 def _restorer(cfg, setup, ckpt):
-    target = abstract_train_state(setup.model, setup.tx, setup.shard)
+    target = setup.abstract_state()
     return lambda step: ckpt.restore(step, target, iter(pipeline.batches(cfg, "train", list(range(8)), shuffle=True)))
 
 
@@ -122,7 +122,7 @@ def test_a_checkpoint_of_another_shape_names_the_parameter_and_both_shapes(tmp_p
 def test_parameters_restore_alone_onto_one_device(tmp_path):
     cfg, setup, ckpt = _save_steps(tmp_path, steps=(1,))
     one = build(micro_config(mesh=dict(fsdp=1)), jax.devices()[:1])
-    target = abstract_train_state(one.model, one.tx, one.shard).params
+    target = one.abstract_state().params
     params = ckpt.restore_params(1, target)
     assert jax.tree.structure(params) == jax.tree.structure(target)
     assert all(x.sharding.device_set == {jax.devices()[0]} for x in jax.tree.leaves(params))

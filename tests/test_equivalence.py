@@ -17,8 +17,7 @@ from conftest import micro_config
 
 from trainer.data import pipeline
 from trainer.setup import build
-from trainer.state import create_train_state
-from trainer.step import jit_train_step, make_train_step
+from trainer.step import no_knobs
 
 STEPS = 20
 LOSS_RTOL, PARAM_RTOL = 1e-4, 2e-3
@@ -43,15 +42,10 @@ def text_batches(corpus_dir):
 
 def run(cfg, n_devices, batches):
     setup = build(cfg, jax.devices()[:n_devices])
-    state = create_train_state(setup.spec, setup.model, setup.tx, setup.shard, 0)
-    step = jit_train_step(
-        make_train_step(setup.model, setup.tx, setup.shard, cfg.train.grad_accum_steps),
-        setup.state_shardings,
-        setup.shard,
-    )
+    state, step = setup.new_state(), setup.train_step()
     losses = []
     for b in batches:
-        state, metrics = step(state, b)
+        state, metrics = step(state, b, no_knobs())
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.device_get(state.params)
 

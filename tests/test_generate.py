@@ -8,12 +8,11 @@ from conftest import micro_config
 
 from trainer.generate import make_generate, sample
 from trainer.setup import build
-from trainer.state import create_train_state
 
 
 def setup_and_params(mesh, n_devices):
     setup = build(micro_config(mesh=mesh), jax.devices()[:n_devices])
-    state = create_train_state(setup.spec, setup.model, setup.tx, setup.shard, 7)
+    state = setup.new_state()
     return setup, state.params
 
 

@@ -15,7 +15,6 @@ from trainer.checkpoint import Checkpointer
 from trainer.loop import train
 from trainer.metrics import MetricsWriter
 from trainer.setup import build
-from trainer.state import abstract_train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGGED = {"step", "loss", "lr", "grad_norm", "param_norm", "tokens_per_sec", "mfu", "step_time"}
@@ -35,7 +34,7 @@ def text_config(corpus_dir, **sections):
 def restore_params(cfg, workdir, step):
     setup = build(cfg)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=10, async_save=False)
-    params = ckpt.restore_params(step, abstract_train_state(setup.model, setup.tx, setup.shard).params)
+    params = ckpt.restore_params(step, setup.abstract_state().params)
     ckpt.close()
     return jax.device_get(params)
 
@@ -64,10 +63,16 @@ def test_a_run_leaves_config_metrics_tensorboard_and_checkpoints(tmp_path, corpu
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "5"]
 
 
-def test_stopping_and_rerunning_continues_the_same_run_bit_for_bit(tmp_path, corpus_dir):
-    """8 steps in one go == 4 steps, stop, the same command to 8: same data, same losses, same weights, exactly."""
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_stopping_and_rerunning_continues_the_same_run_bit_for_bit(tmp_path, corpus_dir, dtype):
+    """8 steps in one go == 4 steps, stop, the same command to 8: same data, same losses, same weights,
+    exactly; with fp16 the dynamic loss scale (growing every 2 good steps) is restored too."""
     # A constant schedule, so that train.steps=4 and =8 schedule the same rates.
-    sections = dict(optim=dict(schedule="constant", warmup_steps=2), checkpoint={"every_steps": 4})
+    sections = dict(
+        optim=dict(schedule="constant", warmup_steps=2),
+        checkpoint={"every_steps": 4},
+        precision=dict(compute_dtype=dtype, initial_loss_scale=64.0, loss_scale_growth_interval=2),
+    )
     straight = str(tmp_path / "straight")
     train(text_config(corpus_dir, train=dict(steps=8, log_every=1), **sections), straight)
     resumed = str(tmp_path / "resumed")
@@ -78,7 +83,9 @@ def test_stopping_and_rerunning_continues_the_same_run_bit_for_bit(tmp_path, cor
     a, b = records(straight), records(resumed)
     assert [r["step"] for r in b] == list(range(1, 9))  # the step count went on from 4
     for ra, rb in zip(a, b, strict=True):
-        assert (rb["loss"], rb["grad_norm"], rb["lr"]) == (ra["loss"], ra["grad_norm"], ra["lr"])
+        assert (rb["loss"], rb["grad_norm"], rb["lr"], rb["loss_scale"]) == (
+            ra["loss"], ra["grad_norm"], ra["lr"], ra["loss_scale"]
+        )  # fmt: skip
     cfg = text_config(corpus_dir, train=dict(steps=8), **sections)
     for pa, pb in zip(
         jax.tree.leaves(restore_params(cfg, straight, 8)), jax.tree.leaves(restore_params(cfg, resumed, 8)), strict=True

@@ -84,7 +84,7 @@ def test_remat_and_scan_change_nothing_numerically(remat, scan):
         model = ModelDef.create(spec, NO_SHARDING)
 
         def loss(p):
-            s, n = cross_entropy_sum(model.apply(p, x), x, None)
+            s, n, _ = cross_entropy_sum(model.apply(p, x), x, None)
             return s / n
 
         return jax.jit(jax.value_and_grad(loss))(params)
@@ -171,6 +171,6 @@ def test_loss_matches_numpy_reference(tie):
     tok = np.asarray(tokens(b=2, t=16, seed=4))
     segments = np.array([[1] * 6 + [2] * 8 + [0] * 2, [1] * 16])  # packing and padding
     positions = np.array([list(range(6)) + list(range(8)) + [0, 0], list(range(16))])
-    s, n = cross_entropy_sum(model.apply(params, tok, positions, segments), tok, segments)
+    s, n, _ = cross_entropy_sum(model.apply(params, tok, positions, segments), tok, segments)
     assert float(n) == 5 + 7 + 15
     assert float(s / n) == pytest.approx(numpy_loss(params, spec, tok, segments, positions), rel=1e-5)

@@ -72,7 +72,7 @@ def test_two_processes_train_exactly_like_one(runs, corpus_dir):
     for x, y in zip(jax.tree.leaves(params(cfg, single, 10)), jax.tree.leaves(params(cfg, multi, 10)), strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-4)
     # Only process 0 logs; both took part.
-    assert "[0] step     10/10" in output and "[1] step" not in output
+    assert "[0] step     10 (10/10)" in output and "[1] step" not in output
 
 
 def test_a_two_process_checkpoint_resumes_in_one_process(runs, corpus_dir):

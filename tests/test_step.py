@@ -8,8 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 from trainer.schedules import make_schedule
 from trainer.setup import build
-from trainer.state import create_train_state
-from trainer.step import jit_train_step, make_train_step
+from trainer.step import make_train_step, no_knobs
 
 
 def batch(cfg, seed=0):
@@ -27,15 +26,10 @@ def batch(cfg, seed=0):
 
 def run_steps(cfg, n_devices, steps=3):
     setup = build(cfg, jax.devices()[:n_devices])
-    state = create_train_state(setup.spec, setup.model, setup.tx, setup.shard, cfg.train.seed)
-    step = jit_train_step(
-        make_train_step(setup.model, setup.tx, setup.shard, cfg.train.grad_accum_steps),
-        setup.state_shardings,
-        setup.shard,
-    )
+    state, step = setup.new_state(), setup.train_step()
     history = []
     for i in range(steps):
-        state, metrics = step(state, batch(cfg, seed=i))
+        state, metrics = step(state, batch(cfg, seed=i), no_knobs())
         history.append(jax.device_get(metrics))
     return state, history
 
@@ -79,12 +73,12 @@ def test_accumulated_gradient_equals_the_full_batch_gradient():
     """Before Adam has a chance to amplify anything: one step, gradients compared elementwise."""
     cfg = micro_config()
     setup = build(cfg, jax.devices()[:1])
-    state = create_train_state(setup.spec, setup.model, setup.tx, setup.shard, 0)
-    full = jax.jit(make_train_step(setup.model, setup.tx, setup.shard, 1))
-    accumulated = jax.jit(make_train_step(setup.model, setup.tx, setup.shard, 4))
+    state = setup.new_state()
+    full = jax.jit(make_train_step(setup.model, setup.tx, setup.shard, cfg, 1))
+    accumulated = jax.jit(make_train_step(setup.model, setup.tx, setup.shard, cfg, 4))
     b = batch(cfg)
-    full_state, full_metrics = full(state, b)
-    acc_state, acc_metrics = accumulated(state, b)
+    full_state, full_metrics = full(state, b, no_knobs())
+    acc_state, acc_metrics = accumulated(state, b, no_knobs())
     assert float(acc_metrics["loss"]) == pytest.approx(float(full_metrics["loss"]), rel=1e-6)
     assert float(acc_metrics["grad_norm"]) == pytest.approx(float(full_metrics["grad_norm"]), rel=1e-6)
     # Adam's first moment after one step is (1 - b1) * clipped gradient: compare gradients elementwise.

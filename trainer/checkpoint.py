@@ -2,7 +2,7 @@
 
 A checkpoint is a step directory with up to four items:
 `params` and `opt_state` (each process writes its own shards), `meta` (step and
-RNG) and `data` (the position of every batch row's data stream, as JSON, one
+RNG, loss scale and the other stability state) and `data` (the position of every batch row's data stream, as JSON, one
 file per process, merged on restore so any process layout can resume). Parameters
 are an item of their own so that evaluation and export read nothing else.
 
@@ -110,7 +110,7 @@ class Checkpointer:
         items = {
             PARAMS: ocp.args.StandardSave(state.params),
             OPT_STATE: ocp.args.StandardSave(state.opt_state),
-            META: ocp.args.StandardSave({"step": state.step, "rng": state.rng}),
+            META: ocp.args.StandardSave({"step": state.step, "rng": state.rng, "stability": state.stability}),
         }
         if data_iterator is not None:
             items[DATA] = DataSave(data_iterator)
@@ -142,18 +142,30 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))
         return restored[PARAMS]
 
-    def restore(self, step: int, target: TrainState, data_iterator: grain.DatasetIterator) -> TrainState:
-        """The whole state into `target`'s shapes and shardings; the iterator is restored in place."""
+    def read_stability(self, step: int, target: dict) -> dict:
+        """Just the stability state saved at `step` (a few scalars): was the run healthy then?"""
+        target = {"step": None, "rng": None, "stability": target}
+        meta = self._manager.item_metadata(step)[META]
+        target = {
+            k: v if v is not None else jax.ShapeDtypeStruct(meta[k].shape, meta[k].dtype) for k, v in target.items()
+        }
+        return self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.StandardRestore(target)}))[META][
+            "stability"
+        ]
+
+    def restore(self, step: int, target: TrainState, data_iterator: grain.DatasetIterator | None) -> TrainState:
+        """The whole state into `target`'s shapes and shardings; the iterator (if given) is restored in place."""
         self.check_params(step, target.params)
         items = {
             PARAMS: ocp.args.StandardRestore(target.params),
             OPT_STATE: ocp.args.StandardRestore(target.opt_state),
-            META: ocp.args.StandardRestore({"step": target.step, "rng": target.rng}),
+            META: ocp.args.StandardRestore({"step": target.step, "rng": target.rng, "stability": target.stability}),
         }
-        if os.path.isdir(os.path.join(self.directory, str(step), DATA)):
+        if data_iterator is not None and os.path.isdir(os.path.join(self.directory, str(step), DATA)):
             items[DATA] = DataRestore(data_iterator)
         r = self._manager.restore(step, args=ocp.args.Composite(**items))
-        return TrainState(step=r[META]["step"], params=r[PARAMS], opt_state=r[OPT_STATE], rng=r[META]["rng"])
+        meta = r[META]
+        return TrainState(meta["step"], r[PARAMS], r[OPT_STATE], meta["rng"], meta["stability"])
 
     def restore_newest_intact(
         self, restore: Callable[[int], object], say: Callable[[str], None]
@@ -171,7 +183,7 @@ class Checkpointer:
                 raise
             except Exception as e:  # Orbax/TensorStore raise many types for unreadable files
                 reason = " ".join(str(e).split())[:200]
-                moved = self._set_aside(step)
+                moved = self.set_aside(step, "damaged_checkpoints")
                 say(f"checkpoint at step {step} cannot be read ({reason}); moved to {moved}, trying an older one")
         if steps:
             raise ConfigError(
@@ -180,8 +192,9 @@ class Checkpointer:
             )
         return None
 
-    def _set_aside(self, step: int) -> str:
-        target_dir = os.path.join(os.path.dirname(self.directory), "damaged_checkpoints")
+    def set_aside(self, step: int, folder: str) -> str:
+        """Move a checkpoint out of the way (into <workdir>/<folder>/), never deleting it."""
+        target_dir = os.path.join(os.path.dirname(self.directory), folder)
         os.makedirs(target_dir, exist_ok=True)
         target = os.path.join(target_dir, str(step))
         suffix = 0

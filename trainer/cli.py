@@ -12,7 +12,7 @@ from collections.abc import Callable
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, TrainingError
 
 _COORDINATOR = flags.DEFINE_string("coordinator", None, "Multi-process runs: host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many processes.")
@@ -61,7 +61,7 @@ def run(main: Callable[..., None], *, takes_args: bool = False, uses_devices: bo
 
                 distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
             main(argv[1:]) if takes_args else main()
-        except ConfigError as e:
+        except (ConfigError, TrainingError) as e:
             sys.exit(f"error: {e}")
 
     app.run(wrapped, flags_parser=_parse)

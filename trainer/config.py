@@ -17,6 +17,8 @@ from parallelism.rules import DEFAULT_RULES
 from trainer.errors import ConfigError
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
+OPTIMIZERS = ("adamw", "lion", "adafactor", "sgd", "muon")
+LOSS_SCALING = ("auto", "dynamic", "none")
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
 SCHEDULES = ("cosine", "wsd", "linear", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -43,6 +45,7 @@ def defaults() -> ml_collections.ConfigDict:
         scan_layers=True,
         attention="xla",  # one of ATTENTION_IMPLS
         init_std=0.02,
+        mup_base_width=0,  # > 0: muP, with hyperparameters tuned at this d_model
     )
     # Each size is a device count (within a slice) or -1 for "the rest". `rules`
     # places each logical axis on mesh axes ("data,fsdp"; "" replicates), e.g.
@@ -70,7 +73,7 @@ def defaults() -> ml_collections.ConfigDict:
         packing="concat",  # documents concatenated and split into seq_len windows
     )
     c.optim = dict(
-        name="adamw",
+        name="adamw",  # one of OPTIMIZERS; muon uses AdamW for embeddings, norms and the head
         lr=3e-4,
         schedule="cosine",  # one of SCHEDULES
         warmup_steps=100,
@@ -83,8 +86,17 @@ def defaults() -> ml_collections.ConfigDict:
         eps=1e-8,
         weight_decay=0.1,
         clip_norm=1.0,  # 0 disables clipping
+        momentum=0.9,  # sgd
+        z_loss=0.0,  # weight of log(Z)^2, which keeps the logits' normaliser near 1
     )
-    c.precision = dict(param_dtype="float32", compute_dtype="bfloat16")
+    c.precision = dict(
+        param_dtype="float32",
+        compute_dtype="bfloat16",
+        loss_scaling="auto",  # dynamic for float16 compute, none otherwise
+        initial_loss_scale=2.0**15,
+        loss_scale_growth_interval=2000,  # good steps before the scale doubles
+        moments_dtype="float32",  # optimiser moments; bfloat16 halves their memory
+    )
     c.train = dict(
         steps=1000,
         global_batch_size=32,  # sequences per optimiser update, over all devices and microbatches
@@ -93,6 +105,25 @@ def defaults() -> ml_collections.ConfigDict:
         log_every=10,
         eval_every=200,  # 0 disables validation
         eval_batches=4,
+        ramp_batch_size=0,  # > 0: start at this global batch and grow to global_batch_size ...
+        ramp_tokens=0,  # ... over this many tokens (the schedule counts tokens either way)
+        layer_grad_norms=False,  # also log each layer's gradient norm
+    )
+    # Bad steps (non-finite, or a gradient-norm spike) are skipped; too many in a
+    # window, or a loss that stays diverged, rolls back to the last healthy checkpoint.
+    c.stability = dict(
+        spike_factor=10.0,  # a gradient norm above this x its running mean is a spike (0 = off)
+        stats_warmup=20,  # steps of statistics before spikes are judged
+        max_bad_steps=4,  # bad steps within `bad_window` that trigger a rollback
+        bad_window=50,
+        diverge_factor=2.0,  # loss above this x its running mean ...
+        diverge_steps=20,  # ... for this many steps in a row triggers a rollback (0 = off)
+        rollback_lr_factor=0.5,  # learning rate multiplied by this at each rollback
+        max_rollbacks=3,
+    )
+    c.debug = dict(
+        poison_batches="",  # "i,j,...": these data batches yield non-finite gradients (a drill)
+        lr_spike="",  # "first:last:factor": data batches first..last train at factor x the learning rate
     )
     # Keep the newest `keep`, plus every multiple of `keep_every` (0 = none).
     # `async` is a Python keyword: read it as cfg.checkpoint["async"].
@@ -130,7 +161,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("model.remat", m.remat, REMAT_POLICIES)
     _choice("model.attention", m.attention, ATTENTION_IMPLS)
     _choice("optim.schedule", o.schedule, SCHEDULES)
-    _choice("optim.name", o.name, ("adamw",))
+    _choice("optim.name", o.name, OPTIMIZERS)
+    _choice("precision.loss_scaling", cfg.precision.loss_scaling, LOSS_SCALING)
+    _choice("precision.moments_dtype", cfg.precision.moments_dtype, ("float32", "bfloat16"))
     _choice("optim.decay_shape", o.decay_shape, ("linear", "cosine"))
     _choice("precision.param_dtype", cfg.precision.param_dtype, ("float32",))
     _choice("precision.compute_dtype", cfg.precision.compute_dtype, DTYPES)

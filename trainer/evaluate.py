@@ -1,7 +1,7 @@
 """Validation loss: during training on fixed batches, and of a saved checkpoint on a whole split.
 
-During training the same `train.eval_batches` batches (the first of the eval
-split, unshuffled) are used at every evaluation, so successive numbers compare
+During training the same `train.eval_batches` batches (microbatches of the
+eval split, the first ones, unshuffled) are used at every evaluation, so successive numbers compare
 like with like. `unigram_loss` is the entropy of the target tokens in those
 batches: the loss of the best model that ignores context, the bar any language
 model must clear. These batches are the openings of the first held-out
@@ -45,7 +45,7 @@ class Evaluator:
         setup = self._setup
         total, count = 0.0, 0.0
         for local in self._batches:
-            batch = pipeline.to_global(local, setup.batch_sharding, setup.cfg.train.global_batch_size)
+            batch = pipeline.to_global(local, setup.batch_sharding, pipeline.microbatch_size(setup.cfg))
             s, n = fetch(self._step(params, batch))
             total, count = total + float(s), count + float(n)
         return {"eval_loss": total / max(count, 1.0), "eval_tokens": count}
@@ -77,7 +77,7 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     elif not max_batches:
         raise ConfigError("a synthetic source has no end; pass a number of batches to evaluate.")
     setup, step, params = load_params(cfg, workdir, step, devices)
-    B, T = cfg.train.global_batch_size, cfg.data.seq_len
+    B, T = pipeline.microbatch_size(cfg), cfg.data.seq_len
     rows = pipeline.process_rows(setup.batch_sharding, B, T)
     if cfg.data.source == "synthetic":
         local_batches = pipeline.batches(cfg, cfg.data.eval_split, rows, shuffle=False)

@@ -265,7 +265,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     from trainer import workdir as wd
     from trainer.checkpoint import Checkpointer
     from trainer.setup import build
-    from trainer.state import TrainState, param_shardings
+    from trainer.state import param_shardings, state_from_params
 
     wanted = model_keys_from_hf(read_config(hf_dir))
     differ = [f"model.{k}={v!r} (config has {cfg.model[k]!r})" for k, v in wanted.items() if cfg.model[k] != v]
@@ -282,16 +282,10 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     if jax.tree.map(lambda a: a.shape, params) != expected:
         raise ConfigError(f"the weights in {hf_dir} do not have the shapes its config.json describes.")
     params = jax.device_put(params, param_shardings(setup.model, setup.shard))
-    init = jax.jit(
-        lambda p: TrainState(
-            jax.numpy.zeros((), jax.numpy.int32), p, setup.tx.init(p),
-            jax.random.key_data(jax.random.key(cfg.train.seed)),
-        ),
-        out_shardings=setup.state_shardings,
-    )  # fmt: skip
+    state = state_from_params(params, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.stability)
     wd.check_writable(workdir)
     wd.write_config(workdir, cfg)
     ckpt = Checkpointer(wd.checkpoint_dir(workdir), keep=cfg.checkpoint.keep)
-    ckpt.save(0, init(params), None)
+    ckpt.save(0, state, None)
     ckpt.wait()
     ckpt.close()

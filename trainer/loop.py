@@ -1,10 +1,14 @@
-"""The training loop: build, restore or initialise, step, log, evaluate, checkpoint.
+"""The training loop: build, restore or initialise, step, log, evaluate, checkpoint, recover.
 
 The loop never waits on the devices between log points: a step's metrics stay
 on device until a log step fetches them, so host work (reading the next batch)
 overlaps with device compute. Step time is wall time over the interval between
-two log points, evaluation and checkpoint time excluded.
+two log points, evaluation and checkpoint time excluded. Log points are also
+where the loop reads the device's stability counters and, if the run is in
+trouble, rolls back (trainer/stability.py, trainer/rollback.py).
 
+The run ends when `train.steps` full batches have been trained on: skipped
+steps and a batch-size ramp make that more steps than `train.steps`.
 SIGTERM (preemption) finishes the step in flight, saves a checkpoint at it and
 returns; the same command later resumes from there.
 """
@@ -14,8 +18,10 @@ from __future__ import annotations
 import time
 
 import jax
+import numpy as np
 
 from parallelism.distributed import fetch
+from trainer import batch_ramp, stability
 from trainer import workdir as wd
 from trainer.checkpoint import Checkpointer
 from trainer.data import pipeline
@@ -24,9 +30,9 @@ from trainer.flops import count_params, flops_per_token, peak_flops
 from trainer.metrics import MetricsWriter
 from trainer.planning import compiled_memory
 from trainer.preemption import watch_for_sigterm
+from trainer.rollback import roll_back
 from trainer.setup import Setup, build
-from trainer.state import abstract_train_state, create_train_state
-from trainer.step import abstract_batch, jit_train_step, make_train_step
+from trainer.step import abstract_batch, abstract_knobs
 
 
 def prepare_run(cfg, workdir: str) -> Setup:
@@ -50,110 +56,207 @@ def prepare_run(cfg, workdir: str) -> Setup:
 
 def train(cfg, workdir: str) -> dict:
     """Train, or resume from the newest readable checkpoint in `workdir`; returns the last logged values."""
-    setup = prepare_run(cfg, workdir)
-    primary = jax.process_index() == 0
-    say = print if primary else (lambda *a, **k: None)
-    if primary:
-        wd.write_config(workdir, cfg)
-    t, B, T = cfg.train, cfg.train.global_batch_size, cfg.data.seq_len
-
-    rows = pipeline.process_rows(setup.batch_sharding, B, T)
-    ckpt = Checkpointer(
-        wd.checkpoint_dir(workdir),
-        keep=cfg.checkpoint.keep,
-        keep_every=cfg.checkpoint.keep_every,
-        async_save=cfg.checkpoint["async"],
-    )
-    latest = ckpt.latest_step()
-    if latest is not None and latest >= t.steps:
-        say(f"already trained to step {latest} of {t.steps}; raise train.steps to go on")
-        ckpt.close()
-        return {"step": latest}
-
-    abstract = abstract_train_state(setup.model, setup.tx, setup.shard)
-
-    def restore(step):
-        data = iter(pipeline.batches(cfg, cfg.data.train_split, rows, shuffle=True))
-        return ckpt.restore(step, abstract, data), data
-
-    found = ckpt.restore_newest_intact(restore, say)
-    if found is None:
-        state = create_train_state(setup.spec, setup.model, setup.tx, setup.shard, t.seed)
-        data = iter(pipeline.batches(cfg, cfg.data.train_split, rows, shuffle=True))
-        start = 0
-    else:
-        start, (state, data) = found
-        say(f"resumed from the checkpoint at step {start}")
-
-    counts = count_params(setup.model.abstract_params)
-    fpt = flops_per_token(setup.spec, setup.model.abstract_params, T)
-    peak = peak_flops(setup.mesh.devices.flatten().tolist())
-    say(
-        f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
-        f"{fpt / 1e6:.1f} MFLOPs/token; mesh {dict(setup.mesh.shape)}"
-    )
-
-    compile_start = time.perf_counter()
-    step_fn = jit_train_step(
-        make_train_step(setup.model, setup.tx, setup.shard, t.grad_accum_steps), setup.state_shardings, setup.shard
-    )
-    step_fn = step_fn.lower(state, abstract_batch(B, T, setup.batch_sharding)).compile()
-    say(
-        f"compiled the train step in {time.perf_counter() - compile_start:.1f}s, "
-        f"{compiled_memory(step_fn)['total'] / 2**30:.2f} GiB per device"
-    )
-
-    evaluator = Evaluator(setup, rows) if t.eval_every else None
-    unigram = evaluator.unigram_loss() if evaluator else None
-    writer = MetricsWriter(workdir, resume_step=start, enabled=primary)
-    last: dict = {}
-    step, mark_step, mark_time = start, start, time.perf_counter()
+    run = Run(cfg, workdir, prepare_run(cfg, workdir))
     try:
+        if run.finished():
+            run.say(f"already trained to step {run.step}; raise train.steps to go on")
+            return {"step": run.step}
+        run.start()
         with watch_for_sigterm() as stop:
-            while step < t.steps and not stop.requested:
-                batch = pipeline.to_global(next(data), setup.batch_sharding, B)
-                state, metrics = step_fn(state, batch)
-                step += 1
-                if step % t.log_every == 0 or step == t.steps:
-                    values = {k: float(v) for k, v in fetch(metrics).items()}
-                    step_time = (time.perf_counter() - mark_time) / (step - mark_step)
-                    tokens_per_sec = B * T / step_time
-                    mfu = fpt * tokens_per_sec / peak if peak else None
-                    last = {**values, "tokens_per_sec": tokens_per_sec, "mfu": mfu, "step_time": step_time}
-                    writer.write(step, last, console=_console_line(step, t.steps, last))
-                    mark_step, mark_time = step, time.perf_counter()
-                evaluate = evaluator is not None and (step % t.eval_every == 0 or step == t.steps)
-                save = step % cfg.checkpoint.every_steps == 0 or step == t.steps or stop.requested
-                if not (evaluate or save):
-                    continue
-                # Let queued training steps finish first, so that the pause excluded
-                # from step_time is evaluation and saving alone.
-                jax.block_until_ready(state)
-                paused = time.perf_counter()
-                if evaluate:
-                    result = {**evaluator(state.params), "unigram_loss": unigram}
-                    last.update(result)
-                    writer.write(
-                        step,
-                        result,
-                        console=f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {unigram:.4f})",
-                    )
-                if save:
-                    ckpt.save(step, state, data)
-                mark_time += time.perf_counter() - paused
+            while not stop.requested and not run.finished():
+                metrics = run.take_step()
+                if run.step % cfg.train.log_every == 0 or run.trained >= run.target:
+                    trouble = run.log(metrics)
+                    if trouble:
+                        run.roll_back(trouble)
+                        continue
+                run.evaluate_and_save(force_save=stop.requested)
             if stop.requested:
-                say(f"stopping on signal {stop.signal}: checkpoint saved at step {step}; rerun to resume")
-                last["preempted"] = True
+                run.save_now()
+                run.say(f"stopping on signal {stop.signal}: checkpoint saved at step {run.step}; rerun to resume")
+                run.last["preempted"] = True
     finally:
-        ckpt.wait()
-        ckpt.close()
-        writer.close()
-    return {"step": step, **last}
+        run.close()
+    return {"step": run.step, **run.last}
 
 
-def _console_line(step: int, total: int, m: dict) -> str:
+class Run:
+    """One training run's moving parts, so that train() reads as the loop it is."""
+
+    def __init__(self, cfg, workdir: str, setup: Setup):
+        self.cfg, self.setup = cfg, setup
+        self.primary = jax.process_index() == 0
+        self.say = print if self.primary else (lambda *a, **k: None)
+        if self.primary:
+            wd.write_config(workdir, cfg)
+        t = cfg.train
+        self.micro = pipeline.microbatch_size(cfg)
+        self.target = t.steps * t.grad_accum_steps  # microbatches to train on
+        self.rows = pipeline.process_rows(setup.batch_sharding, self.micro, cfg.data.seq_len)
+        self.ckpt = Checkpointer(
+            wd.checkpoint_dir(workdir), keep=cfg.checkpoint.keep, keep_every=cfg.checkpoint.keep_every,
+            async_save=cfg.checkpoint["async"],
+        )  # fmt: skip
+        self.abstract = setup.abstract_state()
+        found = self.ckpt.restore_newest_intact(self._restore, self.say)
+        self.resumed = found is not None
+        self.state, self.data = found[1] if found else (setup.new_state(), self._new_data())
+        self._read_clocks()
+        self.writer = MetricsWriter(workdir, resume_step=self.step, enabled=self.primary)
+        self.last: dict = {}
+
+    def _new_data(self):
+        return iter(pipeline.batches(self.cfg, self.cfg.data.train_split, self.rows, shuffle=True))
+
+    def _restore(self, step: int):
+        data = self._new_data()
+        return self.ckpt.restore(step, self.abstract, data), data
+
+    def _read_clocks(self) -> None:
+        """Step, microbatches trained on and read, skipped steps: a (small) sync with the device."""
+        s = fetch({"step": self.state.step, **self.state.stability})
+        self.step, self.trained, self.data_read = int(s["step"]), int(s["microbatches"]), int(s["data_read"])
+        self.skipped_seen = int(s["skipped"])
+
+    def finished(self) -> bool:
+        if self.trained >= self.target:  # an estimate between syncs: a skipped step trains on nothing
+            self._read_clocks()
+        return self.trained >= self.target
+
+    def start(self) -> None:
+        cfg, setup = self.cfg, self.setup
+        if self.resumed:
+            self.say(f"resumed from the checkpoint at step {self.step}")
+        counts = count_params(setup.model.abstract_params)
+        self.flops_per_token = flops_per_token(setup.spec, setup.model.abstract_params, cfg.data.seq_len)
+        self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
+        self.say(
+            f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
+            f"{self.flops_per_token / 1e6:.1f} MFLOPs/token; mesh {dict(setup.mesh.shape)}"
+        )
+        self._compiled: dict = {}
+        self._step_fn(batch_ramp.microbatches_per_step(cfg, self.trained, self.micro))
+        self.drills = stability.Drills.from_config(cfg)
+        self.evaluator = Evaluator(setup, self.rows) if cfg.train.eval_every else None
+        self.unigram = self.evaluator.unigram_loss() if self.evaluator else None
+        self._mark()
+
+    def _step_fn(self, k: int):
+        """The train step compiled ahead of time for k microbatches (a ramp uses a few sizes)."""
+        if k not in self._compiled:
+            s, start = self.setup, time.perf_counter()
+            batch = abstract_batch(k * self.micro, self.cfg.data.seq_len, s.batch_sharding)
+            self._compiled[k] = s.train_step(k).lower(self.abstract, batch, abstract_knobs(s.shard)).compile()
+            seconds = time.perf_counter() - start
+            self.say(
+                f"compiled the train step for {k * self.micro} sequences in {seconds:.1f}s, "
+                f"{compiled_memory(self._compiled[k])['total'] / 2**30:.2f} GiB per device"
+            )
+            if hasattr(self, "mark_time"):
+                self.mark_time += seconds  # compiling is not training time
+        return self._compiled[k]
+
+    def _mark(self) -> None:
+        self.mark_step, self.mark_time, self.mark_tokens = self.step, time.perf_counter(), 0
+
+    def take_step(self):
+        """Dispatch one step (no waiting on the device); returns its metrics, still on the device."""
+        # The last step of a ramp may need fewer microbatches than the stage: train exactly the target.
+        k = min(batch_ramp.microbatches_per_step(self.cfg, self.trained, self.micro), self.target - self.trained)
+        batch = pipeline.interleave([next(self.data) for _ in range(k)])
+        batch = pipeline.to_global(batch, self.setup.batch_sharding, k * self.micro)
+        knobs = {n: np.float32(v) for n, v in self.drills.knobs(self.data_read, k).items()}
+        knobs = jax.device_put(knobs, self.setup.shard.replicated())
+        self.state, metrics = self._step_fn(k)(self.state, batch, knobs)
+        self.step, self.trained, self.data_read = self.step + 1, self.trained + k, self.data_read + k
+        self.mark_tokens += k * self.micro * self.cfg.data.seq_len
+        return metrics
+
+    def log(self, metrics) -> str | None:
+        """Write the step's metrics (and any skipped-step event); returns why to roll back, if so."""
+        values = _floats(fetch(metrics))
+        self.trained = int(values["microbatches"])
+        elapsed = time.perf_counter() - self.mark_time
+        tokens_per_sec = self.mark_tokens / elapsed
+        self.last = {
+            **values,
+            "tokens_per_sec": tokens_per_sec,
+            "mfu": self.flops_per_token * tokens_per_sec / self.peak if self.peak else None,
+            "step_time": elapsed / (self.step - self.mark_step),
+        }
+        batches = self.trained / self.cfg.train.grad_accum_steps
+        self.writer.write(
+            self.step, self.last, console=_console_line(self.step, batches, self.cfg.train.steps, self.last)
+        )
+        self._mark()
+        skipped = int(values["skipped_total"]) - self.skipped_seen
+        if skipped > 0:
+            self.skipped_seen += skipped
+            self.writer.write(
+                self.step, {"event": "skipped", "steps": skipped, "total": self.skipped_seen},
+                console=f"step {self.step:>6}  skipped {skipped} bad step(s) since the last log line (non-finite "
+                f"or spiking gradients; {self.skipped_seen} in all): parameters unchanged by them",
+            )  # fmt: skip
+        return stability.trouble(self.cfg, int(values["bad_in_window"]), int(values["diverged_run"]))
+
+    def roll_back(self, reason: str) -> None:
+        from_step = self.step
+        self.state, skipped_batches = roll_back(self.cfg, self.ckpt, self.abstract, self.state, self.data_read)
+        self._read_clocks()
+        lr_scale = float(fetch(self.state.stability["lr_scale"]))
+        event = {"event": "rollback", "reason": reason, "from_step": from_step, "to_step": self.step,
+                 "lr_scale": lr_scale, "data_batches_skipped": skipped_batches}  # fmt: skip
+        self.writer.write(self.step, event, console=(
+            f"step {from_step:>6}  ROLLBACK to step {self.step}: {reason}; learning rate now x{lr_scale:g}, "
+            f"the {event['data_batches_skipped']} data batches read since the checkpoint skipped"))  # fmt: skip
+        self._mark()
+
+    def evaluate_and_save(self, force_save: bool) -> None:
+        cfg, step, done = self.cfg, self.step, self.trained >= self.target
+        evaluate = self.evaluator is not None and (step % cfg.train.eval_every == 0 or done)
+        save = step % cfg.checkpoint.every_steps == 0 or done or force_save
+        if not (evaluate or save):
+            return
+        # Let queued training steps finish first, so that the pause excluded
+        # from step_time is evaluation and saving alone.
+        jax.block_until_ready(self.state)
+        paused = time.perf_counter()
+        if evaluate:
+            result = {**self.evaluator(self.state.params), "unigram_loss": self.unigram}
+            self.last.update(result)
+            self.writer.write(step, result, console=(
+                f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {self.unigram:.4f})"))  # fmt: skip
+        if save:
+            self.ckpt.save(step, self.state, self.data)
+        self.mark_time += time.perf_counter() - paused
+
+    def save_now(self) -> None:
+        if self.step not in self.ckpt.steps():
+            self.ckpt.save(self.step, self.state, self.data)
+
+    def close(self) -> None:
+        self.ckpt.wait()
+        self.ckpt.close()
+        self.writer.close()
+
+
+def _floats(values: dict) -> dict[str, float]:
+    """Scalars as floats; a vector (per-layer norms) as one entry per element."""
+    out = {}
+    for name, v in values.items():
+        v = np.asarray(v)
+        if v.ndim == 0:
+            out[name] = float(v)
+        else:
+            out.update({f"{name}/{i}": float(x) for i, x in enumerate(v)})
+    return out
+
+
+def _console_line(step: int, batches: float, total: int, m: dict) -> str:
     mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
+    scale = f"  scale {m['loss_scale']:.0f}" if m["loss_scale"] != 1.0 else ""
     return (
-        f"step {step:>6}/{total}  loss {m['loss']:.4f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.3f}  "
-        f"tok/s {m['tokens_per_sec']:,.0f}  mfu {mfu}  step {m['step_time']:.3f}s"
+        f"step {step:>6} ({batches:g}/{total})  loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
+        f"grad_norm {m['grad_norm']:.3f}{scale}  tok/s {m['tokens_per_sec']:,.0f}  mfu {mfu}  "
+        f"step {m['step_time']:.3f}s"
     )

@@ -24,10 +24,14 @@ def target_weights(tokens: jax.Array, segment_ids: jax.Array | None):
 
 
 def cross_entropy_sum(logits: jax.Array, tokens: jax.Array, segment_ids: jax.Array | None):
-    """(sum of token losses, number of predicted tokens); the caller divides once per global batch."""
+    """(sum of token losses, number of predicted tokens, sum of log(Z)^2) over the batch.
+
+    The caller divides once per global batch. log Z (the softmax normaliser) is
+    what z-loss keeps near 0, which stops the logits drifting upwards in bf16.
+    """
     chex.assert_equal_shape_prefix([logits, tokens], 2)
     targets, weights = target_weights(tokens, segment_ids)
     logits = logits.astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum((log_z - target_logit) * weights), jnp.sum(weights)
+    return jnp.sum((log_z - target_logit) * weights), jnp.sum(weights), jnp.sum(log_z * log_z * weights)

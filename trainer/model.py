@@ -47,11 +47,21 @@ class ModelSpec:
     scan_layers: bool = True
     attention: str = "xla"
     init_std: float = 0.02
+    mup_base_width: int = 0
     compute_dtype: str = "float32"
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def width_multiplier(self) -> float:
+        """muP's m = d_model / base width (1 without muP); see trainer/mup.py."""
+        return self.d_model / self.mup_base_width if self.mup_base_width else 1.0
+
+    @property
+    def hidden_init_std(self) -> float:
+        return self.init_std / self.width_multiplier**0.5
 
     @classmethod
     def from_config(cls, cfg) -> ModelSpec:
@@ -93,10 +103,11 @@ def apply_rope(x: jax.Array, tables) -> jax.Array:
 class Attention(nnx.Module):
     def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
         d, n, k, h = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
-        out_std = spec.init_std / (2 * spec.n_layers) ** 0.5  # keeps the residual stream's growth depth-independent
-        self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), spec.init_std)
-        self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), spec.init_std)
-        self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), spec.init_std)
+        std = spec.hidden_init_std
+        out_std = std / (2 * spec.n_layers) ** 0.5  # keeps the residual stream's growth depth-independent
+        self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), std)
+        self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std)
+        self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std)
         self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
         self.spec, self.shard = spec, shard
 
@@ -123,9 +134,10 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
-        out_std = spec.init_std / (2 * spec.n_layers) ** 0.5
-        self.w_gate = _param(rngs, (spec.d_model, spec.d_ff), ("embed", "mlp"), spec.init_std)
-        self.w_up = _param(rngs, (spec.d_model, spec.d_ff), ("embed", "mlp"), spec.init_std)
+        std = spec.hidden_init_std
+        out_std = std / (2 * spec.n_layers) ** 0.5
+        self.w_gate = _param(rngs, (spec.d_model, spec.d_ff), ("embed", "mlp"), std)
+        self.w_up = _param(rngs, (spec.d_model, spec.d_ff), ("embed", "mlp"), std)
         self.w_down = _param(rngs, (spec.d_ff, spec.d_model), ("mlp", "embed"), out_std)
         self.spec, self.shard = spec, shard
 
@@ -174,8 +186,13 @@ class Decoder(nnx.Module):
         chex.assert_equal_shape([tokens, *(a for a in (positions, segment_ids) if a is not None)])
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        logits, _ = self._run(tokens, positions, segment_ids, None)
+        logits, _, _ = self._run(tokens, positions, segment_ids, None)
         return logits
+
+    def hidden_states(self, tokens) -> jax.Array:
+        """The residual stream after each layer, (layers, batch, seq, d_model): for coordinate checks."""
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        return self._run(tokens, positions, None, None, collect=True)[2]
 
     def decode(self, tokens, positions, cache):
         """Logits for `tokens` at `positions` given a KV cache of earlier positions; returns (logits, cache).
@@ -184,9 +201,10 @@ class Decoder(nnx.Module):
         call can prefill a whole prompt or extend by a token.
         """
         chex.assert_equal_shape([tokens, positions])
-        return self._run(tokens, positions, None, cache)
+        logits, cache, _ = self._run(tokens, positions, None, cache)
+        return logits, cache
 
-    def _run(self, tokens, positions, segment_ids, cache):
+    def _run(self, tokens, positions, segment_ids, cache, collect: bool = False):
         spec, dt = self.spec, self.spec.compute_dtype
         # Look up in the whole table, all-gathered like any FSDP weight at its
         # use: a gather from a sharded table makes XLA fall back to replicating
@@ -200,20 +218,23 @@ class Decoder(nnx.Module):
         def layer(x, inputs):
             params, layer_cache = inputs
             block_cache = None if layer_cache is None else (*layer_cache, positions)
-            return nnx.merge(graphdef, params)(x, tables, segment_ids, block_cache)
+            x, new_cache = nnx.merge(graphdef, params)(x, tables, segment_ids, block_cache)
+            return x, (new_cache, x if collect else None)
 
         if REMAT[spec.remat] is not None and cache is None:
             layer = jax.checkpoint(layer, policy=REMAT[spec.remat], prevent_cse=not spec.scan_layers)
         if spec.scan_layers:
-            x, cache = jax.lax.scan(layer, x, (stacked, cache))
+            x, (cache, hidden) = jax.lax.scan(layer, x, (stacked, cache))
         else:
-            new = []
+            outs = []
             for i in range(spec.n_layers):
-                x, layer_cache = layer(x, jax.tree.map(lambda a, i=i: a[i], (stacked, cache)))
-                new.append(layer_cache)
-            cache = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
+                x, out = layer(x, jax.tree.map(lambda a, i=i: a[i], (stacked, cache)))
+                outs.append(out)
+            cache, hidden = jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs[0] != (None, None) else (None, None)
 
         x = self.final_norm(x)
         head = self.embed[...].T if spec.tie_embeddings else self.lm_head[...]
         logits = jnp.dot(x, head.astype(dt), preferred_element_type=jnp.float32)
-        return self.shard.constrain(logits, ("batch", "seq", "vocab")), cache
+        if spec.mup_base_width:
+            logits = logits / spec.width_multiplier  # muP's output multiplier
+        return self.shard.constrain(logits, ("batch", "seq", "vocab")), cache, hidden

@@ -1,16 +1,29 @@
-"""The Optax chain: global-norm clipping, then AdamW on a scheduled learning rate.
+"""The Optax chain: global-norm clipping, then the chosen optimiser at an injected learning rate.
 
-Weight decay is decoupled (applied to the parameters, scaled by the learning
-rate, not mixed into the Adam moments) and skips norm scales and biases: decaying
-a norm's gain towards zero fights the normalisation instead of regularising.
+Every optimiser gets the same clipping, the same decoupled weight decay (applied
+to the parameters, scaled by the learning rate) and the same decay mask, which
+skips norm scales and biases: decaying a norm's gain towards zero fights the
+normalisation instead of regularising.
+
+- adamw: the default.
+- lion: sign of an interpolated momentum; wants a 3-10x smaller learning rate.
+- adafactor: factored second moments (row and column statistics), little memory.
+- sgd: heavy-ball momentum (`optim.momentum`).
+- muon: Newton-Schulz-orthogonalised momentum for the layers' weight matrices
+  (the stacked layer axis is a batch axis), AdamW for embeddings, norms and the
+  head; its updates are scaled to AdamW's RMS so one learning rate serves both.
+
+The learning rate is a hyperparameter in the optimiser state, set by the train
+step before each update (schedule x rollback scale), so the logged rate is the
+one the update used.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
-
-from trainer.schedules import make_schedule
+from optax.contrib import MuonDimensionNumbers
 
 NO_DECAY_NAMES = ("scale", "bias")
 
@@ -22,21 +35,84 @@ def decay_mask(params):
     )
 
 
-def make_optimizer(cfg) -> optax.GradientTransformation:
+def muon_dimensions(logical_names: dict):
+    """Which axes of each stacked weight are the matrix's input and output; None = AdamW."""
+
+    def dims(names):
+        if names[0] != "layers" or len(names) < 3:
+            return None  # embeddings, head, norms
+        if names[1] == "embed":  # (layers, embed, out...): wq, wk, wv, w_gate, w_up
+            return MuonDimensionNumbers(reduction_axis=(1,), output_axis=tuple(range(2, len(names))))
+        if names[-1] == "embed":  # (layers, in..., embed): wo, w_down
+            return MuonDimensionNumbers(reduction_axis=tuple(range(1, len(names) - 1)), output_axis=(len(names) - 1,))
+        return None
+
+    return jax.tree.map(dims, logical_names, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def moments_in(dtype, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Keep `inner`'s floating-point state in `dtype` (bfloat16 halves Adam's memory); compute in fp32."""
+
+    def cast(tree, to):
+        return jax.tree.map(lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(lambda params: cast(inner.init(params), dtype), update)
+
+
+def make_optimizer(cfg, logical_names: dict) -> optax.GradientTransformation:
     o = cfg.optim
 
-    # The mask is a closure, not an argument: inject_hyperparams would take a
-    # callable argument for a schedule and silently disable the decay.
-    def adamw(learning_rate, weight_decay):
-        return optax.adamw(learning_rate, b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=weight_decay, mask=decay_mask)
+    # Masks are closures, not arguments: inject_hyperparams would take a callable
+    # argument for a schedule and silently disable the decay.
+    def build(learning_rate, weight_decay):
+        if o.name == "adamw":
+            inner = optax.adamw(learning_rate, o.b1, o.b2, o.eps, weight_decay=weight_decay, mask=decay_mask)
+        elif o.name == "lion":
+            inner = optax.lion(learning_rate, o.b1, o.b2, weight_decay=weight_decay, mask=decay_mask)
+        elif o.name == "adafactor":
+            # Not multiplied by the parameters' scale (T5's relative step): with small initial
+            # weights that shrinks every update ~50x, and optim.lr should mean the same for all.
+            inner = optax.adafactor(
+                learning_rate, multiply_by_parameter_scale=False, weight_decay_rate=weight_decay,
+                weight_decay_mask=decay_mask,
+            )  # fmt: skip
+        elif o.name == "sgd":
+            inner = optax.chain(
+                optax.trace(decay=o.momentum),
+                optax.add_decayed_weights(weight_decay, decay_mask),
+                optax.scale_by_learning_rate(learning_rate),
+            )
+        else:  # muon
+            inner = optax.contrib.muon(
+                learning_rate, beta=o.b1, weight_decay=weight_decay, weight_decay_mask=decay_mask,
+                adam_b1=o.b1, adam_b2=o.b2, adam_weight_decay=weight_decay,
+                muon_weight_dimension_numbers=muon_dimensions(logical_names), consistent_rms=0.2,
+            )  # fmt: skip
+        if cfg.precision.moments_dtype != "float32":
+            inner = moments_in(jnp.dtype(cfg.precision.moments_dtype), inner)
+        return inner
 
-    # inject_hyperparams keeps the learning rate each update used in the
-    # optimiser state, so the logged value is the applied one, not a recomputation.
-    tx = optax.inject_hyperparams(adamw)(learning_rate=make_schedule(o, cfg.train.steps), weight_decay=o.weight_decay)
+    tx = optax.inject_hyperparams(build)(learning_rate=0.0, weight_decay=o.weight_decay)
     clip = optax.clip_by_global_norm(o.clip_norm) if o.clip_norm > 0 else optax.identity()
-    return optax.chain(clip, tx)
+    chain = [clip, tx]
+    if cfg.model.mup_base_width:
+        from trainer.mup import scale_updates
+
+        chain.append(scale_updates(cfg, logical_names))
+    return optax.chain(*chain)
 
 
 def applied_learning_rate(opt_state) -> jax.Array:
-    """The rate the last update used: chain state = (clip, injected AdamW)."""
+    """The rate the last update used: chain state = (clip, injected optimiser, ...)."""
     return opt_state[1].hyperparams["learning_rate"]
+
+
+def with_learning_rate(opt_state, learning_rate: jax.Array):
+    """The optimiser state with the rate the next update will use."""
+    inject = opt_state[1]
+    inject = inject._replace(hyperparams={**inject.hyperparams, "learning_rate": learning_rate})
+    return (opt_state[0], inject, *opt_state[2:])

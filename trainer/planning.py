@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from parallelism import collectives
 from trainer.flops import count_params, flops_per_token
 from trainer.setup import build
-from trainer.state import abstract_train_state, param_shardings
-from trainer.step import abstract_batch, jit_train_step, make_train_step
+from trainer.state import param_shardings
+from trainer.step import abstract_batch, abstract_knobs
 
 
 def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False) -> dict:
@@ -44,13 +44,12 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     if not compile_step:
         return result
     start = time.perf_counter()
-    step = jit_train_step(
-        make_train_step(setup.model, setup.tx, setup.shard, t.grad_accum_steps), setup.state_shardings, setup.shard
-    )
-    compiled = step.lower(
-        abstract_train_state(setup.model, setup.tx, setup.shard),
-        abstract_batch(t.global_batch_size, seq, setup.batch_sharding),
-    ).compile()
+    compiled = (
+        setup.train_step()
+        .lower(setup.abstract_state(), abstract_batch(t.global_batch_size, seq, setup.batch_sharding),
+               abstract_knobs(setup.shard))
+        .compile()
+    )  # fmt: skip
     breakdown = compiled_memory(compiled)
     result["compiled_bytes_per_device"] = breakdown.pop("total")
     result["compiled_breakdown"] = breakdown
@@ -95,7 +94,7 @@ def sharding_table(setup) -> list[dict]:
 
 def state_bytes_per_device(setup) -> dict[str, int]:
     """Bytes of parameters and optimiser state on one device, from the shardings alone."""
-    state = abstract_train_state(setup.model, setup.tx, setup.shard)
+    state = setup.abstract_state()
 
     def size(tree):
         return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))

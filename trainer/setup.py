@@ -14,12 +14,14 @@ from jax.sharding import Mesh, NamedSharding
 
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding, check_rules, parse_rules
+from trainer import batch_ramp, mup
 from trainer.config import check_mesh_fit, validate
 from trainer.model import ModelSpec
 from trainer.optimizer import make_optimizer
 from trainer.schedules import make_schedule
-from trainer.state import ModelDef, TrainState, state_shardings
-from trainer.step import BATCH_NAMES
+from trainer.stability import Drills, initial_state
+from trainer.state import ModelDef, TrainState, abstract_train_state, create_train_state, state_shardings
+from trainer.step import BATCH_NAMES, jit_train_step, make_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,11 +34,27 @@ class Setup:
     tx: optax.GradientTransformation
     state_shardings: TrainState
     batch_sharding: NamedSharding
+    stability: dict  # the initial stability state (trainer/stability.py)
+
+    def new_state(self) -> TrainState:
+        return create_train_state(self.spec, self.model, self.tx, self.shard, self.cfg.train.seed, self.stability)
+
+    def abstract_state(self) -> TrainState:
+        return abstract_train_state(self.model, self.tx, self.shard, self.stability)
+
+    def train_step(self, microbatches: int | None = None):
+        """The jitted step over `microbatches` (default train.grad_accum_steps) microbatches."""
+        k = microbatches or self.cfg.train.grad_accum_steps
+        return jit_train_step(make_train_step(self.model, self.tx, self.shard, self.cfg, k), self.state_shardings,
+                              self.shard)  # fmt: skip
 
 
 def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     validate(cfg)
     make_schedule(cfg.optim, cfg.train.steps)  # refuses schedule phases that do not fit
+    mup.check(cfg)
+    batch_ramp.check(cfg, cfg.train.global_batch_size // cfg.train.grad_accum_steps)
+    Drills.from_config(cfg)  # refuses drills that do not parse
     mesh = make_mesh(cfg.mesh, devices)
     check_mesh_fit(cfg, mesh)
     rules = parse_rules(cfg.mesh.rules, cfg.mesh.sequence_parallel)
@@ -44,5 +62,7 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     shard = LogicalSharding.create(mesh, rules)
     spec = ModelSpec.from_config(cfg)
     model = ModelDef.create(spec, shard)
-    tx = make_optimizer(cfg)
-    return Setup(cfg, mesh, shard, spec, model, tx, state_shardings(model, tx, shard), shard.named(BATCH_NAMES))
+    tx = make_optimizer(cfg, model.logical_names)
+    stability = initial_state(cfg)
+    shardings = state_shardings(model, tx, shard, stability)
+    return Setup(cfg, mesh, shard, spec, model, tx, shardings, shard.named(BATCH_NAMES), stability)

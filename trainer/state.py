@@ -22,10 +22,11 @@ from trainer.model import Decoder, ModelSpec
 
 @flax.struct.dataclass
 class TrainState:
-    step: jax.Array  # int32 scalar: optimiser updates applied so far
+    step: jax.Array  # int32 scalar: train steps taken (skipped ones included)
     params: dict
     opt_state: optax.OptState
     rng: jax.Array  # raw uint32 key data, so checkpoints hold plain arrays
+    stability: dict  # loss scale, learning-rate scale, clocks and running statistics (trainer/stability.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,38 +68,75 @@ def abstract_params(model: ModelDef, shard: LogicalSharding) -> dict:
     )
 
 
-def state_shardings(model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding) -> TrainState:
-    """Shardings for every array in the state: optimiser moments follow their parameter."""
+def state_shardings(
+    model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, stability: dict
+) -> TrainState:
+    """Shardings for every array in the state: optimiser moments follow their parameter.
+
+    A state array whose key path ends with a parameter's path and has its shape
+    (Adam's moments, Lion's and Muon's momentum) is placed like that parameter;
+    anything else (counters, Adafactor's row and column statistics) is small
+    and replicated. Matching by path works for any optimiser's state layout.
+    """
     params = param_shardings(model, shard)
-    opt_abstract = jax.eval_shape(tx.init, model.abstract_params)
-    opt = optax.tree_map_params(
-        tx, lambda _, s: s, opt_abstract, params, transform_non_params=lambda _: shard.replicated()
-    )
+    by_path = {
+        _keys(path): (array.shape, sharding)
+        for (path, array), sharding in zip(
+            jax.tree_util.tree_leaves_with_path(model.abstract_params), jax.tree.leaves(params), strict=True
+        )
+    }
     rep = shard.replicated()
-    return TrainState(step=rep, params=params, opt_state=opt, rng=rep)
+
+    def place(path, leaf):
+        keys = _keys(path)
+        for start in range(len(keys)):
+            shape, sharding = by_path.get(keys[start:], (None, None))
+            if shape == leaf.shape:
+                return sharding
+        return rep
+
+    opt = jax.tree_util.tree_map_with_path(place, jax.eval_shape(tx.init, model.abstract_params))
+    return TrainState(rep, params, opt, rep, jax.tree.map(lambda _: rep, stability))
+
+
+def _keys(path) -> tuple:
+    return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def _new_state(params, tx, key, stability) -> TrainState:
+    rng = jax.random.key_data(jax.random.fold_in(key, 1))
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), rng, stability)
 
 
 def create_train_state(
-    spec: ModelSpec, model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, seed: int
-) -> TrainState:
+    spec: ModelSpec, model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, seed: int,
+    stability: dict,
+) -> TrainState:  # fmt: skip
     def init(seed):
         key = jax.random.key(seed)
-        params = init_params(spec, shard, jax.random.fold_in(key, 0))
-        rng = jax.random.key_data(jax.random.fold_in(key, 1))
-        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), rng)
+        return _new_state(init_params(spec, shard, jax.random.fold_in(key, 0)), tx, key, stability)
 
-    shardings = state_shardings(model, tx, shard)
+    shardings = state_shardings(model, tx, shard, stability)
     return jax.jit(init, out_shardings=shardings)(jnp.asarray(seed, jnp.uint32))
 
 
-def abstract_train_state(model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding) -> TrainState:
+def state_from_params(
+    params: dict, model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, seed: int,
+    stability: dict,
+) -> TrainState:  # fmt: skip
+    """Step 0 of a run that starts from given (sharded) parameters, e.g. imported ones."""
+    shardings = state_shardings(model, tx, shard, stability)
+    new = jax.jit(lambda p, s: _new_state(p, tx, jax.random.key(s), stability), out_shardings=shardings)
+    return new(params, jnp.asarray(seed, jnp.uint32))
+
+
+def abstract_train_state(
+    model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, stability: dict
+) -> TrainState:
     """ShapeDtypeStructs carrying their shardings: restore targets and AOT-compile inputs."""
-    shapes = jax.eval_shape(
-        lambda p: TrainState(jnp.zeros((), jnp.int32), p, tx.init(p), jax.random.key_data(jax.random.key(0))),
-        model.abstract_params,
-    )
+    shapes = jax.eval_shape(lambda p: _new_state(p, tx, jax.random.key(0), stability), model.abstract_params)
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         shapes,
-        state_shardings(model, tx, shard),
+        state_shardings(model, tx, shard, stability),
     )

@@ -1,10 +1,15 @@
 """The jitted train and eval steps.
 
-One train step is one optimiser update on one global batch. With
-`grad_accum_steps = k` the batch is cut into k microbatches inside the jitted
-step and their gradients summed in fp32 by a scan; token losses are summed and
-divided once by the global token count, so k microbatches give the gradient of
-the full batch, not an average of per-microbatch means.
+One train step is one optimiser update on `k` microbatches (grad accumulation,
+or the current stage of a batch-size ramp), split inside the jitted step and
+accumulated in fp32 by a scan. Token losses are summed and divided once by the
+step's token count, so k microbatches give the gradient of the whole batch,
+not an average of per-microbatch means.
+
+The step then judges itself (trainer/stability.py): non-finite or spiking
+gradients leave parameters and optimiser state untouched. The learning rate is
+set here, from the schedule at the current token count, times the rollback
+scale and any drill multiplier, so a step's logged rate is the one it used.
 """
 
 from __future__ import annotations
@@ -16,25 +21,27 @@ import jax.numpy as jnp
 import optax
 
 from parallelism.rules import LogicalSharding
+from trainer import stability
 from trainer.loss import cross_entropy_sum
-from trainer.optimizer import applied_learning_rate
+from trainer.optimizer import applied_learning_rate, with_learning_rate
+from trainer.precision import LossScaling
+from trainer.schedules import make_schedule
 from trainer.state import ModelDef, TrainState, param_shardings
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions")
 BATCH_NAMES = ("batch", "seq")
+KNOBS = ("loss_multiplier", "lr_multiplier")
 
 
-def _loss_sum(model: ModelDef, params, batch):
+def _losses(model: ModelDef, params, batch, z_loss: float):
+    """(objective sum, (cross-entropy sum, token count, largest |logit|)) over the batch."""
     logits = model.apply(params, batch["tokens"], batch["positions"], batch["segment_ids"])
-    return cross_entropy_sum(logits, batch["tokens"], batch["segment_ids"])
+    ce, count, log_z_sq = cross_entropy_sum(logits, batch["tokens"], batch["segment_ids"])
+    return ce + z_loss * log_z_sq, (ce, count, jnp.max(jnp.abs(logits)))
 
 
 def split_microbatches(batch: dict, k: int, shard: LogicalSharding) -> dict:
-    """(B, T) -> (k, B/k, T), microbatch j = rows j, j+k, j+2k, ...
-
-    Strided, not contiguous: every device's block of rows holds rows of every
-    microbatch, so each microbatch stays spread over all data-parallel devices.
-    """
+    """(k*m, T) -> (k, m, T), microbatch j = rows j, j+k, j+2k, ... (see pipeline.interleave)."""
 
     def split(x):
         x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
@@ -43,56 +50,110 @@ def split_microbatches(batch: dict, k: int, shard: LogicalSharding) -> dict:
     return jax.tree.map(split, batch)
 
 
+def _layer_norms(grads: dict) -> dict[str, jax.Array]:
+    """Gradient norm of each stacked weight, per layer: (n_layers,) each."""
+    norms = {}
+    for path, g in jax.tree_util.tree_leaves_with_path(grads["layers"]):
+        name = "grad_norm/layers." + ".".join(str(k.key) for k in path)
+        norms[name] = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim))))
+    return norms
+
+
 def make_train_step(
-    model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, grad_accum_steps: int
-) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    grad_fn = jax.value_and_grad(lambda p, b: _loss_sum(model, p, b), has_aux=True)
+    model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, cfg, microbatches: int
+) -> Callable[[TrainState, dict, dict], tuple[TrainState, dict]]:
+    k = microbatches
+    scaling = LossScaling.from_config(cfg)
+    schedule = make_schedule(cfg.optim, cfg.train.steps)
+    full_batch = cfg.train.grad_accum_steps  # microbatches in one full-batch step: the schedule's unit
+    grad_fn = jax.value_and_grad(lambda p, b, s: _scaled(model, p, b, s, cfg.optim.z_loss), has_aux=True)
     grad_shardings = param_shardings(model, shard) if shard.mesh is not None else None
 
-    def train_step(state: TrainState, batch: dict):
-        if grad_accum_steps == 1:
-            (loss_sum, count), grads = grad_fn(state.params, batch)
+    def train_step(state: TrainState, batch: dict, knobs: dict):
+        stats = state.stability
+        scale = stats["loss_scale"] * knobs["loss_multiplier"]
+        if k == 1:
+            (_, (ce, count, max_logit)), grads = grad_fn(state.params, batch, scale)
         else:
 
             def accumulate(carry, micro):
-                grads, loss_sum, count = carry
-                (micro_loss, n), g = grad_fn(state.params, micro)
+                grads, ce, count, max_logit = carry
+                (_, (c, n, m)), g = grad_fn(state.params, micro, scale)
                 grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-                return (grads, loss_sum + micro_loss, count + n), None
+                return (grads, ce + c, count + n, jnp.maximum(max_logit, m)), None
 
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
             if grad_shardings is not None:
                 zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
-            micro = split_microbatches(batch, grad_accum_steps, shard)
-            (grads, loss_sum, count), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), micro)
+            micro = split_microbatches(batch, k, shard)
+            (grads, ce, count, max_logit), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0, 0.0), micro)
 
         count = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / count, grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        grads = jax.tree.map(lambda g: g / (count * stats["loss_scale"]), grads)  # unscale in fp32
+        loss, grad_norm = ce / count, optax.global_norm(grads)
+        ok, finite, spike = stability.judge(cfg, stats, loss, grad_norm)
+
+        lr = schedule(stats["microbatches"] / full_batch) * stats["lr_scale"] * knobs["lr_multiplier"]
+        updates, new_opt = tx.update(grads, with_learning_rate(state.opt_state, lr), state.params)
+        new_params = optax.apply_updates(state.params, updates)
+
+        def keep(new, old):  # skipped steps leave the state as it was
+            return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
+
+        params, opt_state = keep(new_params, state.params), keep(new_opt, state.opt_state)
+        new_scale, good = scaling.update(stats["loss_scale"], stats["good_steps"], finite)
+        stats = stability.update_statistics(cfg, stats, state.step, ok, loss, grad_norm)
+        stats = {**stats, "loss_scale": new_scale, "good_steps": good,
+                 "microbatches": stats["microbatches"] + jnp.where(ok, k, 0),
+                 "data_read": stats["data_read"] + k}  # fmt: skip
+        param_norm = optax.global_norm(params)
         metrics = {
-            "loss": loss_sum / count,
-            "grad_norm": optax.global_norm(grads),  # before clipping
-            "param_norm": optax.global_norm(params),
-            "lr": applied_learning_rate(opt_state),
+            "loss": loss,
+            "grad_norm": grad_norm,  # before clipping
+            "param_norm": param_norm,
+            "update_ratio": jnp.where(ok, optax.global_norm(updates) / param_norm, 0.0),
+            "lr": applied_learning_rate(new_opt),
+            "max_logit": max_logit,
+            "skipped": (~ok).astype(jnp.int32),
+            "nonfinite": (~finite).astype(jnp.int32),
+            "spike": spike.astype(jnp.int32),
+            "skipped_total": stats["skipped"],
+            "bad_in_window": jnp.sum(stats["recent_bad"]),
+            "diverged_run": stats["diverged_run"],
+            "microbatches": stats["microbatches"],
+            "loss_scale": stats["loss_scale"],
             "target_tokens": count,
         }
-        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        if cfg.train.layer_grad_norms:
+            metrics.update(_layer_norms(grads))
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, stability=stats)
+        return new_state, metrics
 
     return train_step
 
 
+def _scaled(model, params, batch, scale, z_loss):
+    objective, aux = _losses(model, params, batch, z_loss)
+    return objective * scale, aux
+
+
 def make_eval_step(model: ModelDef) -> Callable[[dict, dict], tuple[jax.Array, jax.Array]]:
     """(params, batch) -> (sum of token losses, token count)."""
-    return lambda params, batch: _loss_sum(model, params, batch)
+
+    def eval_step(params, batch):
+        _, (ce, count, _) = _losses(model, params, batch, 0.0)
+        return ce, count
+
+    return eval_step
 
 
 def jit_train_step(step_fn, state_shardings: TrainState, shard: LogicalSharding):
     """Explicit in/out shardings; the old state is donated so its buffers are reused."""
     batch = {k: shard.named(BATCH_NAMES) for k in BATCH_KEYS}
+    knobs = {k: shard.replicated() for k in KNOBS}
     return jax.jit(
         step_fn,
-        in_shardings=(state_shardings, batch),
+        in_shardings=(state_shardings, batch, knobs),
         out_shardings=(state_shardings, shard.replicated()),
         donate_argnums=0,
     )
@@ -106,3 +167,11 @@ def jit_eval_step(eval_fn, state_shardings: TrainState, shard: LogicalSharding):
 def abstract_batch(global_batch: int, seq_len: int, sharding) -> dict:
     """The batch's shapes and placement, for compiling ahead of the first real batch."""
     return {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sharding) for k in BATCH_KEYS}
+
+
+def abstract_knobs(shard: LogicalSharding) -> dict:
+    return {k: jax.ShapeDtypeStruct((), jnp.float32, sharding=shard.replicated()) for k in KNOBS}
+
+
+def no_knobs() -> dict:
+    return {"loss_multiplier": jnp.float32(1.0), "lr_multiplier": jnp.float32(1.0)}

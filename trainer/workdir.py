@@ -38,7 +38,7 @@ RESUME_KEYS = (
     MODEL_KEYS
     + TOKENIZER_KEYS
     + tuple(f"data.{k}" for k in ("source", "name", "paths", "seq_len", "packing"))
-    + ("train.global_batch_size", "train.seed")
+    + ("train.global_batch_size", "train.grad_accum_steps", "train.seed")
 )
 EVAL_KEYS = MODEL_KEYS + TOKENIZER_KEYS
 

@@ -1,12 +1,14 @@
 """Packed token batches from a prepared corpus, read with `tfds.data_source` and Grain.
 
-Every row of the global batch has a document stream of its own: row r reads
-documents r, r+B, r+2B, ... of the corpus (reshuffled each epoch from the seed)
+Every row of a microbatch (global_batch_size / grad_accum_steps sequences) has
+a document stream of its own: row r reads documents r, r+M, r+2M, ... of the
+corpus (reshuffled each epoch from the seed)
 and concatenates them into `seq_len` windows, splitting long documents across
 windows. Segment ids mark the documents inside a window and positions restart
 at each document. Because a row's contents depend only on its index, the
 global batch is the same whatever the number of processes, and each process
-opens only the streams of the rows its devices hold. The iterator's state
+opens only the streams of the rows its devices hold. A step reads as many
+microbatches in a row as it accumulates. The iterator's state
 (where every row's stream stands, keyed by row) goes into the checkpoint, so a
 run can resume under another number of processes.
 """
@@ -101,10 +103,19 @@ def _stack(rows) -> dict[str, np.ndarray]:
     }
 
 
+def microbatch_size(cfg) -> int:
+    """Sequences per microbatch: the unit the data streams deliver and a step accumulates."""
+    return cfg.train.global_batch_size // cfg.train.grad_accum_steps
+
+
 def batches(cfg, split: str, rows: Sequence[int], *, shuffle: bool) -> grain.IterDataset:
-    """Endless batches holding the given rows of each global batch, as numpy arrays."""
+    """Endless microbatches holding the given rows (of `microbatch_size` rows), as numpy arrays.
+
+    A training step takes several in a row (grad accumulation, or a batch-size
+    ramp), so a larger batch means more microbatches, never other streams.
+    """
     docs = _documents(cfg, split, shuffle)
-    stride = cfg.train.global_batch_size
+    stride = microbatch_size(cfg)
     return _RowBatches(
         {
             r: ConcatThenSplitIterDataset(docs[r::stride].to_iter_dataset(), length_struct={"tokens": cfg.data.seq_len})
@@ -176,11 +187,12 @@ def one_pass(cfg, split: str, rows: Sequence[int]) -> Iterator[dict[str, np.ndar
     docs = _documents(cfg, split, shuffle=False, endless=False).to_iter_dataset()
     windows = iter(ConcatThenSplitIterDataset(docs, length_struct={"tokens": cfg.data.seq_len}))
     padding = {k: np.zeros(cfg.data.seq_len, np.int32) for k in ("tokens", "tokens_segment_ids", "tokens_positions")}
+    size = microbatch_size(cfg)
     while True:
-        batch = list(itertools.islice(windows, cfg.train.global_batch_size))
+        batch = list(itertools.islice(windows, size))
         if not batch:
             return
-        batch += [padding] * (cfg.train.global_batch_size - len(batch))
+        batch += [padding] * (size - len(batch))
         yield _stack([batch[r] for r in rows])
 
 
@@ -188,6 +200,17 @@ def process_rows(sharding: NamedSharding, global_batch: int, seq_len: int) -> li
     """The rows of the global batch that this process's devices hold, in order."""
     indices = sharding.addressable_devices_indices_map((global_batch, seq_len)).values()
     return sorted({r for idx in indices for r in range(*idx[0].indices(global_batch))})
+
+
+def interleave(microbatches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """k microbatches as one batch whose row i*k + j is row i of microbatch j.
+
+    The train step splits a batch into microbatches by stride (rows j, j+k, ...),
+    so each device's contiguous block of rows holds a share of every microbatch
+    and each microbatch stays spread over all data-parallel devices.
+    """
+    return {key: np.stack([m[key] for m in microbatches], axis=1).reshape(-1, *microbatches[0][key].shape[1:])
+            for key in microbatches[0]}  # fmt: skip
 
 
 def to_global(local: dict[str, np.ndarray], sharding: NamedSharding, global_batch: int) -> dict[str, jax.Array]:

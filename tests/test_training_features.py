@@ -1,0 +1,66 @@
+"""Batch-size ramp and diagnostic metrics, through the real training loop."""
+
+import json
+import math
+import os
+
+import pytest
+from conftest import micro_config
+
+from trainer.errors import ConfigError
+from trainer.loop import train
+from trainer.schedules import make_schedule
+
+
+def records(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if "loss" in json.loads(line)]
+
+
+def test_a_batch_ramp_grows_the_batch_and_keeps_the_schedule_in_tokens(tmp_path):
+    # Microbatch 8 sequences; the full batch is 4 of them. The ramp starts at 1 and reaches 4
+    # after 6 microbatches' worth of tokens.
+    cfg = micro_config(
+        train=dict(steps=6, global_batch_size=32, grad_accum_steps=4, log_every=1, ramp_batch_size=8,
+                   ramp_tokens=6 * 8 * 32),
+        optim=dict(warmup_steps=1, schedule="linear"),
+    )  # fmt: skip
+    workdir = str(tmp_path / "run")
+    result = train(cfg, workdir)
+    logged = records(workdir)
+    sizes = [round(r["target_tokens"] / (8 * 31)) for r in logged]  # microbatches per step (31 targets a row)
+    # 1, then 2, then 4 microbatches a step (measured: 1 1 2 2 4 4 4 4 2); the last step takes only
+    # what is left, so that exactly 6 full batches' worth of data is trained on ...
+    assert sizes[0] == 1 and sizes[:-1] == sorted(sizes[:-1]) and 2 in sizes and max(sizes) == 4
+    assert sum(sizes) == 6 * 4
+    assert result["step"] == len(logged) > 6  # ... in more than 6 steps
+    schedule = make_schedule(cfg.optim, cfg.train.steps)
+    trained = 0
+    for r, k in zip(logged, sizes, strict=True):
+        assert r["lr"] == pytest.approx(float(schedule(trained / 4)), rel=1e-6)  # the schedule counts full batches
+        trained += k
+
+
+def test_a_ramp_that_does_not_fit_the_microbatch_is_refused(tmp_path):
+    cfg = micro_config(train=dict(global_batch_size=32, grad_accum_steps=4, ramp_batch_size=12, ramp_tokens=1000))
+    with pytest.raises(ConfigError, match="ramp_batch_size=12 must be a multiple of the microbatch .8 sequences"):
+        train(cfg, str(tmp_path / "run"))
+
+
+def test_diagnostic_metrics_are_logged_and_add_up(tmp_path):
+    cfg = micro_config(train=dict(steps=3, log_every=1, layer_grad_norms=True), optim=dict(z_loss=1e-4))
+    workdir = str(tmp_path / "run")
+    train(cfg, workdir)
+    last = records(workdir)[-1]
+    for key in ("grad_norm", "param_norm", "update_ratio", "max_logit", "skipped", "skipped_total", "loss_scale"):
+        assert key in last and math.isfinite(last[key]), key
+    assert 0 < last["update_ratio"] < 1 and last["max_logit"] > 0 and last["loss_scale"] == 1.0
+    per_layer = {k: v for k, v in last.items() if k.startswith("grad_norm/layers.")}
+    assert len(per_layer) == 9 * cfg.model.n_layers  # nine stacked weights, one norm per layer each
+    # The layers' gradients are part of the whole: their norms cannot exceed the global one.
+    assert math.sqrt(sum(v * v for v in per_layer.values())) <= last["grad_norm"] * (1 + 1e-6)
+
+
+def test_an_unknown_precision_lists_the_valid_ones(tmp_path):
+    with pytest.raises(ConfigError, match="precision.compute_dtype='fp8' is not one of float32, bfloat16, float16"):
+        train(micro_config(precision=dict(compute_dtype="fp8")), str(tmp_path / "run"))

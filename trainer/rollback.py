@@ -1,0 +1,61 @@
+"""Rolling a troubled run back to its newest healthy checkpoint.
+
+The checkpoints written since (saved while the run was already in trouble) are
+moved to `rolled_back_checkpoints/`, never deleted. The data stream is not
+rewound: the batches read since the checkpoint are skipped, in case they were
+the trouble. The learning rate is multiplied by `stability.rollback_lr_factor`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from trainer import stability
+from trainer.checkpoint import Checkpointer
+from trainer.errors import TrainingError
+from trainer.state import TrainState
+
+
+def roll_back(
+    cfg, ckpt: Checkpointer, abstract: TrainState, current: TrainState, data_read: int
+) -> tuple[TrainState, int]:
+    """(the state to go on from, data batches skipped); raises TrainingError past
+    `stability.max_rollbacks` or with no healthy checkpoint to go back to.
+
+    The rollback count and learning-rate scale carry over from the current state:
+    the checkpoint predates them.
+    """
+    current_step = int(jax.device_get(current.step))
+    previous = jax.device_get({k: current.stability[k] for k in ("rollbacks", "lr_scale")})
+    rollbacks = int(previous["rollbacks"]) + 1
+    if rollbacks > cfg.stability.max_rollbacks:
+        raise TrainingError(
+            f"the run has needed {rollbacks} rollbacks (stability.max_rollbacks={cfg.stability.max_rollbacks}); "
+            "it does not recover by itself: lower optim.lr or look at the data near this point."
+        )
+    ckpt.wait()
+    candidates = [s for s in ckpt.steps() if s < current_step]
+    for step in reversed(candidates):
+        if stability.healthy(jax.device_get(ckpt.read_stability(step, abstract.stability))):
+            break
+    else:
+        raise TrainingError(
+            f"the run is in trouble at step {current_step} and no checkpoint before it was saved in good health; "
+            "lower optim.lr or save checkpoints more often."
+        )
+    for later in [s for s in ckpt.steps() if s > step]:
+        ckpt.set_aside(later, "rolled_back_checkpoints")
+    state = ckpt.restore(step, abstract, None)  # the data stream goes on from where it is
+    stats = state.stability
+    skipped_batches = data_read - int(jax.device_get(stats["data_read"]))
+    replicated = abstract.stability["lr_scale"].sharding
+    changes = {
+        "lr_scale": jnp.float32(previous["lr_scale"] * cfg.stability.rollback_lr_factor),
+        "rollbacks": jnp.int32(rollbacks),
+        "data_read": jnp.int32(data_read),
+        "recent_bad": jnp.zeros_like(stats["recent_bad"]),
+        "diverged_run": jnp.int32(0),
+    }
+    changes = {k: jax.device_put(v, replicated) for k, v in changes.items()}
+    return state.replace(stability={**stats, **changes}), skipped_batches

@@ -1,0 +1,123 @@
+"""Keeping a run alive: bad steps are skipped on the device, persistent trouble is rolled back.
+
+On the device, each step is judged before it is applied: non-finite loss or
+gradients (also an fp16 overflow), or a gradient norm above `spike_factor` x
+its running mean, leave parameters and optimiser state untouched. Running
+statistics (exponential means, half-life ~70 steps) follow good steps only.
+
+The device also keeps the verdicts of the last `bad_window` steps, so that the
+loop, reading them at its log points (no extra host syncs), can see
+`max_bad_steps` bad steps in the window, or a loss above `diverge_factor` x its
+running mean for `diverge_steps` steps in a row, and roll back to the newest
+checkpoint saved while healthy, skip the data read since, and lower the
+learning rate (trainer/rollback.py). The drills in `config.debug` feed it
+corrupted batches or a learning rate far too high, counted over the data stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from trainer.errors import ConfigError
+from trainer.precision import LossScaling
+
+EMA_DECAY = 0.99
+
+
+def initial_state(cfg) -> dict:
+    return {
+        "loss_scale": jnp.float32(LossScaling.from_config(cfg).initial),
+        "good_steps": jnp.int32(0),  # finite steps in a row, for loss-scale growth
+        "lr_scale": jnp.float32(1.0),  # lowered at each rollback
+        "microbatches": jnp.int32(0),  # microbatches trained on: the schedule's clock
+        "data_read": jnp.int32(0),  # microbatches drawn from the data stream (rollbacks skip ahead)
+        "grad_norm_mean": jnp.float32(0.0),
+        "loss_mean": jnp.float32(0.0),
+        "stat_steps": jnp.int32(0),
+        "skipped": jnp.int32(0),  # bad steps so far
+        "diverged_run": jnp.int32(0),  # steps in a row with the loss far above its mean
+        "recent_bad": jnp.zeros((cfg.stability.bad_window,), jnp.int32),  # verdicts of the last steps, a ring
+        "rollbacks": jnp.int32(0),
+    }
+
+
+def judge(cfg, stats: dict, loss: jax.Array, grad_norm: jax.Array):
+    """(apply?, finite?, spike?) for one step."""
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    ready = stats["stat_steps"] >= cfg.stability.stats_warmup
+    spike = (
+        ready & (cfg.stability.spike_factor > 0) & (grad_norm > cfg.stability.spike_factor * stats["grad_norm_mean"])
+    )
+    return finite & ~spike, finite, spike
+
+
+def update_statistics(cfg, stats: dict, step: jax.Array, ok, loss: jax.Array, grad_norm: jax.Array) -> dict:
+    """Running means over applied steps; the divergence counter; the recent and total bad steps."""
+    first = stats["stat_steps"] == 0
+
+    def ema(mean, value):
+        return jnp.where(ok, jnp.where(first, value, EMA_DECAY * mean + (1 - EMA_DECAY) * value), mean)
+
+    ready = stats["stat_steps"] >= cfg.stability.stats_warmup
+    diverged = ok & ready & (loss > cfg.stability.diverge_factor * stats["loss_mean"])
+    return {
+        **stats,
+        "grad_norm_mean": ema(stats["grad_norm_mean"], grad_norm),
+        "loss_mean": ema(stats["loss_mean"], loss),
+        "stat_steps": stats["stat_steps"] + ok.astype(jnp.int32),
+        "skipped": stats["skipped"] + (~ok).astype(jnp.int32),
+        "diverged_run": jnp.where(diverged, stats["diverged_run"] + 1, jnp.where(ok, 0, stats["diverged_run"])),
+        "recent_bad": stats["recent_bad"].at[step % stats["recent_bad"].shape[0]].set((~ok).astype(jnp.int32)),
+    }
+
+
+def trouble(cfg, bad_in_window: int, diverged_run: int) -> str | None:
+    """Why the run should roll back, or None: judged on the host from the device's counters."""
+    s = cfg.stability
+    if bad_in_window >= s.max_bad_steps:
+        return f"{bad_in_window} bad steps in the last {s.bad_window}"
+    if s.diverge_steps and diverged_run >= s.diverge_steps:
+        return f"loss above {s.diverge_factor:g}x its running mean for {diverged_run} steps"
+    return None
+
+
+def healthy(stats: dict) -> bool:
+    """Whether a (restored) stability state was saved by a run in good shape: no bad step in its
+    recent window and no divergence under way. Only such checkpoints are rolled back to."""
+    return int(stats["recent_bad"].sum()) == 0 and int(stats["diverged_run"]) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Drills:
+    """Debug drills, indexed by microbatch in the data stream."""
+
+    poisoned: frozenset[int]
+    lr_spike: tuple[int, int, float] | None
+
+    @classmethod
+    def from_config(cls, cfg) -> Drills:
+        d = cfg.debug
+        try:
+            poisoned = frozenset(int(i) for i in d.poison_batches.split(",") if i.strip())
+            spike = None
+            if d.lr_spike:
+                first, last, factor = d.lr_spike.split(":")
+                spike = (int(first), int(last), float(factor))
+        except ValueError as e:
+            raise ConfigError(
+                f"debug.poison_batches={d.poison_batches!r} / debug.lr_spike={d.lr_spike!r} do not parse: "
+                "give 'i,j,...' and 'first:last:factor'."
+            ) from e
+        return cls(poisoned, spike)
+
+    def knobs(self, first_batch: int, count: int) -> dict[str, float]:
+        """Multipliers for a step reading microbatches first_batch .. first_batch+count-1."""
+        batches = range(first_batch, first_batch + count)
+        poisoned = any(b in self.poisoned for b in batches)
+        lr = 1.0
+        if self.lr_spike and any(self.lr_spike[0] <= b <= self.lr_spike[1] for b in batches):
+            lr = self.lr_spike[2]
+        return {"loss_multiplier": float("nan") if poisoned else 1.0, "lr_multiplier": lr}
