@@ -1,6 +1,6 @@
 """Build the device mesh from `config.mesh`.
 
-`mesh.data`, `mesh.fsdp` and `mesh.tensor` size the axes within one slice (a
+`mesh.stage`, `mesh.data`, `mesh.fsdp` and `mesh.tensor` size the axes within one slice (a
 TPU slice, or a host of GPUs); `mesh.dcn_data` and `mesh.dcn_fsdp` say how many
 slices an axis spans over the slower data-centre network. Tensor parallelism,
 the most talkative, stays inside a slice. With several slices the device array
@@ -21,9 +21,10 @@ from jax.sharding import AxisType, Mesh
 from trainer.errors import ConfigError
 
 # Outermost to innermost: tensor parallelism talks most, so it gets the
-# closest devices (the last axis is laid over neighbours).
-AXES = ("data", "fsdp", "tensor")
-DCN_KEYS = ("dcn_data", "dcn_fsdp", None)  # no tensor parallelism across slices
+# closest devices (the last axis is laid over neighbours); pipeline stages
+# exchange one activation per tick with a neighbour, the least of all.
+AXES = ("stage", "data", "fsdp", "tensor")
+DCN_KEYS = (None, "dcn_data", "dcn_fsdp", None)  # no stage or tensor parallelism across slices
 
 
 def resolve_shape(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
@@ -57,12 +58,12 @@ def resolve_shape(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
 def dcn_shape(mesh_cfg) -> tuple[int, ...]:
     shape = tuple(1 if key is None else int(mesh_cfg[key]) for key in DCN_KEYS)
     if min(shape) < 1:
-        raise ConfigError(f"mesh.dcn_data and mesh.dcn_fsdp must be positive, not {shape[:2]}.")
+        raise ConfigError(f"mesh.dcn_data and mesh.dcn_fsdp must be positive, not {shape[1:3]}.")
     return shape
 
 
 def device_array(mesh_cfg, devices: Sequence) -> np.ndarray:
-    """Devices laid out as (data, fsdp, tensor), slices outermost along the dcn axes."""
+    """Devices laid out as (stage, data, fsdp, tensor), slices outermost along the dcn axes."""
     dcn = dcn_shape(mesh_cfg)
     ici_sizes = {a: int(mesh_cfg[a]) for a in AXES}
     if math.prod(dcn) == 1:

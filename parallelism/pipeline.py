@@ -38,9 +38,12 @@ def split_stages(stacked, stages: int):
 
 
 def _shift(buffer: jax.Array, incoming: jax.Array) -> jax.Array:
-    # Written as concatenate-of-slices along the stage axis, which XLA's SPMD
-    # partitioner turns into a collective permute between neighbouring stages.
-    return jnp.concatenate([incoming[None], buffer[:-1]], axis=0)
+    # A rotation written as concatenated slices, which XLA's SPMD partitioner
+    # turns into one collective permute between neighbouring stages; stage 0
+    # then selects the new microbatch elementwise, with no resharding.
+    rotated = jnp.concatenate([buffer[-1:], buffer[:-1]], axis=0)
+    first = (jnp.arange(buffer.shape[0]) == 0).reshape(-1, *(1,) * (buffer.ndim - 1))
+    return jnp.where(first, incoming[None], rotated)
 
 
 def gpipe(
@@ -87,8 +90,11 @@ def gpipe(
         buffer = {k: constrain(_shift(buffer[k], incoming[k]), "stages") for k in buffer}
         buffer = run_all(stage_params, buffer)
         buffer = {k: constrain(v, "stages") for k, v in buffer.items()}
-        return buffer, buffer["x"][-1]
+        # Every stage's output stays where it is; taking only the last stage's
+        # here would broadcast it to all stages on every tick.
+        return buffer, buffer["x"]
 
     _, outputs = jax.lax.scan(tick, buffer, feed)
     # Microbatch i leaves the last stage at tick i + S - 1; undo the row interleave.
-    return outputs[stages - 1 :].swapaxes(0, 1).reshape(batch, *outputs.shape[2:])
+    outputs = outputs[stages - 1 :, -1]
+    return outputs.swapaxes(0, 1).reshape(batch, *outputs.shape[2:])

@@ -33,7 +33,10 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "kv_heads": ("tensor",),
     "head_dim": (),
     "vocab": ("tensor",),
-    "layers": (),
+    # Stacked layers and the pipeline's stage buffers: contiguous blocks of
+    # layers per stage (parallelism/pipeline.py); a no-op while mesh.stage = 1.
+    "layers": ("stage",),
+    "stages": ("stage",),
 }
 
 

@@ -57,6 +57,17 @@ def main():
     print(f"FLOPs per token   {result['flops_per_token']:.4g}  = {result['flops_formula']}")
     print(f"FLOPs per step    {result['flops_per_step']:.4g}  ({result['tokens_per_step']:,} tokens)")
     print(f"mesh              {result['mesh']} on {result['devices']} x {result['device_kind']}")
+    if "pipeline" in result:
+        p, mib = result["pipeline"], 2**20
+        state = p["state_bytes_per_device"]
+        print(
+            f"pipeline          {p['stages']} stages x {p['layers_per_stage']} layers, "
+            f"{p['microbatches']} microbatches; bubble {p['bubble_fraction']:.1%} = {p['bubble_formula']}"
+        )
+        print(
+            f"per stage device  parameters {state['params'] / mib:.1f} MiB, "
+            f"optimiser state {state['optimizer'] / mib:.1f} MiB (the compiled figure below is per device too)"
+        )
     if "compiled_bytes_per_device" in result:
         b = result["compiled_breakdown"]
         print(

@@ -51,6 +51,7 @@ def defaults() -> ml_collections.ConfigDict:
     # places each logical axis on mesh axes ("data,fsdp"; "" replicates), e.g.
     # --config.mesh.rules.embed=tensor.
     c.mesh = dict(
+        stage=1,  # pipeline stages: the stacked layers split into this many blocks (GPipe)
         data=1,
         fsdp=-1,
         tensor=1,
@@ -101,6 +102,7 @@ def defaults() -> ml_collections.ConfigDict:
         steps=1000,
         global_batch_size=32,  # sequences per optimiser update, over all devices and microbatches
         grad_accum_steps=1,
+        microbatches=1,  # pipeline microbatches per accumulation step; >= mesh.stage when pipelining
         seed=0,
         log_every=10,
         eval_every=200,  # 0 disables validation
@@ -172,7 +174,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("data.packing", d.packing, ("concat",))
     for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
         _positive(f"model.{key}", m[key])
-    for key in ("steps", "global_batch_size", "grad_accum_steps", "log_every", "eval_batches"):
+    for key in ("steps", "global_batch_size", "grad_accum_steps", "microbatches", "log_every", "eval_batches"):
         _positive(f"train.{key}", t[key])
     _positive("data.seq_len", d.seq_len)
     _positive("checkpoint.every_steps", cfg.checkpoint.every_steps)
@@ -193,6 +195,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"train.global_batch_size={t.global_batch_size} does not divide into "
             f"train.grad_accum_steps={t.grad_accum_steps} microbatches."
         )
+    _check_pipeline(cfg)
     if not 0 <= o.min_lr_ratio <= 1:
         raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
     if not 0 < o.decay_fraction <= 1:
@@ -212,6 +215,32 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         )
 
 
+def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
+    stages, m, t = cfg.mesh.stage, cfg.train.microbatches, cfg.train
+    if stages < 1:
+        raise ConfigError(f"mesh.stage={stages} must be a positive number of pipeline stages.")
+    if stages == 1:
+        if m != 1:
+            raise ConfigError(f"train.microbatches={m} only applies to a pipeline; set mesh.stage > 1 or leave it 1.")
+        return
+    if cfg.model.n_layers % stages:
+        raise ConfigError(
+            f"model.n_layers={cfg.model.n_layers} does not split into mesh.stage={stages} equal stages; "
+            f"use a stage count that divides {cfg.model.n_layers}."
+        )
+    if m < stages:
+        raise ConfigError(
+            f"train.microbatches={m} is fewer than mesh.stage={stages}, so stages would sit idle; "
+            f"use at least {stages} (4 x {stages} = {4 * stages} keeps the bubble under 20%)."
+        )
+    micro = t.global_batch_size // t.grad_accum_steps
+    if micro % m:
+        raise ConfigError(
+            f"a batch of {micro} sequences (train.global_batch_size / train.grad_accum_steps) does not "
+            f"split into train.microbatches={m} pipeline microbatches; make it a multiple of {m}."
+        )
+
+
 def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
     """Refuse a batch or head count that does not divide over the mesh."""
     data_ways = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -221,6 +250,12 @@ def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
         raise ConfigError(
             f"each microbatch of {micro} sequences (train.global_batch_size / train.grad_accum_steps) "
             f"does not divide over data x fsdp = {data_ways} devices; make it a multiple of {data_ways}."
+        )
+    piece = micro // cfg.train.microbatches
+    if piece % data_ways:
+        raise ConfigError(
+            f"each pipeline microbatch of {piece} sequences does not divide over data x fsdp = "
+            f"{data_ways} devices; use fewer train.microbatches or a larger batch."
         )
     for key in ("n_heads", "n_kv_heads"):
         if cfg.model[key] % tensor:

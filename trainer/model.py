@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from parallelism import pipeline
 from parallelism.rules import LogicalSharding
 from trainer.attention import attend, cached_attention
 
@@ -49,6 +50,8 @@ class ModelSpec:
     init_std: float = 0.02
     mup_base_width: int = 0
     compute_dtype: str = "float32"
+    stages: int = 1  # pipeline stages (mesh.stage); see parallelism/pipeline.py
+    microbatches: int = 1  # pipeline microbatches per forward pass (train.microbatches)
 
     @property
     def head_dim(self) -> int:
@@ -65,8 +68,13 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, cfg) -> ModelSpec:
-        keys = {f.name for f in dataclasses.fields(cls)} - {"compute_dtype"}
-        return cls(**{k: cfg.model[k] for k in keys}, compute_dtype=cfg.precision.compute_dtype)
+        keys = {f.name for f in dataclasses.fields(cls)} - {"compute_dtype", "stages", "microbatches"}
+        return cls(
+            **{k: cfg.model[k] for k in keys},
+            compute_dtype=cfg.precision.compute_dtype,
+            stages=cfg.mesh.stage,
+            microbatches=cfg.train.microbatches,
+        )
 
 
 def _param(rngs: nnx.Rngs, shape, names, std: float) -> nnx.Param:
@@ -215,7 +223,7 @@ class Decoder(nnx.Module):
 
         graphdef, stacked = nnx.split(self.layers)
 
-        def layer(x, inputs):
+        def layer(x, inputs, tables, segment_ids):
             params, layer_cache = inputs
             block_cache = None if layer_cache is None else (*layer_cache, positions)
             x, new_cache = nnx.merge(graphdef, params)(x, tables, segment_ids, block_cache)
@@ -223,12 +231,16 @@ class Decoder(nnx.Module):
 
         if REMAT[spec.remat] is not None and cache is None:
             layer = jax.checkpoint(layer, policy=REMAT[spec.remat], prevent_cse=not spec.scan_layers)
-        if spec.scan_layers:
-            x, (cache, hidden) = jax.lax.scan(layer, x, (stacked, cache))
+
+        hidden = None
+        if spec.stages > 1 and cache is None and not collect:
+            x = self._pipelined(layer, stacked, x, positions, segment_ids)
+        elif spec.scan_layers:
+            x, (cache, hidden) = jax.lax.scan(lambda x, i: layer(x, i, tables, segment_ids), x, (stacked, cache))
         else:
             outs = []
             for i in range(spec.n_layers):
-                x, out = layer(x, jax.tree.map(lambda a, i=i: a[i], (stacked, cache)))
+                x, out = layer(x, jax.tree.map(lambda a, i=i: a[i], (stacked, cache)), tables, segment_ids)
                 outs.append(out)
             cache, hidden = jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs[0] != (None, None) else (None, None)
 
@@ -238,3 +250,18 @@ class Decoder(nnx.Module):
         if spec.mup_base_width:
             logits = logits / spec.width_multiplier  # muP's output multiplier
         return self.shard.constrain(logits, ("batch", "seq", "vocab")), cache, hidden
+
+    def _pipelined(self, layer, stacked, x, positions, segment_ids):
+        """The layers as a GPipe pipeline over mesh.stage stages (parallelism/pipeline.py)."""
+        spec = self.spec
+
+        def stage(params, mb):
+            tables = rope_tables(mb["positions"], spec.head_dim, spec.rope_theta)
+            body = lambda x, p: layer(x, (p, None), tables, mb.get("segment_ids"))  # noqa: E731
+            return jax.lax.scan(body, mb["x"], params)[0]
+
+        inputs = {"x": x, "positions": positions}
+        if segment_ids is not None:
+            inputs["segment_ids"] = segment_ids
+        return pipeline.gpipe(stage, pipeline.split_stages(stacked, spec.stages), inputs,
+                              stages=spec.stages, microbatches=spec.microbatches, shard=self.shard)  # fmt: skip

@@ -15,7 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from parallelism import collectives
+from parallelism import collectives, pipeline
 from trainer.flops import count_params, flops_per_token
 from trainer.setup import build
 from trainer.state import param_shardings
@@ -41,6 +41,8 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         "devices": setup.mesh.size,
         "device_kind": setup.mesh.devices.flat[0].device_kind,
     }
+    if cfg.mesh.stage > 1:
+        result["pipeline"] = pipeline_plan(cfg, setup)
     if not compile_step:
         return result
     start = time.perf_counter()
@@ -71,6 +73,19 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
             ),  # fmt: skip
         }
     return result
+
+
+def pipeline_plan(cfg, setup) -> dict:
+    """The GPipe bubble and what each stage holds (every device of a stage holds the same)."""
+    stages, m = cfg.mesh.stage, cfg.train.microbatches
+    return {
+        "stages": stages,
+        "microbatches": m,
+        "layers_per_stage": cfg.model.n_layers // stages,
+        "bubble_fraction": pipeline.bubble_fraction(stages, m),
+        "bubble_formula": "(stages - 1) / (microbatches + stages - 1)",
+        "state_bytes_per_device": state_bytes_per_device(setup),
+    }
 
 
 def sharding_table(setup) -> list[dict]:

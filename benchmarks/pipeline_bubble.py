@@ -1,0 +1,78 @@
+"""The pipeline bubble, measured: train-step time against microbatch count, beside (p-1)/(m+p-1).
+
+    python benchmarks/pipeline_bubble.py --config configs/tiny.py [--stages 4]
+        [--microbatches 4,8,16,32] [--steps 5] [--simulate_devices 4] [--append]
+
+The global batch is fixed, so every run does the same useful work; the
+reference is the same model and batch with one stage. The measured bubble is
+1 - t(one stage) / t(pipeline). On simulated CPU devices every stage's ticks
+run on the same cores, idle ticks included (they compute on padding), so the
+time grows by (m+p-1)/m exactly as a real pipeline's does through idling; the
+smaller microbatches' lower efficiency per row shows up as extra "bubble".
+"""
+
+import os
+import statistics
+import sys
+import time
+
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from record import report  # noqa: E402
+
+from trainer import cli  # noqa: E402
+
+_CONFIG = cli.define_config_flag()
+_STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages.")
+_MICRO = flags.DEFINE_list("microbatches", ["4", "8", "16", "32"], "Microbatch counts to time.")
+_STEPS = flags.DEFINE_integer("steps", 5, "Timed steps per setting (after one warm-up step); the median is used.")
+_SIMULATE = flags.DEFINE_integer("simulate_devices", 4, "Simulated CPU devices (0 = the real ones).")
+_APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
+
+
+def step_seconds(cfg, n_devices: int) -> float:
+    import jax
+
+    from trainer.data import pipeline
+    from trainer.setup import build
+    from trainer.step import no_knobs
+
+    setup = build(cfg, jax.devices()[:n_devices])
+    state, step = setup.new_state(), setup.train_step()
+    synthetic = cfg.copy_and_resolve_references()
+    synthetic.data.source = "synthetic"  # timing only: any tokens will do
+    batch = next(iter(pipeline.batches(synthetic, "train", range(cfg.train.global_batch_size), shuffle=False)))
+    times = []
+    for i in range(_STEPS.value + 1):
+        start = time.perf_counter()
+        state, metrics = step(state, batch, no_knobs())
+        jax.block_until_ready(metrics)
+        if i:  # the first step compiles
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    if _SIMULATE.value:
+        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_SIMULATE.value}"
+    from parallelism.pipeline import bubble_fraction
+
+    base, stages = _CONFIG.value, _STAGES.value
+    base.mesh.update(dict(data=1, fsdp=1, tensor=1))
+    one = step_seconds(base, 1)
+    figures = {"config": os.path.basename(cli.config_path())}
+    figures.update({"stages": stages, "global_batch": base.train.global_batch_size, "one_stage_s": one})
+    for m in (int(x) for x in _MICRO.value):
+        cfg = base.copy_and_resolve_references()
+        cfg.mesh.stage, cfg.train.microbatches = stages, m
+        seconds = step_seconds(cfg, stages)
+        figures[f"m{m}_s"] = seconds
+        figures[f"m{m}_bubble"] = 1 - one / seconds
+        figures[f"m{m}_formula"] = bubble_fraction(stages, m)
+    report("pipeline_bubble", figures, append=_APPEND.value)
+
+
+if __name__ == "__main__":
+    cli.run(main, uses_devices=False)
