@@ -1,8 +1,11 @@
 """Plan a run before launching it: python scripts/plan.py --config configs/llm_1b.py [--json]
 
-Prints parameter counts, FLOPs per token and the compiled train step's memory
-per device for the configured mesh, compiling ahead of time without allocating
-any parameters. --simulate_devices N plans for N devices on this host's CPU.
+Prints parameter counts, FLOPs per token and per step, memory per device
+(arithmetic, beside the compiled train step's figure for the configured mesh,
+compiled ahead of time without allocating any parameters), the
+Chinchilla-optimal token count and how long training takes on a named chip.
+--simulate_devices N plans for N devices on this host's CPU; --tokens T asks
+"how long for T tokens", --budget C "how big a model for C FLOPs".
 """
 
 import json
@@ -16,6 +19,13 @@ _CONFIG = cli.define_config_flag()
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 _SIMULATE = flags.DEFINE_integer("simulate_devices", 0, "Plan for this many simulated CPU devices.")
 _NO_COMPILE = flags.DEFINE_bool("no_compile", False, "Skip the compiled memory analysis.")
+_TOKENS = flags.DEFINE_float("tokens", 0, "Tokens to train on (default: Chinchilla's 20 per parameter).")
+_BUDGET = flags.DEFINE_float("budget", 0, "A compute budget in FLOPs: print the compute-optimal model for it.")
+_CHIP = flags.DEFINE_string(
+    "chip", "h100", "Chip for the time estimate: tpu-v4, tpu-v5e, tpu-v5p, tpu-v6e, a100, h100, h200."
+)
+_CHIPS = flags.DEFINE_integer("chips", 0, "How many chips (default: the mesh's device count).")
+_MFU = flags.DEFINE_float("mfu", 0.4, "Model FLOPs utilisation assumed for the time estimate.")
 _SHARDING = flags.DEFINE_bool(
     "sharding", False, "Also print where each parameter lives and the step's collectives (from its HLO)."
 )
@@ -39,6 +49,27 @@ def print_sharding(result):
               f"{textbook.get(kind, 0) / mib:>18.1f}")  # fmt: skip
 
 
+def print_scaling(result):
+    t = result["training"]
+    print(f"Chinchilla        {result['chinchilla_tokens']:.3g} tokens (20 per parameter); Hoffmann et al.'s fit "
+          f"predicts loss {result['chinchilla_fit_loss']:.3f} there")  # fmt: skip
+    print(f"training          {t['tokens']:.3g} tokens = {t['steps']:,} steps = {t['flops']:.3g} FLOPs: "
+          f"{_duration(t['seconds'])} on {t['chips']} x {t['chip']} at {t['mfu']:.0%} MFU")  # fmt: skip
+    if "budget" in result:
+        b, rule, fit = result["budget"], result["budget"]["rule_of_thumb"], result["budget"]["fit"]
+        print(f"budget {b['flops']:.3g} FLOPs: {rule['n_params']:.3g} parameters x {rule['tokens']:.3g} tokens "
+              f"(20 per parameter), or {fit['n_params']:.3g} x {fit['tokens']:.3g} by the fit "
+              f"(loss {fit['loss']:.3f}); {_duration(b['seconds'])} on {t['chips']} x {t['chip']}")  # fmt: skip
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} minutes"
+    if seconds < 3 * 86400:
+        return f"{seconds / 3600:.1f} hours"
+    return f"{seconds / 86400:.1f} days"
+
+
 def main():
     if _SIMULATE.value:
         # Must happen before JAX initialises its backends, hence the late import of the planner.
@@ -48,7 +79,8 @@ def main():
         )
     from trainer.planning import plan
 
-    result = plan(_CONFIG.value, compile_step=not _NO_COMPILE.value, sharding=_SHARDING.value)
+    result = plan(_CONFIG.value, compile_step=not _NO_COMPILE.value, sharding=_SHARDING.value, tokens=_TOKENS.value,
+                  budget=_BUDGET.value, chip=_CHIP.value, chips=_CHIPS.value, mfu=_MFU.value)  # fmt: skip
     if _JSON.value:
         print(json.dumps(result))
         return
@@ -68,14 +100,18 @@ def main():
             f"per stage device  parameters {state['params'] / mib:.1f} MiB, "
             f"optimiser state {state['optimizer'] / mib:.1f} MiB (the compiled figure below is per device too)"
         )
+    m = result["bytes_per_device"]
+    print(f"memory per device {m['total'] / gib:.2f} GiB by arithmetic: " + ", ".join(
+        f"{k.replace('_', ' ')} {v / gib:.2f}" for k, v in m.items() if k != "total"))  # fmt: skip
     if "compiled_bytes_per_device" in result:
         b = result["compiled_breakdown"]
         print(
-            f"memory per device {result['compiled_bytes_per_device'] / gib:.2f} GiB compiled "
+            f"                  {result['compiled_bytes_per_device'] / gib:.2f} GiB compiled by XLA "
             f"(arguments {b['arguments'] / gib:.2f}, temporaries {b['temporaries'] / gib:.2f}, "
             f"outputs not aliased {(b['outputs'] - b['aliased']) / gib:.2f}); "
             f"compiled in {result['compile_seconds']:.1f}s"
         )
+    print_scaling(result)
     if "sharding" in result:
         print_sharding(result)
 

@@ -16,15 +16,24 @@ import jax
 import jax.numpy as jnp
 
 from parallelism import collectives, pipeline
+from trainer import memory, scaling
+from trainer.errors import ConfigError
 from trainer.flops import count_params, flops_per_token
 from trainer.setup import build
 from trainer.state import param_shardings
 from trainer.step import abstract_batch, abstract_knobs
 
 
-def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False) -> dict:
-    """Counts and FLOPs; with `compile_step`, XLA's memory per device; with `sharding`, where every
-    parameter lives and what the compiled step communicates, beside the textbook volumes."""
+def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False, tokens: float = 0,
+         budget: float = 0, chip: str = "h100", chips: int = 0, mfu: float = 0.4) -> dict:  # fmt: skip
+    """Counts, FLOPs, memory per device from arithmetic and, with `compile_step`, from XLA; the
+    Chinchilla-optimal tokens and the time to train `tokens` (default: those) on `chips` x `chip`
+    at `mfu`; with `budget` (FLOPs), the compute-optimal model for it; with `sharding`, where
+    every parameter lives and what the compiled step communicates, beside the textbook volumes."""
+    if chip not in scaling.CHIPS:
+        raise ConfigError(f"unknown chip '{chip}'; the peak table knows {', '.join(scaling.CHIPS)}.")
+    if not 0 < mfu <= 1 or tokens < 0 or budget < 0:
+        raise ConfigError(f"--mfu must lie in (0, 1] (got {mfu}); --tokens and --budget cannot be negative.")
     setup = build(cfg, devices)
     t, seq = cfg.train, cfg.data.seq_len
     counts = count_params(setup.model.abstract_params)
@@ -41,6 +50,27 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         "devices": setup.mesh.size,
         "device_kind": setup.mesh.devices.flat[0].device_kind,
     }
+    result["bytes_per_device"] = memory.bytes_per_device(cfg, setup)
+    result["chinchilla_tokens"] = scaling.TOKENS_PER_PARAM * counts["total"]
+    result["chinchilla_fit_loss"] = scaling.fit_loss(counts["total"], result["chinchilla_tokens"])
+    chips = chips or setup.mesh.size
+    run_tokens = tokens or result["chinchilla_tokens"]
+    result["training"] = {
+        "tokens": run_tokens,
+        "flops": fpt * run_tokens,
+        "steps": math.ceil(run_tokens / result["tokens_per_step"]),
+        "chip": chip,
+        "chips": chips,
+        "mfu": mfu,
+        "seconds": scaling.seconds_to_train(fpt * run_tokens, chip, chips, mfu),
+    }
+    if budget:
+        result["budget"] = {
+            "flops": budget,
+            "rule_of_thumb": scaling.rule_of_thumb_optimum(budget),
+            "fit": scaling.fit_optimum(budget),
+            "seconds": scaling.seconds_to_train(budget, chip, chips, mfu),
+        }
     if cfg.mesh.stage > 1:
         result["pipeline"] = pipeline_plan(cfg, setup)
     if not compile_step:

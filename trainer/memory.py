@@ -1,0 +1,92 @@
+"""Memory per device from arithmetic: what the planner sets beside XLA's compiled figure.
+
+Weights, gradients and optimiser state come from the state's shardings (every
+array's shard shape on one device), so FSDP, tensor and stage sharding are
+exact. The split follows the mixed-precision textbook (ZeRO's accounting):
+
+- `params`: the weights as the matmuls read them, in the compute dtype
+  (bf16: 2 bytes per parameter). Our step casts them a layer at a time, so
+  this is an upper bound on what is resident.
+- `master_weights`: the fp32 copy the optimiser updates, when compute is not fp32.
+- `grads`: fp32 gradients, twice over with gradient accumulation (the running sum).
+- `optimizer`: the optimiser's state as stored (AdamW fp32: 8 bytes per parameter).
+- `activations`: what the backward pass keeps for one microbatch under the remat
+  policy, plus one layer recomputed and the fp32 logits; elements per token
+  and layer are counted from the model's shapes below.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+
+def _elements_on_device(tree) -> int:
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
+
+
+def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int) -> dict[str, float]:
+    """Elements per token one layer keeps for the backward pass, under each remat policy.
+
+    Head and MLP-width tensors are split over `tensor`; the residual-width ones
+    are not. With the 'xla' attention three fp32 arrays of heads x seq per token
+    are kept (the scores, the masked scores and the softmax: what XLA's compiler
+    was seen to keep), counted in compute-dtype elements of `act_bytes`; fused kernels
+    keep only their output and statistics.
+    """
+    d, f = spec.d_model, spec.d_ff / tensor
+    q, kv = spec.n_heads * spec.head_dim / tensor, spec.n_kv_heads * spec.head_dim / tensor
+    scores = 3 * (4 / act_bytes) * spec.n_heads * seq_len / tensor if spec.attention == "xla" else 0
+    projections = q + 2 * kv + d + 2 * f + d  # q, k, v; attention out projection; gate, up; down
+    everything = (
+        4 * d  # layer input, two norm outputs, the residual after attention
+        + projections
+        + q + kv  # rotated queries and keys
+        + scores
+        + q  # attention output before its projection
+        + 2 * f  # silu(gate) and the gated product
+    )  # fmt: skip
+    return {
+        "none": everything,
+        "full": d,
+        "save_dots_no_batch": d + projections,
+        "save_dots": d + projections + scores / 3 + q,  # + the fp32 scores and the attention output
+    }
+
+
+def activation_bytes(cfg, spec, mesh_shape: dict[str, int]) -> int:
+    """Bytes one device keeps for the backward pass of one microbatch."""
+    t = cfg.train
+    rows = t.global_batch_size // t.grad_accum_steps / (mesh_shape["data"] * mesh_shape["fsdp"])
+    tokens, tensor = rows * cfg.data.seq_len, mesh_shape["tensor"]
+    act = jnp.dtype(cfg.precision.compute_dtype).itemsize
+    per_layer = layer_activation_elements(spec, cfg.data.seq_len, tensor, act)
+    layers_here = spec.n_layers // mesh_shape["stage"]
+    kept = layers_here * per_layer[spec.remat]
+    if spec.remat != "none":
+        kept += per_layer["none"]  # the layer being recomputed
+    if mesh_shape["stage"] > 1:
+        # GPipe holds every microbatch's activations until its backward starts.
+        kept *= (t.microbatches + mesh_shape["stage"] - 1) / t.microbatches
+    logits = 2 * 4 * spec.vocab_size / tensor  # fp32 logits and their gradient
+    return int(tokens * (kept * act + logits))
+
+
+def bytes_per_device(cfg, setup) -> dict[str, int]:
+    """The analytic breakdown, per device, with its total."""
+    state = setup.abstract_state()
+    n = _elements_on_device(state.params)
+    compute = jnp.dtype(cfg.precision.compute_dtype).itemsize
+    out = {
+        "params": n * compute,
+        "master_weights": n * 4 if compute != 4 else 0,
+        "grads": n * 4 * (2 if cfg.train.grad_accum_steps > 1 else 1),
+        "optimizer": sum(
+            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)
+        ),
+        "activations": activation_bytes(cfg, setup.spec, dict(setup.mesh.shape)),
+    }
+    out["total"] = sum(out.values())
+    return out
