@@ -1,5 +1,6 @@
 """The training loop end to end: workdir contents, resume, checkpoints, learning."""
 
+import glob
 import importlib.util
 import json
 import math
@@ -12,6 +13,7 @@ from conftest import micro_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer.checkpoint import Checkpointer
+from trainer.errors import ConfigError
 from trainer.loop import train
 from trainer.metrics import MetricsWriter
 from trainer.setup import build
@@ -126,3 +128,18 @@ def test_tiny_config_learns(tmp_path, corpus_dir):
     assert losses[-1] < losses[0] - 0.2, losses
     # Already better than any context-free model of the held-out text.
     assert result["eval_loss"] < result["unigram_loss"], result
+
+
+def test_profile_steps_writes_a_trace_of_those_steps(tmp_path, capsys):
+    cfg = micro_config(train=dict(steps=4, profile_steps="2,3"))
+    workdir = str(tmp_path / "run")
+    train(cfg, workdir)
+    traces = glob.glob(os.path.join(workdir, "profile", "**", "*.xplane.pb"), recursive=True)
+    assert len(traces) == 1 and os.path.getsize(traces[0]) > 0
+    assert "profile of steps 2-3 written to" in capsys.readouterr().out
+
+
+def test_a_malformed_profile_window_is_refused_before_anything_runs(tmp_path):
+    with pytest.raises(ConfigError, match=r"train.profile_steps='3,2' must be 'first,last'"):
+        train(micro_config(train=dict(profile_steps="3,2")), str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run" / "checkpoints")

@@ -110,6 +110,7 @@ def defaults() -> ml_collections.ConfigDict:
         ramp_batch_size=0,  # > 0: start at this global batch and grow to global_batch_size ...
         ramp_tokens=0,  # ... over this many tokens (the schedule counts tokens either way)
         layer_grad_norms=False,  # also log each layer's gradient norm
+        profile_steps="",  # "first,last": a jax.profiler trace of those steps in <workdir>/profile
     )
     # Bad steps (non-finite, or a gradient-norm spike) are skipped; too many in a
     # window, or a loss that stays diverged, rolls back to the last healthy checkpoint.

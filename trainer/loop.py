@@ -30,6 +30,7 @@ from trainer.flops import count_params, flops_per_token, peak_flops
 from trainer.metrics import MetricsWriter
 from trainer.planning import compiled_memory
 from trainer.preemption import watch_for_sigterm
+from trainer.profiling import StepProfiler
 from trainer.rollback import roll_back
 from trainer.setup import Setup, build
 from trainer.step import abstract_batch, abstract_knobs
@@ -103,6 +104,7 @@ class Run:
         self.state, self.data = found[1] if found else (setup.new_state(), self._new_data())
         self._read_clocks()
         self.writer = MetricsWriter(workdir, resume_step=self.step, enabled=self.primary)
+        self.profiler = StepProfiler(cfg.train.profile_steps, workdir, enabled=self.primary)
         self.last: dict = {}
 
     def _new_data(self):
@@ -167,8 +169,12 @@ class Run:
         batch = pipeline.to_global(batch, self.setup.batch_sharding, k * self.micro)
         knobs = {n: np.float32(v) for n, v in self.drills.knobs(self.data_read, k).items()}
         knobs = jax.device_put(knobs, self.setup.shard.replicated())
+        self.profiler.before(self.step + 1)
         self.state, metrics = self._step_fn(k)(self.state, batch, knobs)
         self.step, self.trained, self.data_read = self.step + 1, self.trained + k, self.data_read + k
+        traced = self.profiler.after(self.step, metrics)
+        if traced:
+            self.say(traced)
         self.mark_tokens += k * self.micro * self.cfg.data.seq_len
         return metrics
 
@@ -235,6 +241,7 @@ class Run:
             self.ckpt.save(self.step, self.state, self.data)
 
     def close(self) -> None:
+        self.profiler.stop()
         self.ckpt.wait()
         self.ckpt.close()
         self.writer.close()

@@ -18,6 +18,7 @@ from trainer import batch_ramp, mup
 from trainer.config import check_mesh_fit, validate
 from trainer.model import ModelSpec
 from trainer.optimizer import make_optimizer
+from trainer.profiling import parse_steps
 from trainer.schedules import make_schedule
 from trainer.stability import Drills, initial_state
 from trainer.state import ModelDef, TrainState, abstract_train_state, create_train_state, state_shardings
@@ -55,6 +56,7 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     mup.check(cfg)
     batch_ramp.check(cfg, cfg.train.global_batch_size // cfg.train.grad_accum_steps)
     Drills.from_config(cfg)  # refuses drills that do not parse
+    parse_steps(cfg.train.profile_steps)
     mesh = make_mesh(cfg.mesh, devices)
     check_mesh_fit(cfg, mesh)
     rules = parse_rules(cfg.mesh.rules, cfg.mesh.sequence_parallel)

@@ -1,0 +1,78 @@
+"""The input pipeline's speed against what training consumes, and the host's time per step.
+
+    python benchmarks/input_pipeline.py --config configs/tiny.py [--batches 50] [--steps 10] [--append]
+
+`pipeline_tokens_per_s`: global batches read, packed and stacked on the host
+alone (the prepared TFDS corpus, shuffled, as training reads it).
+`train_tokens_per_s`: the training loop's rate, with `host_s_per_step` the
+part of each step spent on the host (next batch, device transfer) and
+`step_s` the whole step. `headroom` = pipeline rate over training rate: above
+1 the data keeps up.
+"""
+
+import os
+import sys
+import time
+
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from record import report  # noqa: E402
+
+from trainer import cli  # noqa: E402
+
+_CONFIG = cli.define_config_flag()
+_BATCHES = flags.DEFINE_integer("batches", 50, "Batches read for the pipeline-only rate.")
+_STEPS = flags.DEFINE_integer("steps", 10, "Training steps timed (after one to compile).")
+_APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
+
+
+def main():
+    import jax
+
+    from trainer.data import pipeline
+    from trainer.setup import build
+    from trainer.step import no_knobs
+
+    cfg = _CONFIG.value
+    pipeline.prepare(cfg.data)
+    setup = build(cfg)
+    micro, rows = pipeline.microbatch_size(cfg), range(pipeline.microbatch_size(cfg))
+    k = cfg.train.grad_accum_steps
+    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+
+    data = iter(pipeline.batches(cfg, "train", rows, shuffle=True))
+    next(data)
+    start = time.perf_counter()
+    for _ in range(_BATCHES.value):
+        pipeline.interleave([next(data) for _ in range(k)])
+    pipeline_tps = _BATCHES.value * tokens_per_step / (time.perf_counter() - start)
+
+    state, step = setup.new_state(), setup.train_step()
+    host, total = 0.0, 0.0
+    for i in range(_STEPS.value + 1):
+        t0 = time.perf_counter()
+        batch = pipeline.to_global(pipeline.interleave([next(data) for _ in range(k)]), setup.batch_sharding, k * micro)
+        t1 = time.perf_counter()
+        state, metrics = step(state, batch, no_knobs())
+        jax.block_until_ready(metrics)
+        if i:  # the first step compiles
+            host, total = host + t1 - t0, total + time.perf_counter() - t0
+    train_tps = _STEPS.value * tokens_per_step / total
+    report(
+        "input_pipeline",
+        {
+            "config": os.path.basename(cli.config_path()),
+            "pipeline_tokens_per_s": pipeline_tps,
+            "train_tokens_per_s": train_tps,
+            "headroom": pipeline_tps / train_tps,
+            "host_s_per_step": host / _STEPS.value,
+            "step_s": total / _STEPS.value,
+        },
+        append=_APPEND.value,
+    )
+
+
+if __name__ == "__main__":
+    cli.run(main, uses_devices=False)
