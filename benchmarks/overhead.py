@@ -14,13 +14,13 @@ time per step of ours over bare (the target is at most 1.03).
 import os
 import statistics
 import sys
-import time
 
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
+from timing import seconds_per_step  # noqa: E402
 
 from trainer import cli  # noqa: E402
 
@@ -78,27 +78,20 @@ def main():
     params = jax.tree.map(lambda a: a.copy(), state.params)
     opt_state = tx.init(params)
 
-    def time_ours(state):
-        start = time.perf_counter()
-        for _ in range(_STEPS.value):
-            state, metrics = ours(state, batch, no_knobs())
-        jax.block_until_ready((state, metrics))
-        return state, (time.perf_counter() - start) / _STEPS.value
+    def ours_step(state):
+        return ours(state, batch, no_knobs())[0]
 
-    def time_bare(params, opt_state):
-        start = time.perf_counter()
-        for _ in range(_STEPS.value):
-            params, opt_state, loss = bare(params, opt_state, batch)
-        jax.block_until_ready((params, loss))
-        return params, opt_state, (time.perf_counter() - start) / _STEPS.value
+    def bare_step_(carry):
+        return bare(*carry, batch)[:2]
 
-    state, _ = time_ours(state)  # compile and warm up both
-    params, opt_state, _ = time_bare(params, opt_state)
+    carry = (params, opt_state)
+    state, _ = seconds_per_step(ours_step, state, _STEPS.value)  # compile and warm up both
+    carry, _ = seconds_per_step(bare_step_, carry, _STEPS.value)
     ours_s, bare_s = [], []
     for _ in range(_ROUNDS.value):
-        state, t = time_ours(state)
+        state, t = seconds_per_step(ours_step, state, _STEPS.value)
         ours_s.append(t)
-        params, opt_state, t = time_bare(params, opt_state)
+        carry, t = seconds_per_step(bare_step_, carry, _STEPS.value)
         bare_s.append(t)
     ours_t, bare_t = statistics.median(ours_s), statistics.median(bare_s)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len

@@ -23,6 +23,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
+from timing import seconds_per_step  # noqa: E402
 
 from trainer import cli  # noqa: E402
 
@@ -69,7 +70,6 @@ def torch_trainer(cfg, spec, tokens_np):
 
 
 def main():
-    import jax
     import numpy as np
 
     from trainer.data import pipeline
@@ -88,12 +88,8 @@ def main():
     state, ours = setup.new_state(), setup.train_step()
     torch_step, torch_sync = torch_trainer(cfg, setup.spec, local["tokens"])
 
-    def time_ours(state):
-        start = time.perf_counter()
-        for _ in range(_STEPS.value):
-            state, metrics = ours(state, batch, no_knobs())
-        jax.block_until_ready((state, metrics))
-        return state, (time.perf_counter() - start) / _STEPS.value
+    def ours_step(state):
+        return ours(state, batch, no_knobs())[0]
 
     def time_torch():
         start = time.perf_counter()
@@ -102,11 +98,11 @@ def main():
         torch_sync()
         return (time.perf_counter() - start) / _STEPS.value
 
-    state, _ = time_ours(state)  # compile and warm up both
+    state, _ = seconds_per_step(ours_step, state, _STEPS.value)  # compile and warm up both
     time_torch()
     ours_s, torch_s = [], []
     for _ in range(_ROUNDS.value):
-        state, t = time_ours(state)
+        state, t = seconds_per_step(ours_step, state, _STEPS.value)
         ours_s.append(t)
         torch_s.append(time_torch())
     tokens = cfg.train.global_batch_size * cfg.data.seq_len

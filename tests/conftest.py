@@ -67,3 +67,13 @@ def corpus_dir(tmp_path_factory):
     cfg = micro_config(data=dict(source="text_files", data_dir=path))
     pipeline.prepare(cfg.data)
     return path
+
+
+@pytest.fixture(scope="session")
+def text_batches(corpus_dir):
+    """20 batches of 16 x 32 standard-library tokens: the equivalence tests' shared data."""
+    from trainer.data import pipeline
+
+    cfg = micro_config(data=dict(source="text_files", data_dir=corpus_dir), train=dict(global_batch_size=16))
+    stream = iter(pipeline.batches(cfg, "train", range(16), shuffle=True))
+    return [next(stream) for _ in range(20)]

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
-from trainer.data import pipeline
 from trainer.setup import build
 from trainer.step import no_knobs
 
@@ -30,14 +29,6 @@ def config(mesh=None, accum=1, sequence_parallel=False, lr=1e-2):
         train=dict(global_batch_size=16, grad_accum_steps=accum, steps=STEPS),
         optim=dict(lr=lr, warmup_steps=2),
     )
-
-
-@pytest.fixture(scope="module")
-def text_batches(corpus_dir):
-    cfg = config()
-    cfg.data.update(dict(source="text_files", data_dir=corpus_dir))
-    stream = iter(pipeline.batches(cfg, "train", range(cfg.train.global_batch_size), shuffle=True))
-    return [next(stream) for _ in range(STEPS)]
 
 
 def run(cfg, n_devices, batches):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import micro_config
 from flax import nnx
-from test_equivalence import LOSS_RTOL, PARAM_RTOL, differences
+from test_equivalence import LOSS_RTOL, PARAM_RTOL, differences, run
 
 from trainer.checkpoint import Checkpointer
 from trainer.data import pipeline
@@ -28,33 +28,13 @@ from trainer.step import BATCH_KEYS, abstract_knobs, no_knobs
 STEPS = 20
 
 
-def config(mesh=None, microbatches=1, accum=1, remat="none", corpus=""):
-    cfg = micro_config(
+def config(mesh=None, microbatches=1, accum=1, remat="none"):
+    return micro_config(
         model=dict(n_layers=4, n_heads=8, n_kv_heads=4, remat=remat),
         mesh=mesh or dict(fsdp=1),
         train=dict(global_batch_size=16, grad_accum_steps=accum, microbatches=microbatches, steps=STEPS),
         optim=dict(lr=1e-2, warmup_steps=2),
     )
-    if corpus:
-        cfg.data.update(dict(source="text_files", data_dir=corpus))
-    return cfg
-
-
-@pytest.fixture(scope="module")
-def text_batches(corpus_dir):
-    cfg = config(corpus=corpus_dir)
-    stream = iter(pipeline.batches(cfg, "train", range(cfg.train.global_batch_size), shuffle=True))
-    return [next(stream) for _ in range(STEPS)]
-
-
-def run(cfg, n_devices, batches):
-    setup = build(cfg, jax.devices()[:n_devices])
-    state, step = setup.new_state(), setup.train_step()
-    losses = []
-    for b in batches:
-        state, metrics = step(state, b, no_knobs())
-        losses.append(float(metrics["loss"]))
-    return np.array(losses), jax.device_get(state.params)
 
 
 @pytest.fixture(scope="module")
