@@ -4,11 +4,12 @@
         [--microbatches 4,8,16,32] [--steps 5] [--simulate_devices 4] [--append]
 
 The global batch is fixed, so every run does the same useful work; the
-reference is the same model and batch with one stage. The measured bubble is
-1 - t(one stage) / t(pipeline). On simulated CPU devices every stage's ticks
-run on the same cores, idle ticks included (they compute on padding), so the
-time grows by (m+p-1)/m exactly as a real pipeline's does through idling; the
-smaller microbatches' lower efficiency per row shows up as extra "bubble".
+reference is the same model and batch on the same devices without a pipeline
+(data parallel over them). The measured bubble is 1 - t(reference) /
+t(pipeline). On simulated CPU devices every stage's ticks run on the host's
+cores, idle ticks included (they compute on padding), so the time grows by
+(m+p-1)/m as a real pipeline's does through idling; the smaller microbatches'
+different efficiency per row and the stage-to-stage copies add to it.
 """
 
 import os
@@ -60,13 +61,14 @@ def main():
     from parallelism.pipeline import bubble_fraction
 
     base, stages = _CONFIG.value, _STAGES.value
-    base.mesh.update(dict(data=1, fsdp=1, tensor=1))
-    one = step_seconds(base, 1)
+    base.mesh.update(dict(stage=1, data=stages, fsdp=1, tensor=1))
+    one = step_seconds(base, stages)
     figures = {"config": os.path.basename(cli.config_path())}
-    figures.update({"stages": stages, "global_batch": base.train.global_batch_size, "one_stage_s": one})
+    figures.update({"stages": stages, "global_batch": base.train.global_batch_size, "data_parallel_s": one})
     for m in (int(x) for x in _MICRO.value):
         cfg = base.copy_and_resolve_references()
-        cfg.mesh.stage, cfg.train.microbatches = stages, m
+        cfg.mesh.update(dict(stage=stages, data=1))
+        cfg.train.microbatches = m
         seconds = step_seconds(cfg, stages)
         figures[f"m{m}_s"] = seconds
         figures[f"m{m}_bubble"] = 1 - one / seconds

@@ -118,12 +118,12 @@ def test_tiny_config_learns(tmp_path, corpus_dir):
     spec.loader.exec_module(tiny)
     cfg = tiny.get_config()
     cfg.data.data_dir = corpus_dir
-    cfg.train.update(steps=40, log_every=10, eval_every=40)
-    cfg.optim.warmup_steps = 10
-    cfg.checkpoint.every_steps = 40
+    cfg.train.update(steps=24, log_every=6, eval_every=24, global_batch_size=8)
+    cfg.optim.warmup_steps = 6
+    cfg.checkpoint.every_steps = 24
     result = train(cfg, str(tmp_path / "tiny"))
     losses = [r["loss"] for r in records(tmp_path / "tiny") if "loss" in r]
-    # An untrained model's loss is ~ln(vocab) = 5.95; 40 steps must take it far below, and keep falling.
+    # An untrained model's loss is ~ln(vocab) = 5.95; 24 steps must take it far below, and keep falling.
     assert losses[-1] < math.log(cfg.model.vocab_size) - 2.5, losses
     assert losses[-1] < losses[0] - 0.2, losses
     # Already better than any context-free model of the held-out text.

@@ -97,7 +97,7 @@ def test_data_parallel_across_processes_as_slices_trains_like_one_process(runs, 
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:]
-    assert "mesh {'data': 2, 'fsdp': 4, 'tensor': 1}" in result.stdout
+    assert "mesh {'stage': 1, 'data': 2, 'fsdp': 4, 'tensor': 1}" in result.stdout
     a, b = losses(single), losses(workdir)
     for step in range(1, 11):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5)

@@ -46,6 +46,7 @@ def defaults() -> ml_collections.ConfigDict:
         attention="xla",  # one of ATTENTION_IMPLS
         init_std=0.02,
         mup_base_width=0,  # > 0: muP, with hyperparameters tuned at this d_model
+        loss_chunk=0,  # > 0: the loss makes logits this many positions at a time (less memory, one more matmul)
     )
     # Each size is a device count (within a slice) or -1 for "the rest". `rules`
     # places each logical axis on mesh axes ("data,fsdp"; "" replicates), e.g.
@@ -189,6 +190,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}; "
             "each key/value head must serve a whole group of query heads."
         )
+    if m.loss_chunk < 0 or (m.loss_chunk and d.seq_len % m.loss_chunk):
+        raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be 0 or divide data.seq_len={d.seq_len}.")
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}.")
     if t.global_batch_size % t.grad_accum_steps:

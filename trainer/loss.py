@@ -23,6 +23,17 @@ def target_weights(tokens: jax.Array, segment_ids: jax.Array | None):
     return targets, valid.astype(jnp.float32)
 
 
+def _sums(logits: jax.Array, targets: jax.Array, weights: jax.Array):
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return (
+        jnp.sum((log_z - target_logit) * weights),
+        jnp.sum(log_z * log_z * weights),
+        jnp.max(jnp.abs(logits)),
+    )
+
+
 def cross_entropy_sum(logits: jax.Array, tokens: jax.Array, segment_ids: jax.Array | None):
     """(sum of token losses, number of predicted tokens, sum of log(Z)^2) over the batch.
 
@@ -31,7 +42,38 @@ def cross_entropy_sum(logits: jax.Array, tokens: jax.Array, segment_ids: jax.Arr
     """
     chex.assert_equal_shape_prefix([logits, tokens], 2)
     targets, weights = target_weights(tokens, segment_ids)
-    logits = logits.astype(jnp.float32)
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.sum((log_z - target_logit) * weights), jnp.sum(weights), jnp.sum(log_z * log_z * weights)
+    ce, log_z_sq, _ = _sums(logits, targets, weights)
+    return ce, jnp.sum(weights), log_z_sq
+
+
+def chunked_loss_sums(logits_fn, features: jax.Array, tokens: jax.Array, segment_ids, chunk: int):
+    """(cross-entropy sum, token count, log(Z)^2 sum, largest |logit|) from features (batch, seq, d).
+
+    `logits_fn` maps features to fp32 logits. With 0 < `chunk` < seq the
+    sequence is scanned `chunk` positions at a time and each chunk's logits are
+    recomputed in the backward pass, so the full (batch, seq, vocab) fp32
+    logits and their gradient never exist at once: the largest activation of a
+    large-vocabulary model, traded for one more head matmul.
+    """
+    targets, weights = target_weights(tokens, segment_ids)
+    seq = tokens.shape[1]
+    if not 0 < chunk < seq:
+        ce, log_z_sq, largest = _sums(logits_fn(features), targets, weights)
+        return ce, jnp.sum(weights), log_z_sq, largest
+
+    def split(a):
+        return a.reshape(a.shape[0], seq // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def chunk_sums(x, t, w):
+        return _sums(logits_fn(x), t, w)
+
+    def body(carry, inputs):
+        ce, log_z_sq, largest = chunk_sums(*inputs)
+        return (carry[0] + ce, carry[1] + log_z_sq, jnp.maximum(carry[2], largest)), None
+
+    zero = jnp.zeros((), jnp.float32)
+    (ce, log_z_sq, largest), _ = jax.lax.scan(
+        body, (zero, zero, zero), (split(features), split(targets), split(weights))
+    )
+    return ce, jnp.sum(weights), log_z_sq, largest

@@ -21,6 +21,7 @@ from flax import nnx
 from parallelism import pipeline
 from parallelism.rules import LogicalSharding
 from trainer.attention import attend, cached_attention
+from trainer.loss import chunked_loss_sums
 
 # Named rematerialisation policies: what the backward pass may keep from the forward.
 REMAT = {
@@ -50,6 +51,7 @@ class ModelSpec:
     init_std: float = 0.02
     mup_base_width: int = 0
     compute_dtype: str = "float32"
+    loss_chunk: int = 0  # sequence positions per chunk of the loss's logits (0 = all at once)
     stages: int = 1  # pipeline stages (mesh.stage); see parallelism/pipeline.py
     microbatches: int = 1  # pipeline microbatches per forward pass (train.microbatches)
 
@@ -194,8 +196,13 @@ class Decoder(nnx.Module):
         chex.assert_equal_shape([tokens, *(a for a in (positions, segment_ids) if a is not None)])
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        logits, _, _ = self._run(tokens, positions, segment_ids, None)
-        return logits
+        return self.logits(self._run(tokens, positions, segment_ids, None)[0])
+
+    def loss_sums(self, tokens, positions, segment_ids):
+        """Next-token (cross-entropy sum, token count, log(Z)^2 sum, largest |logit|); see loss.py."""
+        chex.assert_equal_shape([tokens, *(a for a in (positions, segment_ids) if a is not None)])
+        features = self._run(tokens, positions, segment_ids, None)[0]
+        return chunked_loss_sums(self.logits, features, tokens, segment_ids, self.spec.loss_chunk)
 
     def hidden_states(self, tokens) -> jax.Array:
         """The residual stream after each layer, (layers, batch, seq, d_model): for coordinate checks."""
@@ -209,8 +216,8 @@ class Decoder(nnx.Module):
         call can prefill a whole prompt or extend by a token.
         """
         chex.assert_equal_shape([tokens, positions])
-        logits, cache, _ = self._run(tokens, positions, None, cache)
-        return logits, cache
+        features, cache, _ = self._run(tokens, positions, None, cache)
+        return self.logits(features), cache
 
     def _run(self, tokens, positions, segment_ids, cache, collect: bool = False):
         spec, dt = self.spec, self.spec.compute_dtype
@@ -244,12 +251,16 @@ class Decoder(nnx.Module):
                 outs.append(out)
             cache, hidden = jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs[0] != (None, None) else (None, None)
 
-        x = self.final_norm(x)
+        return self.final_norm(x), cache, hidden
+
+    def logits(self, features: jax.Array) -> jax.Array:
+        """fp32 logits from the final-normed features (batch, seq, d_model)."""
+        spec = self.spec
         head = self.embed[...].T if spec.tie_embeddings else self.lm_head[...]
-        logits = jnp.dot(x, head.astype(dt), preferred_element_type=jnp.float32)
+        logits = jnp.dot(features, head.astype(spec.compute_dtype), preferred_element_type=jnp.float32)
         if spec.mup_base_width:
             logits = logits / spec.width_multiplier  # muP's output multiplier
-        return self.shard.constrain(logits, ("batch", "seq", "vocab")), cache, hidden
+        return self.shard.constrain(logits, ("batch", "seq", "vocab"))
 
     def _pipelined(self, layer, stacked, x, positions, segment_ids):
         """The layers as a GPipe pipeline over mesh.stage stages (parallelism/pipeline.py)."""

@@ -22,7 +22,6 @@ import optax
 
 from parallelism.rules import LogicalSharding
 from trainer import stability
-from trainer.loss import cross_entropy_sum
 from trainer.optimizer import applied_learning_rate, with_learning_rate
 from trainer.precision import LossScaling
 from trainer.schedules import make_schedule
@@ -35,9 +34,10 @@ KNOBS = ("loss_multiplier", "lr_multiplier")
 
 def _losses(model: ModelDef, params, batch, z_loss: float):
     """(objective sum, (cross-entropy sum, token count, largest |logit|)) over the batch."""
-    logits = model.apply(params, batch["tokens"], batch["positions"], batch["segment_ids"])
-    ce, count, log_z_sq = cross_entropy_sum(logits, batch["tokens"], batch["segment_ids"])
-    return ce + z_loss * log_z_sq, (ce, count, jnp.max(jnp.abs(logits)))
+    ce, count, log_z_sq, largest = model.apply(
+        params, batch["tokens"], batch["positions"], batch["segment_ids"], method="loss_sums"
+    )
+    return ce + z_loss * log_z_sq, (ce, count, largest)
 
 
 def split_microbatches(batch: dict, k: int, shard: LogicalSharding) -> dict:
