@@ -49,6 +49,15 @@ def test_sgd_momentum_matches_its_closed_form():
     assert float(h[2]["norm"]["scale"][0, 0]) == pytest.approx(1 - lr * 1.0 - lr * (-2.0 + mu))  # no decay on scales
 
 
+@pytest.mark.parametrize("name", ["adamw", "lion", "adafactor", "sgd", "muon"])
+def test_weight_decay_is_decoupled_and_scaled_by_the_learning_rate(name):
+    """With a zero gradient every optimiser moves decayed weights by exactly -lr x wd x w and
+    leaves norms alone. (optax.adafactor's own weight_decay_rate skips the lr: 10% per step at 0.1.)"""
+    before, after = one_update(name, [grads(0.0)], lr=0.1, wd=0.01)
+    np.testing.assert_allclose(after["w"], before["w"] * (1 - 0.1 * 0.01), rtol=1e-6)
+    np.testing.assert_array_equal(after["norm"]["scale"], before["norm"]["scale"])
+
+
 def test_lion_takes_signed_steps():
     lr, wd = 0.1, 0.01
     h = one_update("lion", [grads(0.003)], lr=lr, wd=wd)

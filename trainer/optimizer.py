@@ -74,12 +74,17 @@ def make_optimizer(cfg, logical_names: dict) -> optax.GradientTransformation:
         elif o.name == "lion":
             inner = optax.lion(learning_rate, o.b1, o.b2, weight_decay=weight_decay, mask=decay_mask)
         elif o.name == "adafactor":
-            # Not multiplied by the parameters' scale (T5's relative step): with small initial
-            # weights that shrinks every update ~50x, and optim.lr should mean the same for all.
-            inner = optax.adafactor(
-                learning_rate, multiply_by_parameter_scale=False, weight_decay_rate=weight_decay,
-                weight_decay_mask=decay_mask,
-            )  # fmt: skip
+            # optax.adafactor's defaults (factored second moments, decay 0.8, update RMS clipped
+            # at 1), assembled here so that weight decay is scaled by the learning rate like every
+            # other optimiser's: optax.adafactor adds weight_decay_rate x param *after* the rate,
+            # which at 0.1 shrank the weights 10% per step. Not multiplied by the parameters'
+            # scale (T5's relative step): with small initial weights that shrinks updates ~50x.
+            inner = optax.chain(
+                optax.scale_by_factored_rms(),
+                optax.clip_by_block_rms(1.0),
+                optax.add_decayed_weights(weight_decay, decay_mask),
+                optax.scale_by_learning_rate(learning_rate),
+            )
         elif o.name == "sgd":
             inner = optax.chain(
                 optax.trace(decay=o.momentum),
@@ -87,10 +92,14 @@ def make_optimizer(cfg, logical_names: dict) -> optax.GradientTransformation:
                 optax.scale_by_learning_rate(learning_rate),
             )
         else:  # muon
-            inner = optax.contrib.muon(
-                learning_rate, beta=o.b1, weight_decay=weight_decay, weight_decay_mask=decay_mask,
-                adam_b1=o.b1, adam_b2=o.b2, adam_weight_decay=weight_decay,
-                muon_weight_dimension_numbers=muon_dimensions(logical_names), consistent_rms=0.2,
+            # Decay applied here, after the rate, as -lr x wd x w: optax's muon decays its AdamW
+            # side without the mask (norm scales and all).
+            inner = optax.chain(
+                optax.contrib.muon(
+                    learning_rate, beta=o.b1, adam_b1=o.b1, adam_b2=o.b2,
+                    muon_weight_dimension_numbers=muon_dimensions(logical_names), consistent_rms=0.2,
+                ),
+                optax.add_decayed_weights(-learning_rate * weight_decay, decay_mask),
             )  # fmt: skip
         if cfg.precision.moments_dtype != "float32":
             inner = moments_in(jnp.dtype(cfg.precision.moments_dtype), inner)
