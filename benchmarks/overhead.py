@@ -30,7 +30,7 @@ _ROUNDS = flags.DEFINE_integer("rounds", 5, "Alternating turns of ours and bare.
 _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
 
 
-def bare_step(setup, lr: float):
+def make_bare_step(setup, lr: float):
     """The textbook step: mean next-token cross-entropy, AdamW with clipping, nothing more."""
     import jax
     import jax.numpy as jnp
@@ -74,24 +74,24 @@ def main():
     batch = jax.device_put(batch)
 
     state, ours = setup.new_state(), setup.train_step()
-    tx, bare = bare_step(setup, cfg.optim.lr)
+    tx, bare = make_bare_step(setup, cfg.optim.lr)
     params = jax.tree.map(lambda a: a.copy(), state.params)
     opt_state = tx.init(params)
 
     def ours_step(state):
         return ours(state, batch, no_knobs())[0]
 
-    def bare_step_(carry):
+    def bare_step(carry):
         return bare(*carry, batch)[:2]
 
     carry = (params, opt_state)
     state, _ = seconds_per_step(ours_step, state, _STEPS.value)  # compile and warm up both
-    carry, _ = seconds_per_step(bare_step_, carry, _STEPS.value)
+    carry, _ = seconds_per_step(bare_step, carry, _STEPS.value)
     ours_s, bare_s = [], []
     for _ in range(_ROUNDS.value):
         state, t = seconds_per_step(ours_step, state, _STEPS.value)
         ours_s.append(t)
-        carry, t = seconds_per_step(bare_step_, carry, _STEPS.value)
+        carry, t = seconds_per_step(bare_step, carry, _STEPS.value)
         bare_s.append(t)
     ours_t, bare_t = statistics.median(ours_s), statistics.median(bare_s)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len

@@ -23,8 +23,11 @@ import jax
 import jax.numpy as jnp
 
 
-def _elements_on_device(tree) -> int:
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) for x in jax.tree.leaves(tree))
+def shard_bytes(tree, itemsize: int | None = None) -> int:
+    """Bytes of one device's shards of abstract arrays (at `itemsize` bytes per element if given)."""
+    return sum(
+        math.prod(x.sharding.shard_shape(x.shape)) * (itemsize or x.dtype.itemsize) for x in jax.tree.leaves(tree)
+    )
 
 
 def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int) -> dict[str, float]:
@@ -77,15 +80,13 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int]) -> int:
 def bytes_per_device(cfg, setup) -> dict[str, int]:
     """The analytic breakdown, per device, with its total."""
     state = setup.abstract_state()
-    n = _elements_on_device(state.params)
+    fp32 = shard_bytes(state.params, 4)
     compute = jnp.dtype(cfg.precision.compute_dtype).itemsize
     out = {
-        "params": n * compute,
-        "master_weights": n * 4 if compute != 4 else 0,
-        "grads": n * 4 * (2 if cfg.train.grad_accum_steps > 1 else 1),
-        "optimizer": sum(
-            math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(state.opt_state)
-        ),
+        "params": shard_bytes(state.params, compute),
+        "master_weights": fp32 if compute != 4 else 0,
+        "grads": fp32 * (2 if cfg.train.grad_accum_steps > 1 else 1),
+        "optimizer": shard_bytes(state.opt_state),
         "activations": activation_bytes(cfg, setup.spec, dict(setup.mesh.shape)),
     }
     out["total"] = sum(out.values())

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from parallelism import collectives, pipeline
 from trainer import memory, scaling
 from trainer.errors import ConfigError
-from trainer.flops import count_params, flops_per_token
+from trainer.flops import CHIPS, count_params, flops_per_token
 from trainer.setup import build
 from trainer.state import param_shardings
 from trainer.step import abstract_batch, abstract_knobs
@@ -30,8 +30,8 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     Chinchilla-optimal tokens and the time to train `tokens` (default: those) on `chips` x `chip`
     at `mfu`; with `budget` (FLOPs), the compute-optimal model for it; with `sharding`, where
     every parameter lives and what the compiled step communicates, beside the textbook volumes."""
-    if chip not in scaling.CHIPS:
-        raise ConfigError(f"unknown chip '{chip}'; the peak table knows {', '.join(scaling.CHIPS)}.")
+    if chip not in CHIPS:
+        raise ConfigError(f"unknown chip '{chip}'; the peak table knows {', '.join(CHIPS)}.")
     if not 0 < mfu <= 1 or tokens < 0 or budget < 0:
         raise ConfigError(f"--mfu must lie in (0, 1] (got {mfu}); --tokens and --budget cannot be negative.")
     setup = build(cfg, devices)
@@ -140,11 +140,7 @@ def sharding_table(setup) -> list[dict]:
 def state_bytes_per_device(setup) -> dict[str, int]:
     """Bytes of parameters and optimiser state on one device, from the shardings alone."""
     state = setup.abstract_state()
-
-    def size(tree):
-        return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-    return {"params": size(state.params), "optimizer": size(state.opt_state)}
+    return {"params": memory.shard_bytes(state.params), "optimizer": memory.shard_bytes(state.opt_state)}
 
 
 def compiled_memory(compiled) -> dict[str, int]:

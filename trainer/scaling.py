@@ -15,19 +15,10 @@ from __future__ import annotations
 
 import math
 
+from trainer.flops import CHIPS
+
 TOKENS_PER_PARAM = 20
 FIT = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
-
-# Dense bf16 peak FLOP/s per chip, from the vendors' data sheets.
-CHIPS = {
-    "tpu-v4": 275e12,
-    "tpu-v5e": 197e12,
-    "tpu-v5p": 459e12,
-    "tpu-v6e": 918e12,
-    "a100": 312e12,
-    "h100": 989e12,  # SXM
-    "h200": 989e12,
-}
 
 
 def fit_loss(n_params: float, tokens: float) -> float:
@@ -51,4 +42,4 @@ def rule_of_thumb_optimum(flops: float) -> dict[str, float]:
 
 
 def seconds_to_train(flops: float, chip: str, chips: int, mfu: float) -> float:
-    return flops / (CHIPS[chip] * chips * mfu)
+    return flops / (CHIPS[chip][1] * chips * mfu)
