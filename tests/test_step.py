@@ -148,8 +148,13 @@ def test_a_chunked_loss_gives_the_same_step_in_less_memory():
         state, step = setup.new_state(), setup.train_step()
         batch = next(iter(pipeline.batches(cfg, "train", range(8), shuffle=False)))
         _, metrics = step(state, batch, no_knobs())
-        results[chunk] = metrics, plan(cfg, devices=jax.devices()[:1])["compiled_breakdown"]["temporaries"]
-    (whole, whole_bytes), (chunked, chunked_bytes) = results[0], results[8]
+        planned = plan(cfg, devices=jax.devices()[:1])
+        results[chunk] = metrics, planned["compiled_breakdown"]["temporaries"], planned
+    (whole, whole_bytes, whole_plan), (chunked, chunked_bytes, chunked_plan) = results[0], results[8]
     for name in ("loss", "grad_norm", "max_logit", "update_ratio"):
         np.testing.assert_allclose(float(chunked[name]), float(whole[name]), rtol=1e-5)
     assert whole_bytes - chunked_bytes > 16 * 2**20, (whole_bytes, chunked_bytes)
+    # The planner's arithmetic sees the same saving as XLA (measured: 29.4 vs 30.3 MB).
+    saved = whole_plan["compiled_bytes_per_device"] - chunked_plan["compiled_bytes_per_device"]
+    predicted = whole_plan["bytes_per_device"]["total"] - chunked_plan["bytes_per_device"]["total"]
+    assert 0.8 < predicted / saved < 1.25, (predicted, saved)

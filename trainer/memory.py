@@ -73,8 +73,9 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int]) -> int:
     if mesh_shape["stage"] > 1:
         # GPipe holds every microbatch's activations until its backward starts.
         kept *= (t.microbatches + mesh_shape["stage"] - 1) / t.microbatches
-    logits = 2 * 4 * spec.vocab_size / tensor  # fp32 logits and their gradient
-    return int(tokens * (kept * act + logits))
+    # fp32 logits and their gradient: for every position, or one loss chunk's at a time.
+    logit_positions = rows * spec.loss_chunk if spec.loss_chunk else tokens
+    return int(tokens * kept * act + logit_positions * 2 * 4 * spec.vocab_size / tensor)
 
 
 def bytes_per_device(cfg, setup) -> dict[str, int]:
