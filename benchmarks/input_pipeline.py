@@ -38,22 +38,21 @@ def main():
     cfg = _CONFIG.value
     pipeline.prepare(cfg.data)
     setup = build(cfg)
-    micro, rows = pipeline.microbatch_size(cfg), range(pipeline.microbatch_size(cfg))
-    k = cfg.train.grad_accum_steps
-    tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
+    batch_size = cfg.train.global_batch_size
+    tokens_per_step = batch_size * cfg.data.seq_len
 
-    data = iter(pipeline.batches(cfg, "train", rows, shuffle=True))
+    data = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(batch_size), shuffle=True))
     next(data)
     start = time.perf_counter()
     for _ in range(_BATCHES.value):
-        pipeline.interleave([next(data) for _ in range(k)])
+        next(data)
     pipeline_tps = _BATCHES.value * tokens_per_step / (time.perf_counter() - start)
 
     state, step = setup.new_state(), setup.train_step()
     host, total = 0.0, 0.0
     for i in range(_STEPS.value + 1):
         t0 = time.perf_counter()
-        batch = pipeline.to_global(pipeline.interleave([next(data) for _ in range(k)]), setup.batch_sharding, k * micro)
+        batch = pipeline.to_global(next(data), setup.batch_sharding, batch_size)
         t1 = time.perf_counter()
         state, metrics = step(state, batch, no_knobs())
         jax.block_until_ready(metrics)

@@ -70,7 +70,13 @@ def main():
     setup = build(cfg, jax.devices()[:1])
     synthetic = cfg.copy_and_resolve_references()
     synthetic.data.source = "synthetic"  # timing only: any tokens will do
-    batch = next(iter(pipeline.batches(synthetic, "train", range(cfg.train.global_batch_size), shuffle=False)))
+    batch = next(
+        iter(
+            pipeline.batches(
+                pipeline.Stream.from_config(synthetic), "train", range(cfg.train.global_batch_size), shuffle=False
+            )
+        )
+    )
     batch = jax.device_put(batch)
 
     state, ours = setup.new_state(), setup.train_step()

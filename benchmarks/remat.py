@@ -38,7 +38,13 @@ def measure(cfg) -> tuple[float, int]:
     compiled = setup.train_step().lower(setup.abstract_state(), abstract, abstract_knobs(setup.shard)).compile()
     synthetic = cfg.copy_and_resolve_references()
     synthetic.data.source = "synthetic"  # timing only: any tokens will do
-    local = next(iter(pipeline.batches(synthetic, "train", range(cfg.train.global_batch_size), shuffle=False)))
+    local = next(
+        iter(
+            pipeline.batches(
+                pipeline.Stream.from_config(synthetic), "train", range(cfg.train.global_batch_size), shuffle=False
+            )
+        )
+    )
     batch = pipeline.to_global(local, setup.batch_sharding, cfg.train.global_batch_size)
     state, times = setup.new_state(), []
     for i in range(_STEPS.value + 1):

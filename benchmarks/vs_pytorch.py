@@ -80,7 +80,13 @@ def main():
     setup = build(cfg)
     synthetic = cfg.copy_and_resolve_references()
     synthetic.data.source = "synthetic"  # timing only: any tokens will do
-    local = next(iter(pipeline.batches(synthetic, "train", range(cfg.train.global_batch_size), shuffle=False)))
+    local = next(
+        iter(
+            pipeline.batches(
+                pipeline.Stream.from_config(synthetic), "train", range(cfg.train.global_batch_size), shuffle=False
+            )
+        )
+    )
     # One document per row, so both sides see the same causal attention over the whole sequence.
     local["segment_ids"] = np.ones_like(local["tokens"])
     local["positions"] = np.broadcast_to(np.arange(local["tokens"].shape[1]), local["tokens"].shape).copy()

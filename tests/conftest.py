@@ -75,5 +75,5 @@ def text_batches(corpus_dir):
     from trainer.data import pipeline
 
     cfg = micro_config(data=dict(source="text_files", data_dir=corpus_dir), train=dict(global_batch_size=16))
-    stream = iter(pipeline.batches(cfg, "train", range(16), shuffle=True))
+    stream = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(16), shuffle=True))
     return [next(stream) for _ in range(20)]

@@ -8,6 +8,7 @@ from conftest import micro_config
 from trainer.checkpoint import Checkpointer
 from trainer.data import pipeline
 from trainer.errors import ConfigError
+from trainer.resume import restore_state
 from trainer.setup import build
 from trainer.step import no_knobs
 
@@ -29,7 +30,7 @@ def test_save_then_restore_gives_back_every_array_and_the_data_position(tmp_path
     cfg = micro_config(mesh=dict(fsdp=8))
     setup = build(cfg)
     rows = list(range(cfg.train.global_batch_size))
-    data = iter(pipeline.batches(cfg, "train", rows, shuffle=True))
+    data = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", rows, shuffle=True))
     state = trained_state(cfg, setup, data)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2, async_save=True)
     ckpt.save(2, state, data)
@@ -38,8 +39,8 @@ def test_save_then_restore_gives_back_every_array_and_the_data_position(tmp_path
 
     target_cfg = micro_config(mesh=target_mesh)
     target = build(target_cfg, jax.devices()[:n_devices])
-    fresh = iter(pipeline.batches(target_cfg, "train", rows, shuffle=True))
-    restored = ckpt.restore(2, target.abstract_state(), fresh)
+    fresh = iter(pipeline.batches(pipeline.Stream.from_config(target_cfg), "train", rows, shuffle=True))
+    restored, _ = restore_state(ckpt, 2, target, fresh)
     ckpt.close()
 
     assert int(restored.step) == 2
@@ -54,7 +55,7 @@ def test_save_then_restore_gives_back_every_array_and_the_data_position(tmp_path
 def _save_steps(tmp_path, steps=(1, 2, 3), keep=5, keep_every=0):
     cfg = micro_config(mesh=dict(fsdp=8))
     setup = build(cfg)
-    data = iter(pipeline.batches(cfg, "train", list(range(8)), shuffle=True))
+    data = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", list(range(8)), shuffle=True))
     state = setup.new_state()
     ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=keep, keep_every=keep_every)
     for s in steps:
@@ -64,8 +65,11 @@ def _save_steps(tmp_path, steps=(1, 2, 3), keep=5, keep_every=0):
 
 
 def _restorer(cfg, setup, ckpt):
-    target = setup.abstract_state()
-    return lambda step: ckpt.restore(step, target, iter(pipeline.batches(cfg, "train", list(range(8)), shuffle=True)))
+    def restore(step):
+        data = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", list(range(8)), shuffle=True))
+        return restore_state(ckpt, step, setup, data)[0]
+
+    return restore
 
 
 def test_retention_keeps_the_newest_and_every_multiple(tmp_path):

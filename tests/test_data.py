@@ -99,7 +99,7 @@ def _cfg(corpus_dir, **train):
 
 
 def _take(cfg, rows, n, shuffle=True, split="train"):
-    it = iter(pipeline.batches(cfg, split, rows, shuffle=shuffle))
+    it = iter(pipeline.batches(pipeline.Stream.from_config(cfg), split, rows, shuffle=shuffle))
     return [next(it) for _ in range(n)]
 
 
@@ -156,12 +156,12 @@ def test_iterator_state_restores_the_exact_position(corpus_dir, source):
     grain 0.2.18 gets wrong after the JSON round trip unless the pipeline mends the state."""
     cfg = _cfg(corpus_dir)
     cfg.data.source = source
-    it = iter(pipeline.batches(cfg, "train", range(4), shuffle=True))
+    it = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(4), shuffle=True))
     for _ in range(5):
         next(it)
     state = it.get_state()
     expected = [next(it) for _ in range(3)]
-    fresh = iter(pipeline.batches(cfg, "train", range(4), shuffle=True))
+    fresh = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(4), shuffle=True))
     fresh.set_state(json.loads(json.dumps(state)))  # survives the JSON round trip of a checkpoint
     for e in expected:
         got = next(fresh)

@@ -56,7 +56,12 @@ def test_one_pass_covers_every_held_out_token_exactly_once(corpus_dir):
     expected = np.concatenate(
         [np.concatenate([[BOS_ID], tok.encode(source[i]["text"]), [EOS_ID]]) for i in range(len(source))]
     )
-    got = np.concatenate([b["tokens"][b["segment_ids"] > 0] for b in pipeline.one_pass(cfg, "validation", range(8))])
+    got = np.concatenate(
+        [
+            b["tokens"][b["segment_ids"] > 0]
+            for b in pipeline.one_pass(pipeline.Stream.from_config(cfg), "validation", range(8))
+        ]
+    )
     assert len(got) == len(expected)
     np.testing.assert_array_equal(np.bincount(got, minlength=259), np.bincount(expected, minlength=259))
 

@@ -35,9 +35,14 @@ def our_logits(cfg, workdir):
     return np.asarray(jax.jit(setup.model.apply)(params, TOKENS))
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_exported_checkpoint_gives_transformers_our_logits(tmp_path, tied):
-    cfg = micro_config(model=dict(tie_embeddings=tied), train=dict(steps=3))
+@pytest.mark.parametrize(
+    "model",
+    [dict(tie_embeddings=False), dict(tie_embeddings=True), dict(mup_base_width=16)],
+    ids=["untied", "tied", "mup"],
+)
+def test_exported_checkpoint_gives_transformers_our_logits(tmp_path, model):
+    """muP divides our logits by m = d_model / base width (4 here); the exported head carries it."""
+    cfg = micro_config(model=model, train=dict(steps=3))
     workdir = str(tmp_path / "run")
     train(cfg, workdir)  # trained a little, so the weights are not just their initialisation
     out = str(tmp_path / "hf")

@@ -10,10 +10,15 @@ from flax import nnx
 
 from parallelism.rules import DEFAULT_RULES
 from trainer.loss import cross_entropy_sum
-from trainer.model import NO_SHARDING, Decoder, ModelSpec, apply_rope, rope_tables
+from trainer.model import NO_SHARDING, Architecture, Decoder, Execution, ModelSpec, apply_rope, rope_tables
 from trainer.state import ModelDef
 
-SPEC = ModelSpec(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96)
+ARCH = Architecture(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96)
+SPEC = ModelSpec(ARCH)
+
+
+def running(**execution) -> ModelSpec:
+    return ModelSpec(ARCH, Execution(**execution))
 
 
 def make(spec=SPEC, seed=0):
@@ -21,16 +26,16 @@ def make(spec=SPEC, seed=0):
 
 
 def tokens(b=2, t=24, seed=1):
-    return jax.random.randint(jax.random.key(seed), (b, t), 3, SPEC.vocab_size)
+    return jax.random.randint(jax.random.key(seed), (b, t), 3, ARCH.vocab_size)
 
 
 @pytest.mark.parametrize("attention", ["xla", "dot_product"])
 def test_changing_a_token_changes_no_earlier_logit(attention):
-    model = make(dataclasses.replace(SPEC, attention=attention))
+    model = make(running(attention=attention))
     x = tokens()
     base = model(x)
     t = 11
-    changed = model(x.at[:, t].set((x[:, t] + 7) % SPEC.vocab_size))
+    changed = model(x.at[:, t].set((x[:, t] + 7) % ARCH.vocab_size))
     np.testing.assert_array_equal(np.asarray(base[:, :t]), np.asarray(changed[:, :t]))
     assert not np.allclose(np.asarray(base[:, t:]), np.asarray(changed[:, t:]))
 
@@ -38,7 +43,7 @@ def test_changing_a_token_changes_no_earlier_logit(attention):
 @pytest.mark.parametrize("attention", ["xla", "dot_product"])
 def test_packed_documents_do_not_see_each_other(attention):
     """Each document in a packed row gives the logits it gives alone, positions restarting at 0."""
-    model = make(dataclasses.replace(SPEC, attention=attention))
+    model = make(running(attention=attention))
     lengths = (9, 15)
     x = tokens(b=1, t=sum(lengths))
     segments = jnp.concatenate([jnp.full((n,), i + 1) for i, n in enumerate(lengths)])[None]
@@ -69,8 +74,8 @@ def test_attention_implementations_agree_on_packed_gqa():
     x = tokens(b=2, t=20)
     segments = jnp.array([[1] * 7 + [2] * 13, [1] * 20])
     positions = jnp.array([list(range(7)) + list(range(13)), list(range(20))])
-    ref = make(dataclasses.replace(SPEC, attention="xla"))(x, positions, segments)
-    fast = make(dataclasses.replace(SPEC, attention="dot_product"))(x, positions, segments)
+    ref = make(running(attention="xla"))(x, positions, segments)
+    fast = make(running(attention="dot_product"))(x, positions, segments)
     np.testing.assert_allclose(np.asarray(ref), np.asarray(fast), atol=2e-5)
 
 
@@ -90,7 +95,7 @@ def test_remat_and_scan_change_nothing_numerically(remat, scan):
         return jax.jit(jax.value_and_grad(loss))(params)
 
     ref_loss, ref_grads = loss_and_grads(SPEC)  # no remat, scanned
-    value, grads = loss_and_grads(dataclasses.replace(SPEC, remat=remat, scan_layers=scan))
+    value, grads = loss_and_grads(running(remat=remat, scan_layers=scan))
     assert float(value) == pytest.approx(float(ref_loss), rel=1e-6)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-7)
@@ -106,7 +111,7 @@ def test_every_parameter_carries_known_logical_axes():
         assert len(axes) == array.ndim, path
         assert set(axes) <= set(DEFAULT_RULES), axes
     stacked = model.abstract_params["layers"]["mlp"]["w_up"]
-    assert stacked.shape == (SPEC.n_layers, SPEC.d_model, SPEC.d_ff)
+    assert stacked.shape == (ARCH.n_layers, ARCH.d_model, ARCH.d_ff)
 
 
 # ---- an independent NumPy implementation of the same model, float64 ----
@@ -164,7 +169,7 @@ def numpy_loss(p, spec, tok, segments, positions):
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_loss_matches_numpy_reference(tie):
-    spec = dataclasses.replace(SPEC, tie_embeddings=tie)
+    spec = ModelSpec(dataclasses.replace(ARCH, tie_embeddings=tie))
     model = ModelDef.create(spec, NO_SHARDING)
     params = nnx.to_pure_dict(nnx.state(make(spec, seed=3)))
     assert ("lm_head" in params) is not tie
@@ -173,4 +178,4 @@ def test_loss_matches_numpy_reference(tie):
     positions = np.array([list(range(6)) + list(range(8)) + [0, 0], list(range(16))])
     s, n, _ = cross_entropy_sum(model.apply(params, tok, positions, segments), tok, segments)
     assert float(n) == 5 + 7 + 15
-    assert float(s / n) == pytest.approx(numpy_loss(params, spec, tok, segments, positions), rel=1e-5)
+    assert float(s / n) == pytest.approx(numpy_loss(params, spec.arch, tok, segments, positions), rel=1e-5)

@@ -9,7 +9,7 @@ import pytest
 from conftest import micro_config
 
 from trainer.errors import ConfigError
-from trainer.optimizer import applied_learning_rate, decay_mask, make_optimizer, with_learning_rate
+from trainer.optimizer import applied_learning_rate, decay_mask, make_optimizer, with_hyperparams
 from trainer.schedules import make_schedule
 
 PEAK, FLOOR_RATIO, WARMUP, TOTAL = 1e-3, 0.1, 10, 110
@@ -90,7 +90,7 @@ def test_first_update_is_pure_decoupled_decay_on_weights_and_none_on_scales():
     cfg = micro_config(optim=dict(weight_decay=0.1, clip_norm=0.0))
     tx = make_optimizer(cfg, {"w": ("embed", "mlp"), "norm": {"scale": ("embed",)}})
     params = {"w": jnp.full((3, 2), 2.0), "norm": {"scale": jnp.full((3,), 2.0)}}
-    state = with_learning_rate(tx.init(params), jnp.float32(0.5))
+    state = with_hyperparams(tx.init(params), learning_rate=jnp.float32(0.5))
     updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), state, params)
     np.testing.assert_allclose(np.asarray(params["w"] + updates["w"]), 2.0 * (1 - 0.5 * 0.1), rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(updates["norm"]["scale"]), 0.0)
@@ -103,7 +103,7 @@ def test_clipping_bounds_the_update_by_the_global_norm():
     cfg = micro_config(optim=dict(clip_norm=1.0, weight_decay=0.0, b1=0.9))
     tx = make_optimizer(cfg, {"w": ("embed",)})
     params = {"w": jnp.zeros((4,))}
-    state = with_learning_rate(tx.init(params), jnp.float32(1e-3))
+    state = with_hyperparams(tx.init(params), learning_rate=jnp.float32(1e-3))
     grad = {"w": jnp.array([300.0, 400.0, 0.0, 0.0])}  # norm 500
     _, state = tx.update(grad, state, params)
     mu = state[1].inner_state[0].mu["w"]

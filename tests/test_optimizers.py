@@ -13,7 +13,7 @@ from conftest import cli_args, micro_config
 from trainer import experiments
 from trainer.errors import ConfigError
 from trainer.loss import cross_entropy_sum
-from trainer.optimizer import make_optimizer, with_learning_rate
+from trainer.optimizer import make_optimizer, with_hyperparams
 from trainer.setup import build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +27,7 @@ def one_update(name, grads_seq, lr=0.1, wd=0.01, **optim):
     state = tx.init(params)
     history = [params]
     for g in grads_seq:
-        updates, state = tx.update(g, with_learning_rate(state, jnp.float32(lr)), params)
+        updates, state = tx.update(g, with_hyperparams(state, learning_rate=jnp.float32(lr)), params)
         params = jax.tree.map(lambda p, u: p + u, params, updates)
         history.append(params)
     return history
@@ -71,7 +71,7 @@ def test_muon_orthogonalises_weight_matrix_updates_and_adams_the_rest():
     rng = np.random.default_rng(0)
     g = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
     state = setup.tx.init(params)
-    updates, _ = setup.tx.update(g, with_learning_rate(state, jnp.float32(0.02)), params)
+    updates, _ = setup.tx.update(g, with_hyperparams(state, learning_rate=jnp.float32(0.02)), params)
 
     def spread(m):
         s = np.linalg.svd(np.asarray(m), compute_uv=False)

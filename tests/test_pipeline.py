@@ -7,7 +7,6 @@ between layouts and Adam amplifies it; measured for the pipelines below:
 losses within 5e-6 (relative) and parameters within 2.1e-4.
 """
 
-import dataclasses
 import re
 
 import jax
@@ -21,7 +20,8 @@ from test_equivalence import LOSS_RTOL, PARAM_RTOL, differences, run
 from trainer.checkpoint import Checkpointer
 from trainer.data import pipeline
 from trainer.errors import ConfigError
-from trainer.model import Decoder, ModelSpec
+from trainer.resume import restore_state
+from trainer.model import Architecture, Decoder, Execution, ModelSpec
 from trainer.setup import build
 from trainer.step import BATCH_KEYS, abstract_knobs, no_knobs
 
@@ -43,7 +43,8 @@ def one_stage(text_batches):
 
 
 def test_pipelined_forward_equals_the_plain_layer_scan():
-    spec = ModelSpec(vocab_size=128, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64)
+    arch = Architecture(vocab_size=128, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64)
+    spec = ModelSpec(arch)
     plain = Decoder(spec, rngs=nnx.Rngs(0))
     tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, 128)
     # Two packed documents per row: positions and segment ids must travel with their microbatch.
@@ -51,7 +52,7 @@ def test_pipelined_forward_equals_the_plain_layer_scan():
     positions = jnp.repeat(jnp.array([list(range(8)) * 2]), 8, axis=0)
     expected = plain(tokens, positions, segments)
     for stages, microbatches in [(2, 2), (2, 8), (4, 4)]:
-        piped = Decoder(dataclasses.replace(spec, stages=stages, microbatches=microbatches), rngs=nnx.Rngs(0))
+        piped = Decoder(ModelSpec(arch, Execution(stages=stages, microbatches=microbatches)), rngs=nnx.Rngs(0))
         np.testing.assert_allclose(piped(tokens, positions, segments), expected, atol=2e-6, rtol=0)
 
 
@@ -90,7 +91,7 @@ def test_a_checkpoint_restores_across_stage_counts(tmp_path, saved, restored):
         return cfg, build(cfg, jax.devices()[: 2 * stages])
 
     cfg, source = setup_for(saved)
-    data = iter(pipeline.batches(cfg, "train", range(16), shuffle=True))
+    data = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(16), shuffle=True))
     state, step = source.new_state(), source.train_step()
     for _ in range(2):
         state, _ = step(state, next(data), no_knobs())
@@ -99,8 +100,8 @@ def test_a_checkpoint_restores_across_stage_counts(tmp_path, saved, restored):
     upcoming = next(data)
 
     target_cfg, target = setup_for(restored)
-    fresh = iter(pipeline.batches(target_cfg, "train", range(16), shuffle=True))
-    back = ckpt.restore(2, target.abstract_state(), fresh)
+    fresh = iter(pipeline.batches(pipeline.Stream.from_config(target_cfg), "train", range(16), shuffle=True))
+    back, _ = restore_state(ckpt, 2, target, fresh)
     ckpt.close()
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back), strict=True):
         np.testing.assert_array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b)))

@@ -1,9 +1,14 @@
 """Precision policies: bf16 and fp16 track fp32; fp16 overflow is skipped and the loss scale falls."""
 
+import json
+import os
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
-from conftest import micro_config
+from conftest import REPO, cli_args, micro_config
 
 from trainer.data import pipeline
 from trainer.setup import build
@@ -24,7 +29,7 @@ def config(dtype, **precision):
 def text_batches(corpus_dir):
     cfg = config("float32")
     cfg.data.update(dict(source="text_files", data_dir=corpus_dir))
-    stream = iter(pipeline.batches(cfg, "train", range(16), shuffle=True))
+    stream = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(16), shuffle=True))
     return [next(stream) for _ in range(STEPS)]
 
 
@@ -56,13 +61,10 @@ def test_bf16_tracks_fp32_within_three_percent_and_keeps_fp32_state(fp32, text_b
 
 def test_fp16_with_dynamic_loss_scaling_stays_finite_and_tracks_fp32(fp32, text_batches):
     _, fp16 = run(config("float16"), text_batches)
-    applied = [h for h in fp16 if not h["skipped"]]
-    assert all(np.isfinite(h["loss"]) for h in applied)
-    # The scale starts high (2^15) and halves at each overflow until gradients fit; then the
-    # run tracks fp32 (measured: 7 early skips, scale 256, last losses 6% above fp32's).
-    assert all(h["skipped"] == 0 for h in fp16[12:])
-    assert fp16[-1]["loss_scale"] < 2.0**15
-    assert tail_mean(fp16) == pytest.approx(tail_mean(fp32), rel=0.10)
+    # The scaled quantity is the mean loss, so at the default 2^15 this model's gradients fit from
+    # the first step (measured: no skips, last losses 0.6% above fp32's; bf16's are 0.9% above).
+    assert all(h["skipped"] == 0 and np.isfinite(h["loss"]) for h in fp16)
+    assert tail_mean(fp16) == pytest.approx(tail_mean(fp32), rel=0.03)
 
 
 def test_an_overflowing_fp16_step_is_skipped_and_the_scale_halves(text_batches):
@@ -70,6 +72,8 @@ def test_an_overflowing_fp16_step_is_skipped_and_the_scale_halves(text_batches):
     _, history = run(cfg, text_batches[:6])
     assert [h["skipped"] for h in history[:4]] == [1, 1, 1, 1] and all(h["nonfinite"] for h in history[:4])
     assert [h["loss_scale"] for h in history[:4]] == [2.0**39, 2.0**38, 2.0**37, 2.0**36]
+    # The scaler's own business: skipped, but no bad steps held against the run (no rollback).
+    assert all(h["overflow"] == 1 and h["bad_in_window"] == 0 for h in history[:4])
     assert len({h["param_norm"] for h in history[:4]}) == 1  # parameters untouched by skipped steps
 
 
@@ -84,3 +88,35 @@ def test_bf16_moments_halve_the_optimiser_state(text_batches):
     dtypes = {x.dtype for x in jax.tree.leaves(moments) if x.ndim > 0}
     assert dtypes == {np.dtype("bfloat16")}
     assert history[-1]["loss"] < history[0]["loss"]
+
+
+def script_losses(args, workdir):
+    result = subprocess.run([sys.executable, "scripts/train.py", *args, f"--workdir={workdir}"],
+                            cwd=REPO, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def test_fp16_as_shipped_finishes_tiny_and_tracks_fp32(tmp_path, corpus_dir):
+    """configs/tiny.py with its precision settings untouched but the dtype: the loss scale falls
+    from 2^15 by itself without the run counting those overflows as trouble."""
+    args = ["--config", "configs/tiny.py", f"--config.data.data_dir={corpus_dir}", "--config.train.steps=24",
+            "--config.train.global_batch_size=8", "--config.optim.warmup_steps=5", "--config.train.eval_every=0",
+            "--config.train.log_every=1"]  # fmt: skip
+    fp32 = script_losses(args, str(tmp_path / "fp32"))
+    fp16 = script_losses([*args, "--config.precision.compute_dtype=float16"], str(tmp_path / "fp16"))
+    assert fp16[-1]["step"] >= 24 and fp16[0]["loss_scale"] <= 2.0**15
+    assert tail_mean(fp16) == pytest.approx(tail_mean(fp32), rel=0.03)
+
+
+def test_fp16_trains_a_microbatch_of_16k_tokens_without_skipping_most_steps(tmp_path):
+    """16 x 1024 tokens a microbatch: the scaled loss is a mean, so the gradients' scale does not
+    grow with the token count and a few halvings of 2^15 suffice."""
+    cfg = micro_config(model=dict(max_seq_len=1024), data=dict(seq_len=1024),
+                       train=dict(global_batch_size=16, steps=8, log_every=1), mesh=dict(fsdp=-1))  # fmt: skip
+    cfg.precision.compute_dtype = "float16"
+    logged = script_losses(cli_args(cfg), str(tmp_path / "run"))
+    skipped = sum(r["skipped"] for r in logged)
+    assert skipped < len(logged) / 2, [(r["step"], r["skipped"], r["loss_scale"]) for r in logged]
+    assert logged[-1]["loss"] < logged[0]["loss"]

@@ -146,7 +146,7 @@ def test_a_chunked_loss_gives_the_same_step_in_less_memory():
                            mesh=dict(fsdp=1))  # fmt: skip
         setup = build(cfg, jax.devices()[:1])
         state, step = setup.new_state(), setup.train_step()
-        batch = next(iter(pipeline.batches(cfg, "train", range(8), shuffle=False)))
+        batch = next(iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(8), shuffle=False)))
         _, metrics = step(state, batch, no_knobs())
         planned = plan(cfg, devices=jax.devices()[:1])
         results[chunk] = metrics, planned["compiled_breakdown"]["temporaries"], planned

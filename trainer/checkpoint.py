@@ -2,16 +2,20 @@
 
 A checkpoint is a step directory with up to four items:
 `params` and `opt_state` (each process writes its own shards), `meta` (step and
-RNG, loss scale and the other stability state) and `data` (the position of every batch row's data stream, as JSON, one
-file per process, merged on restore so any process layout can resume). Parameters
-are an item of their own so that evaluation and export read nothing else.
+RNG, loss scale and the other stability state, the layout's `format` and
+whether the writing run had reset its optimiser) and `data` (the position of
+every global-batch row's data stream, as JSON, one file per process, merged on
+restore so any process layout can resume). Parameters are an item of their own
+so that evaluation and export read nothing else.
 
 Saves are asynchronous: the arrays are copied off the devices, then written
 while training goes on. Orbax writes into a temporary directory and renames it
 when complete, so a crash mid-save leaves no checkpoint that looks whole; its
-leftovers are removed at the next start. A checkpoint that fails to restore
-(a truncated or missing file) is moved to `damaged_checkpoints/` beside the
-checkpoint directory, never deleted, and the next older one is tried.
+leftovers are removed at the next start. A checkpoint whose files cannot be
+read (a truncated or missing file) is moved to `damaged_checkpoints/` beside
+the checkpoint directory, never deleted, and the next older one is tried.
+Whether a readable checkpoint fits the config is decided before that, from its
+metadata (trainer/resume.py), so a changed config never sets one aside.
 """
 
 from __future__ import annotations
@@ -23,14 +27,21 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
-import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from trainer.errors import ConfigError
 from trainer.state import TrainState
 
 PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
+# 2: the data position is keyed by global-batch row and the clock counts sequences. Checkpoints
+# without a format entry were keyed by microbatch row and counted microbatches.
+FORMAT = 2
+# Orbax and TensorStore report a missing, truncated or corrupt file with many exception types, a bare
+# Exception among them; these, though, are faults in the code, and setting checkpoints aside for one
+# would hide it behind "damaged" files.
+CODE_FAULTS = (TypeError, AttributeError, NameError, ImportError, AssertionError, NotImplementedError)
 
 
 class DataStateHandler:
@@ -106,15 +117,37 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state: TrainState, data_iterator: grain.DatasetIterator | None) -> None:
+    def save(self, step: int, state: TrainState, data_iterator, *, reset_optimizer: bool = False) -> None:
+        meta = {"step": state.step, "rng": state.rng, "stability": state.stability,
+                "format": np.int32(FORMAT), "reset_optimizer": np.int32(reset_optimizer)}  # fmt: skip
         items = {
             PARAMS: ocp.args.StandardSave(state.params),
             OPT_STATE: ocp.args.StandardSave(state.opt_state),
-            META: ocp.args.StandardSave({"step": state.step, "rng": state.rng, "stability": state.stability}),
+            META: ocp.args.StandardSave(meta),
         }
         if data_iterator is not None:
             items[DATA] = DataSave(data_iterator)
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def metadata(self, step: int) -> dict:
+        """Each item's tree of array metadata (shapes, dtypes); raises if the checkpoint cannot be read."""
+        metadata = self._manager.item_metadata(step)
+        missing = {PARAMS, OPT_STATE, META} - set(metadata.keys())
+        if missing:
+            raise OSError(f"items {sorted(missing)} are missing")
+        return {name: metadata[name] for name in (PARAMS, OPT_STATE, META)}
+
+    def data_rows(self, step: int) -> set[int] | None:
+        """The batch rows whose data position the checkpoint holds (None: it holds no data position)."""
+        directory = os.path.join(self.directory, str(step), DATA)
+        if not os.path.isdir(directory):
+            return None
+        rows = set()
+        for name in os.listdir(directory):
+            if name.startswith("process_") and name.endswith(".json"):
+                with open(os.path.join(directory, name)) as f:
+                    rows.update(int(r) for r in json.load(f)["rows"])
+        return rows
 
     def check_params(self, step: int, abstract_params: dict) -> None:
         """Refuse a checkpoint whose parameters differ from the model's, naming the first that does."""
@@ -124,9 +157,8 @@ class Checkpointer:
                 f"the checkpoint at step {step} in {self.directory} holds {sorted(metadata.keys())}, not "
                 f"'{PARAMS}': it was not written by this trainer's checkpoint layout."
             )
-        saved = metadata[PARAMS]
-        saved_shapes = {_path(p): tuple(m.shape) for p, m in jax.tree_util.tree_leaves_with_path(saved)}
-        wanted = {_path(p): tuple(a.shape) for p, a in jax.tree_util.tree_leaves_with_path(abstract_params)}
+        saved_shapes = {name: shape for name, (shape, _) in arrays(metadata[PARAMS]).items()}
+        wanted = {name: shape for name, (shape, _) in arrays(abstract_params).items()}
         for name in sorted(saved_shapes.keys() | wanted.keys()):
             have, want = saved_shapes.get(name), wanted.get(name)
             if have != want:
@@ -142,30 +174,24 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))
         return restored[PARAMS]
 
-    def read_stability(self, step: int, target: dict) -> dict:
-        """Just the stability state saved at `step` (a few scalars): was the run healthy then?"""
-        target = {"step": None, "rng": None, "stability": target}
-        meta = self._manager.item_metadata(step)[META]
-        target = {
-            k: v if v is not None else jax.ShapeDtypeStruct(meta[k].shape, meta[k].dtype) for k, v in target.items()
-        }
-        return self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.StandardRestore(target)}))[META][
-            "stability"
-        ]
+    def restore_meta(self, step: int, sharding) -> dict:
+        """The meta item as saved (its own shapes, whatever config wrote it), as host arrays."""
+        target = jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), self._manager.item_metadata(step)[META]
+        )
+        meta = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.StandardRestore(target)}))[META]
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), meta)
 
-    def restore(self, step: int, target: TrainState, data_iterator: grain.DatasetIterator | None) -> TrainState:
-        """The whole state into `target`'s shapes and shardings; the iterator (if given) is restored in place."""
-        self.check_params(step, target.params)
-        items = {
-            PARAMS: ocp.args.StandardRestore(target.params),
-            OPT_STATE: ocp.args.StandardRestore(target.opt_state),
-            META: ocp.args.StandardRestore({"step": target.step, "rng": target.rng, "stability": target.stability}),
-        }
+    def restore(self, step: int, params: dict, opt_state, data_iterator) -> tuple[dict, object]:
+        """Parameters and (unless `opt_state` is None) the optimiser state into the targets' shapes and
+        shardings; the data iterator, if given, is restored in place."""
+        items = {PARAMS: ocp.args.StandardRestore(params)}
+        if opt_state is not None:
+            items[OPT_STATE] = ocp.args.StandardRestore(opt_state)
         if data_iterator is not None and os.path.isdir(os.path.join(self.directory, str(step), DATA)):
             items[DATA] = DataRestore(data_iterator)
         r = self._manager.restore(step, args=ocp.args.Composite(**items))
-        meta = r[META]
-        return TrainState(meta["step"], r[PARAMS], r[OPT_STATE], meta["rng"], meta["stability"])
+        return r[PARAMS], r[OPT_STATE] if opt_state is not None else None
 
     def restore_newest_intact(
         self, restore: Callable[[int], object], say: Callable[[str], None]
@@ -179,9 +205,9 @@ class Checkpointer:
         for step in reversed(steps):
             try:
                 return step, restore(step)
-            except ConfigError:
+            except (ConfigError, *CODE_FAULTS):
                 raise
-            except Exception as e:  # Orbax/TensorStore raise many types for unreadable files
+            except Exception as e:  # the files cannot be read
                 reason = " ".join(str(e).split())[:200]
                 moved = self.set_aside(step, "damaged_checkpoints")
                 say(f"checkpoint at step {step} cannot be read ({reason}); moved to {moved}, trying an older one")
@@ -212,5 +238,13 @@ class Checkpointer:
         self._manager.close()
 
 
-def _path(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+def arrays(tree) -> dict[str, tuple[tuple[int, ...], object]]:
+    """{dotted path: (shape, dtype)} of a state tree or of a checkpoint's metadata for it, comparable
+    across the two (Orbax's metadata turns namedtuples into dicts and empty states into None)."""
+    return {
+        ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path): (
+            tuple(x.shape),
+            np.dtype(x.dtype),
+        )
+        for path, x in jax.tree_util.tree_leaves_with_path(tree)
+    }

@@ -7,6 +7,7 @@ returned dict is locked, so a misspelt key in a recipe or on the command line
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Mapping
@@ -131,7 +132,16 @@ def defaults() -> ml_collections.ConfigDict:
     )
     # Keep the newest `keep`, plus every multiple of `keep_every` (0 = none).
     # `async` is a Python keyword: read it as cfg.checkpoint["async"].
-    c.checkpoint = {"every_steps": 500, "keep": 3, "keep_every": 0, "async": True}
+    c.checkpoint = {
+        "every_steps": 500,
+        "keep": 3,
+        "keep_every": 0,
+        "async": True,
+        # Resume this run's weights, step, schedule and data with a fresh optimiser state (e.g. another optim.name).
+        "reset_optimizer": False,
+        # "DIR[@STEP]": start a new run from another run's weights, everything else fresh (fine-tuning).
+        "init_from": "",
+    }
     c.lock()
     return c
 
@@ -213,6 +223,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"optim.warmup_steps={o.warmup_steps} + optim.decay_steps={o.decay_steps} exceed "
             f"train.steps={t.steps}; shorten the schedule or train longer."
         )
+    if cfg.checkpoint.reset_optimizer and cfg.checkpoint.init_from:
+        raise ConfigError(
+            "checkpoint.reset_optimizer resumes this run and checkpoint.init_from starts a new one from another's "
+            "weights; set one, not both."
+        )
     if d.tokenizer == "sentencepiece" and not d.tokenizer_path:
         raise ConfigError(
             "data.tokenizer='sentencepiece' needs data.tokenizer_path; train one with scripts/train_tokenizer.py."
@@ -220,7 +235,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
 
 
 def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
-    stages, m, t = cfg.mesh.stage, cfg.train.microbatches, cfg.train
+    stages, m = cfg.mesh.stage, cfg.train.microbatches
     if stages < 1:
         raise ConfigError(f"mesh.stage={stages} must be a positive number of pipeline stages.")
     if stages == 1:
@@ -237,7 +252,7 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
             f"train.microbatches={m} is fewer than mesh.stage={stages}, so stages would sit idle; "
             f"use at least {stages} (4 x {stages} = {4 * stages} keeps the bubble under 20%)."
         )
-    micro = t.global_batch_size // t.grad_accum_steps
+    micro = microbatch_size(cfg)
     if micro % m:
         raise ConfigError(
             f"a batch of {micro} sequences (train.global_batch_size / train.grad_accum_steps) does not "
@@ -245,11 +260,16 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
         )
 
 
+def microbatch_size(cfg) -> int:
+    """Sequences in one microbatch: what a step computes at once (train.grad_accum_steps of them make a batch)."""
+    return cfg.train.global_batch_size // cfg.train.grad_accum_steps
+
+
 def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
     """Refuse a batch or head count that does not divide over the mesh."""
     data_ways = mesh.shape["data"] * mesh.shape["fsdp"]
     tensor = mesh.shape["tensor"]
-    micro = cfg.train.global_batch_size // cfg.train.grad_accum_steps
+    micro = microbatch_size(cfg)
     if micro % data_ways:
         raise ConfigError(
             f"each microbatch of {micro} sequences (train.global_batch_size / train.grad_accum_steps) "
@@ -286,3 +306,30 @@ def _positive(path: str, value) -> None:
 
 def to_json(cfg: ml_collections.ConfigDict) -> str:
     return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)
+
+
+def flatten(cfg) -> dict[str, object]:
+    """{"section.key": value} for every key (nested dicts such as mesh.rules flattened too)."""
+    return dict(_walk(cfg))
+
+
+def with_changes(cfg: ml_collections.ConfigDict, changes: Mapping[str, object]) -> ml_collections.ConfigDict:
+    """A copy of `cfg` with dotted keys changed: with_changes(cfg, {"optim.lr": 1e-3})."""
+    out = copy.deepcopy(cfg)
+    for key, value in changes.items():
+        *parents, name = key.split(".")
+        node = out
+        for part in parents:
+            node = node[part]
+        node[name] = value
+    return out
+
+
+def from_dict(saved: Mapping) -> ml_collections.ConfigDict:
+    """A config from a saved config.json: today's defaults, overwritten by every key the file knows.
+
+    Keys an older trainer wrote and this one no longer has are dropped; keys it
+    did not have yet keep their defaults.
+    """
+    known = flatten(defaults())
+    return with_changes(defaults(), {k: v for k, v in _walk(saved) if k in known})

@@ -1,7 +1,8 @@
 """Validation loss: during training on fixed batches, and of a saved checkpoint on a whole split.
 
-During training the same `train.eval_batches` batches (microbatches of the
-eval split, the first ones, unshuffled) are used at every evaluation, so successive numbers compare
+During training the same `train.eval_batches` batches (global batches of the
+eval split, the first ones, unshuffled, computed in the training step's
+microbatches) are used at every evaluation, so successive numbers compare
 like with like. `unigram_loss` is the entropy of the target tokens in those
 batches: the loss of the best model that ignores context, the bar any language
 model must clear. These batches are the openings of the first held-out
@@ -33,19 +34,25 @@ from trainer.setup import Setup
 from trainer.step import jit_eval_step, make_eval_step
 
 
+def eval_step(setup: Setup):
+    """The jitted (params, global batch) -> (loss sum, token count), in the training step's microbatches."""
+    step = make_eval_step(setup.model, setup.shard, setup.cfg.train.grad_accum_steps)
+    return jit_eval_step(step, setup.state_shardings, setup.shard)
+
+
 class Evaluator:
     def __init__(self, setup: Setup, rows: list[int]):
         cfg = setup.cfg
-        stream = iter(pipeline.batches(cfg, cfg.data.eval_split, rows, shuffle=False))
+        stream = iter(pipeline.batches(pipeline.Stream.from_config(cfg), cfg.data.eval_split, rows, shuffle=False))
         self._batches = list(itertools.islice(stream, cfg.train.eval_batches))
         self._setup = setup
-        self._step = jit_eval_step(make_eval_step(setup.model), setup.state_shardings, setup.shard)
+        self._step = eval_step(setup)
 
     def __call__(self, params) -> dict[str, float]:
         setup = self._setup
         total, count = 0.0, 0.0
         for local in self._batches:
-            batch = pipeline.to_global(local, setup.batch_sharding, pipeline.microbatch_size(setup.cfg))
+            batch = pipeline.to_global(local, setup.batch_sharding, setup.cfg.train.global_batch_size)
             s, n = fetch(self._step(params, batch))
             total, count = total + float(s), count + float(n)
         return {"eval_loss": total / max(count, 1.0), "eval_tokens": count}
@@ -77,18 +84,18 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     elif not max_batches:
         raise ConfigError("a synthetic source has no end; pass a number of batches to evaluate.")
     setup, step, params = load_params(cfg, workdir, step, devices)
-    B, T = pipeline.microbatch_size(cfg), cfg.data.seq_len
+    B, T, stream = cfg.train.global_batch_size, cfg.data.seq_len, pipeline.Stream.from_config(cfg)
     rows = pipeline.process_rows(setup.batch_sharding, B, T)
     if cfg.data.source == "synthetic":
-        local_batches = pipeline.batches(cfg, cfg.data.eval_split, rows, shuffle=False)
+        local_batches = pipeline.batches(stream, cfg.data.eval_split, rows, shuffle=False)
     else:
-        local_batches = pipeline.one_pass(cfg, cfg.data.eval_split, rows)
+        local_batches = pipeline.one_pass(stream, cfg.data.eval_split, rows)
     if max_batches:
         local_batches = itertools.islice(local_batches, max_batches)
     token_bytes = (
         np.ones(cfg.model.vocab_size) if cfg.data.source == "synthetic" else load_tokenizer(cfg.data).token_bytes()
     )
-    step_fn = jit_eval_step(make_eval_step(setup.model), setup.state_shardings, setup.shard)
+    step_fn = eval_step(setup)
     total, count, n_bytes, n_batches = 0.0, 0.0, 0, 0
     for local in local_batches:
         s, n = fetch(step_fn(params, pipeline.to_global(local, setup.batch_sharding, B)))

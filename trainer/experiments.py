@@ -24,10 +24,9 @@ def fixed_batches(cfg, steps: int) -> list[dict]:
     pipeline.check_vocab(cfg)
     if cfg.data.source != "synthetic":
         pipeline.prepare(cfg.data)
-    micro = pipeline.microbatch_size(cfg)
-    stream = iter(pipeline.batches(cfg, cfg.data.train_split, range(micro), shuffle=True))
-    k = cfg.train.grad_accum_steps
-    return [pipeline.interleave([next(stream) for _ in range(k)]) for _ in range(steps)]
+    rows = range(cfg.train.global_batch_size)
+    stream = iter(pipeline.batches(pipeline.Stream.from_config(cfg), cfg.data.train_split, rows, shuffle=True))
+    return [next(stream) for _ in range(steps)]
 
 
 def loss_curve(cfg, batches: list[dict]) -> list[float]:

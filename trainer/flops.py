@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from trainer.model import ModelSpec
+from trainer.model import Architecture
 
 # Each chip's planner name: (what jax's device_kind contains, dense bf16 peak FLOP/s
 # per chip from the vendor's data sheet). Matched in this order: v5p reports itself
@@ -48,10 +48,10 @@ def count_params(abstract_params: dict) -> dict[str, int]:
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding - head}
 
 
-def flops_per_token(spec: ModelSpec, abstract_params: dict, seq_len: int) -> float:
+def flops_per_token(arch: Architecture, abstract_params: dict, seq_len: int) -> float:
     counts = count_params(abstract_params)
-    matmul_params = counts["total"] - (0 if spec.tie_embeddings else counts["embedding"])
-    attention = 12 * spec.n_layers * spec.n_heads * spec.head_dim * seq_len
+    matmul_params = counts["total"] - (0 if arch.tie_embeddings else counts["embedding"])
+    attention = 12 * arch.n_layers * arch.n_heads * arch.head_dim * seq_len
     return 6.0 * matmul_params + attention
 
 

@@ -39,8 +39,9 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, to
 
 
 def empty_cache(spec: ModelSpec, batch: int, length: int, shard: LogicalSharding):
-    shape = (spec.n_layers, batch, length, spec.n_kv_heads, spec.head_dim)
-    zeros = jnp.zeros(shape, spec.compute_dtype)
+    a = spec.arch
+    shape = (a.n_layers, batch, length, a.n_kv_heads, a.head_dim)
+    zeros = jnp.zeros(shape, spec.execution.compute_dtype)
     return shard.constrain(zeros, CACHE_NAMES), shard.constrain(zeros, CACHE_NAMES)
 
 

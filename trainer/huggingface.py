@@ -18,12 +18,12 @@ import numpy as np
 
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
 from trainer.errors import ConfigError
-from trainer.model import ModelSpec
+from trainer.model import Architecture
 
 WEIGHTS_FILE = "model.safetensors"
 
 
-def hf_config(spec: ModelSpec, max_seq_len: int) -> dict:
+def hf_config(spec: Architecture, max_seq_len: int) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -80,11 +80,13 @@ def model_keys_from_hf(config: dict) -> dict:
     }
 
 
-def to_hf_tensors(params: dict, spec: ModelSpec) -> dict[str, np.ndarray]:
+def to_hf_tensors(params: dict, spec: Architecture) -> dict[str, np.ndarray]:
     layers = params["layers"]
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]["scale"]}
     if not spec.tie_embeddings:
-        out["lm_head.weight"] = params["lm_head"].T
+        # muP divides our logits by m; Llama has no output multiplier, so the head carries it
+        # (muP refuses tied embeddings, so the input table is untouched).
+        out["lm_head.weight"] = params["lm_head"].T / spec.width_multiplier
     d = spec.d_model
     for i in range(spec.n_layers):
         a, m = layers["attn"], layers["mlp"]
@@ -101,7 +103,7 @@ def to_hf_tensors(params: dict, spec: ModelSpec) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def from_hf_tensors(t: dict[str, np.ndarray], spec: ModelSpec) -> dict:
+def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture) -> dict:
     d, n, k, h = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
 
     def stack(name, fn):
@@ -127,7 +129,7 @@ def from_hf_tensors(t: dict[str, np.ndarray], spec: ModelSpec) -> dict:
         },
     }
     if not spec.tie_embeddings:
-        params["lm_head"] = t["lm_head.weight"].T
+        params["lm_head"] = t["lm_head.weight"].T * spec.width_multiplier  # undo the export's muP folding
     return _as_float32(params)
 
 
@@ -245,11 +247,11 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
     if jax.process_count() > 1:
         raise ConfigError("export in a single process: it gathers the whole model onto one host anyway.")
     setup, step, params = load_params(cfg, workdir, step)
-    tensors = to_hf_tensors(jax.device_get(params), setup.spec)
+    tensors = to_hf_tensors(jax.device_get(params), setup.spec.arch)
     os.makedirs(out_dir, exist_ok=True)
     write_weights(tensors, out_dir)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config(setup.spec, cfg.model.max_seq_len), f, indent=2)
+        json.dump(hf_config(setup.spec.arch, cfg.model.max_seq_len), f, indent=2)
     write_tokenizer(cfg.data, out_dir)
     return step
 
@@ -277,7 +279,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     if os.path.isdir(wd.checkpoint_dir(workdir)) and Checkpointer(wd.checkpoint_dir(workdir), read_only=True).steps():
         raise ConfigError(f"{workdir} already holds checkpoints; import into a new --workdir.")
     setup = build(cfg)
-    params = from_hf_tensors(read_weights(hf_dir), setup.spec)
+    params = from_hf_tensors(read_weights(hf_dir), setup.spec.arch)
     expected = jax.tree.map(lambda a: a.shape, setup.model.abstract_params)
     if jax.tree.map(lambda a: a.shape, params) != expected:
         raise ConfigError(f"the weights in {hf_dir} do not have the shapes its config.json describes.")

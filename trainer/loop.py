@@ -21,9 +21,10 @@ import jax
 import numpy as np
 
 from parallelism.distributed import fetch
-from trainer import batch_ramp, stability
+from trainer import batch_ramp, resume, stability
 from trainer import workdir as wd
 from trainer.checkpoint import Checkpointer
+from trainer.config import microbatch_size
 from trainer.data import pipeline
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, peak_flops
@@ -33,11 +34,15 @@ from trainer.preemption import watch_for_sigterm
 from trainer.profiling import StepProfiler
 from trainer.rollback import roll_back
 from trainer.setup import Setup, build
+from trainer.state import state_from_params
 from trainer.step import abstract_batch, abstract_knobs
 
 
-def prepare_run(cfg, workdir: str) -> Setup:
-    """Every check that can fail, before anything is compiled; the workdir is created last."""
+def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
+    """Every check that can fail, before anything is compiled; the workdir is created last.
+
+    Returns the setup and, for a new run with `checkpoint.init_from`, the weights to start from.
+    """
     setup = build(cfg)
     pipeline.check_vocab(cfg)
     if cfg.data.source != "synthetic":
@@ -50,14 +55,18 @@ def prepare_run(cfg, workdir: str) -> Setup:
         pipeline.open_split(cfg.data, cfg.data.train_split)
         if cfg.train.eval_every:
             pipeline.open_split(cfg.data, cfg.data.eval_split)
-    wd.check_matches(workdir, cfg, wd.RESUME_KEYS)
+    init = None
+    if wd.saved_steps(workdir):
+        resume.check_resume(workdir, cfg, setup)
+    elif cfg.checkpoint.init_from:
+        init = resume.load_init_params(cfg, setup)
     wd.check_writable(workdir)
-    return setup
+    return setup, init
 
 
 def train(cfg, workdir: str) -> dict:
     """Train, or resume from the newest readable checkpoint in `workdir`; returns the last logged values."""
-    run = Run(cfg, workdir, prepare_run(cfg, workdir))
+    run = Run(cfg, workdir, *prepare_run(cfg, workdir))
     try:
         if run.finished():
             run.say(f"already trained to step {run.step}; raise train.steps to go on")
@@ -84,40 +93,60 @@ def train(cfg, workdir: str) -> dict:
 class Run:
     """One training run's moving parts, so that train() reads as the loop it is."""
 
-    def __init__(self, cfg, workdir: str, setup: Setup):
+    def __init__(self, cfg, workdir: str, setup: Setup, init: tuple | None = None):
         self.cfg, self.setup = cfg, setup
         self.primary = jax.process_index() == 0
         self.say = print if self.primary else (lambda *a, **k: None)
-        if self.primary:
-            wd.write_config(workdir, cfg)
+        self.saved_cfg = resume.saved_config(workdir)
         t = cfg.train
-        self.micro = pipeline.microbatch_size(cfg)
-        self.target = t.steps * t.grad_accum_steps  # microbatches to train on
-        self.rows = pipeline.process_rows(setup.batch_sharding, self.micro, cfg.data.seq_len)
+        self.batch, self.micro = t.global_batch_size, microbatch_size(cfg)
+        self.target = t.steps * t.global_batch_size  # sequences to train on
+        self.stream = pipeline.Stream.from_config(cfg)
+        self.rows = self._local_rows(self.batch)
         self.ckpt = Checkpointer(
             wd.checkpoint_dir(workdir), keep=cfg.checkpoint.keep, keep_every=cfg.checkpoint.keep_every,
             async_save=cfg.checkpoint["async"],
         )  # fmt: skip
         self.abstract = setup.abstract_state()
         found = self.ckpt.restore_newest_intact(self._restore, self.say)
-        self.resumed = found is not None
-        self.state, self.data = found[1] if found else (setup.new_state(), self._new_data())
+        self.resumed, self.reset_optimizer = found is not None, found is not None and found[1][2]
+        if found:
+            self.state, self.data = found[1][:2]
+            if cfg.checkpoint.init_from:
+                self.say(
+                    f"checkpoint.init_from ignored: {workdir} holds checkpoints of its own, which this run resumes"
+                )
+        elif init is not None:
+            params, source, step = init
+            self.state = state_from_params(params, setup.model, setup.tx, setup.shard, t.seed, setup.stability)
+            self.data = self._new_data()
+            self.say(f"started from the weights of {source} at step {step} (checkpoint.init_from); optimiser, "
+                     "schedule and data start afresh")  # fmt: skip
+        else:
+            self.state, self.data = setup.new_state(), self._new_data()
+        if self.primary:  # once the checkpoint is accepted: a refusal leaves the workdir as it was
+            wd.write_config(workdir, cfg)
         self._read_clocks()
         self.writer = MetricsWriter(workdir, resume_step=self.step, enabled=self.primary)
         self.profiler = StepProfiler(cfg.train.profile_steps, workdir, enabled=self.primary)
         self.last: dict = {}
 
     def _new_data(self):
-        return iter(pipeline.batches(self.cfg, self.cfg.data.train_split, self.rows, shuffle=True))
+        return iter(pipeline.batches(self.stream, self.cfg.data.train_split, self.rows, shuffle=True))
+
+    def _local_rows(self, size: int) -> list[int]:
+        """This process's rows of a batch of `size` rows (a batch-size ramp uses a few sizes)."""
+        return pipeline.process_rows(self.setup.batch_sharding, size, self.cfg.data.seq_len)
 
     def _restore(self, step: int):
         data = self._new_data()
-        return self.ckpt.restore(step, self.abstract, data), data
+        state, reset = resume.restore_state(self.ckpt, step, self.setup, data, self.saved_cfg)
+        return state, data, reset
 
     def _read_clocks(self) -> None:
-        """Step, microbatches trained on and read, skipped steps: a (small) sync with the device."""
+        """Step, sequences trained on and read, skipped steps: a (small) sync with the device."""
         s = fetch({"step": self.state.step, **self.state.stability})
-        self.step, self.trained, self.data_read = int(s["step"]), int(s["microbatches"]), int(s["data_read"])
+        self.step, self.trained, self.data_read = int(s["step"]), int(s["sequences"]), int(s["data_read"])
         self.skipped_seen = int(s["skipped"])
 
     def finished(self) -> bool:
@@ -128,60 +157,61 @@ class Run:
     def start(self) -> None:
         cfg, setup = self.cfg, self.setup
         if self.resumed:
-            self.say(f"resumed from the checkpoint at step {self.step}")
+            fresh = f" with a fresh {cfg.optim.name} optimiser state (checkpoint.reset_optimizer)"
+            self.say(f"resumed from the checkpoint at step {self.step}{fresh if self.reset_optimizer else ''}")
         counts = count_params(setup.model.abstract_params)
-        self.flops_per_token = flops_per_token(setup.spec, setup.model.abstract_params, cfg.data.seq_len)
+        self.flops_per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len)
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
         self.say(
             f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
             f"{self.flops_per_token / 1e6:.1f} MFLOPs/token; mesh {dict(setup.mesh.shape)}"
         )
         self._compiled: dict = {}
-        self._step_fn(batch_ramp.microbatches_per_step(cfg, self.trained, self.micro))
+        self._step_fn(batch_ramp.step_size(cfg, self.trained))
         self.drills = stability.Drills.from_config(cfg)
         self.evaluator = Evaluator(setup, self.rows) if cfg.train.eval_every else None
         self.unigram = self.evaluator.unigram_loss() if self.evaluator else None
         self._mark()
 
-    def _step_fn(self, k: int):
-        """The train step compiled ahead of time for k microbatches (a ramp uses a few sizes)."""
-        if k not in self._compiled:
+    def _step_fn(self, size: int):
+        """The train step compiled ahead of time for a batch of `size` sequences (a ramp uses a few sizes)."""
+        if size not in self._compiled:
             s, start = self.setup, time.perf_counter()
-            batch = abstract_batch(k * self.micro, self.cfg.data.seq_len, s.batch_sharding)
-            self._compiled[k] = s.train_step(k).lower(self.abstract, batch, abstract_knobs(s.shard)).compile()
+            batch = abstract_batch(size, self.cfg.data.seq_len, s.batch_sharding)
+            step = s.train_step(size // self.micro)
+            self._compiled[size] = step.lower(self.abstract, batch, abstract_knobs(s.shard)).compile()
             seconds = time.perf_counter() - start
             self.say(
-                f"compiled the train step for {k * self.micro} sequences in {seconds:.1f}s, "
-                f"{compiled_memory(self._compiled[k])['total'] / 2**30:.2f} GiB per device"
+                f"compiled the train step for {size} sequences in {seconds:.1f}s, "
+                f"{compiled_memory(self._compiled[size])['total'] / 2**30:.2f} GiB per device"
             )
             if hasattr(self, "mark_time"):
                 self.mark_time += seconds  # compiling is not training time
-        return self._compiled[k]
+        return self._compiled[size]
 
     def _mark(self) -> None:
         self.mark_step, self.mark_time, self.mark_tokens = self.step, time.perf_counter(), 0
 
     def take_step(self):
         """Dispatch one step (no waiting on the device); returns its metrics, still on the device."""
-        # The last step of a ramp may need fewer microbatches than the stage: train exactly the target.
-        k = min(batch_ramp.microbatches_per_step(self.cfg, self.trained, self.micro), self.target - self.trained)
-        batch = pipeline.interleave([next(self.data) for _ in range(k)])
-        batch = pipeline.to_global(batch, self.setup.batch_sharding, k * self.micro)
-        knobs = {n: np.float32(v) for n, v in self.drills.knobs(self.data_read, k).items()}
+        size = batch_ramp.step_size(self.cfg, self.trained)
+        rows = self.rows if size == self.batch else pipeline.ramp_rows(self._local_rows(size), size, self.batch)
+        batch = pipeline.to_global(self.data.read(rows), self.setup.batch_sharding, size)
+        knobs = {n: np.float32(v) for n, v in self.drills.knobs(self.data_read, size, self.batch).items()}
         knobs = jax.device_put(knobs, self.setup.shard.replicated())
         self.profiler.before(self.step + 1)
-        self.state, metrics = self._step_fn(k)(self.state, batch, knobs)
-        self.step, self.trained, self.data_read = self.step + 1, self.trained + k, self.data_read + k
+        self.state, metrics = self._step_fn(size)(self.state, batch, knobs)
+        self.step, self.trained, self.data_read = self.step + 1, self.trained + size, self.data_read + size
         traced = self.profiler.after(self.step, metrics)
         if traced:
             self.say(traced)
-        self.mark_tokens += k * self.micro * self.cfg.data.seq_len
+        self.mark_tokens += size * self.cfg.data.seq_len
         return metrics
 
     def log(self, metrics) -> str | None:
         """Write the step's metrics (and any skipped-step event); returns why to roll back, if so."""
         values = _floats(fetch(metrics))
-        self.trained = int(values["microbatches"])
+        self.trained = int(values["sequences"])
         elapsed = time.perf_counter() - self.mark_time
         tokens_per_sec = self.mark_tokens / elapsed
         self.last = {
@@ -190,7 +220,7 @@ class Run:
             "mfu": self.flops_per_token * tokens_per_sec / self.peak if self.peak else None,
             "step_time": elapsed / (self.step - self.mark_step),
         }
-        batches = self.trained / self.cfg.train.grad_accum_steps
+        batches = self.trained / self.batch
         self.writer.write(
             self.step, self.last, console=_console_line(self.step, batches, self.cfg.train.steps, self.last)
         )
@@ -207,7 +237,11 @@ class Run:
 
     def roll_back(self, reason: str) -> None:
         from_step = self.step
-        self.state, skipped_batches = roll_back(self.cfg, self.ckpt, self.abstract, self.state, self.data_read)
+
+        def restore(step):
+            return resume.restore_state(self.ckpt, step, self.setup, None, self.cfg)[0]
+
+        self.state, skipped_batches = roll_back(self.cfg, self.ckpt, restore, self.state, self.data_read)
         self._read_clocks()
         lr_scale = float(fetch(self.state.stability["lr_scale"]))
         event = {"event": "rollback", "reason": reason, "from_step": from_step, "to_step": self.step,
@@ -233,12 +267,12 @@ class Run:
             self.writer.write(step, result, console=(
                 f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {self.unigram:.4f})"))  # fmt: skip
         if save:
-            self.ckpt.save(step, self.state, self.data)
+            self.ckpt.save(step, self.state, self.data, reset_optimizer=cfg.checkpoint.reset_optimizer)
         self.mark_time += time.perf_counter() - paused
 
     def save_now(self) -> None:
         if self.step not in self.ckpt.steps():
-            self.ckpt.save(self.step, self.state, self.data)
+            self.ckpt.save(self.step, self.state, self.data, reset_optimizer=self.cfg.checkpoint.reset_optimizer)
 
     def close(self) -> None:
         self.profiler.stop()

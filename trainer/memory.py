@@ -39,9 +39,10 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int) -
     was seen to keep), counted in compute-dtype elements of `act_bytes`; fused kernels
     keep only their output and statistics.
     """
-    d, f = spec.d_model, spec.d_ff / tensor
-    q, kv = spec.n_heads * spec.head_dim / tensor, spec.n_kv_heads * spec.head_dim / tensor
-    scores = 3 * (4 / act_bytes) * spec.n_heads * seq_len / tensor if spec.attention == "xla" else 0
+    a = spec.arch
+    d, f = a.d_model, a.d_ff / tensor
+    q, kv = a.n_heads * a.head_dim / tensor, a.n_kv_heads * a.head_dim / tensor
+    scores = 3 * (4 / act_bytes) * a.n_heads * seq_len / tensor if spec.execution.attention == "xla" else 0
     projections = q + 2 * kv + d + 2 * f + d  # q, k, v; attention out projection; gate, up; down
     everything = (
         4 * d  # layer input, two norm outputs, the residual after attention
@@ -66,16 +67,17 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int]) -> int:
     tokens, tensor = rows * cfg.data.seq_len, mesh_shape["tensor"]
     act = jnp.dtype(cfg.precision.compute_dtype).itemsize
     per_layer = layer_activation_elements(spec, cfg.data.seq_len, tensor, act)
-    layers_here = spec.n_layers // mesh_shape["stage"]
-    kept = layers_here * per_layer[spec.remat]
-    if spec.remat != "none":
+    layers_here = spec.arch.n_layers // mesh_shape["stage"]
+    kept = layers_here * per_layer[spec.execution.remat]
+    if spec.execution.remat != "none":
         kept += per_layer["none"]  # the layer being recomputed
     if mesh_shape["stage"] > 1:
         # GPipe holds every microbatch's activations until its backward starts.
         kept *= (t.microbatches + mesh_shape["stage"] - 1) / t.microbatches
     # fp32 logits and their gradient: for every position, or one loss chunk's at a time.
-    logit_positions = rows * spec.loss_chunk if spec.loss_chunk else tokens
-    return int(tokens * kept * act + logit_positions * 2 * 4 * spec.vocab_size / tensor)
+    chunk = spec.execution.loss_chunk
+    logit_positions = rows * chunk if chunk else tokens
+    return int(tokens * kept * act + logit_positions * 2 * 4 * spec.arch.vocab_size / tensor)
 
 
 def bytes_per_device(cfg, setup) -> dict[str, int]:

@@ -35,7 +35,13 @@ RESIDUAL = ("batch", "residual_seq", "embed")  # the residual stream between blo
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
+class Architecture:
+    """What defines the model's function: the same weights mean the same thing only under the same values.
+
+    A run resumes or evaluates a checkpoint only under the architecture it was
+    trained with. The field names are the `model.*` config keys.
+    """
+
     vocab_size: int
     d_model: int
     n_layers: int
@@ -45,15 +51,7 @@ class ModelSpec:
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    remat: str = "none"
-    scan_layers: bool = True
-    attention: str = "xla"
-    init_std: float = 0.02
-    mup_base_width: int = 0
-    compute_dtype: str = "float32"
-    loss_chunk: int = 0  # sequence positions per chunk of the loss's logits (0 = all at once)
-    stages: int = 1  # pipeline stages (mesh.stage); see parallelism/pipeline.py
-    microbatches: int = 1  # pipeline microbatches per forward pass (train.microbatches)
+    mup_base_width: int = 0  # muP: hidden init and learning rate scale with d_model / this; logits divided by it
 
     @property
     def head_dim(self) -> int:
@@ -64,19 +62,46 @@ class ModelSpec:
         """muP's m = d_model / base width (1 without muP); see trainer/mup.py."""
         return self.d_model / self.mup_base_width if self.mup_base_width else 1.0
 
+    @classmethod
+    def from_config(cls, cfg) -> Architecture:
+        return cls(**{f.name: cfg.model[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How the function is computed: any of these may change between two runs on the same weights."""
+
+    remat: str = "none"
+    scan_layers: bool = True
+    attention: str = "xla"
+    compute_dtype: str = "float32"
+    loss_chunk: int = 0  # sequence positions per chunk of the loss's logits (0 = all at once)
+    stages: int = 1  # pipeline stages (mesh.stage); see parallelism/pipeline.py
+    microbatches: int = 1  # pipeline microbatches per forward pass (train.microbatches)
+
+    @classmethod
+    def from_config(cls, cfg) -> Execution:
+        m = cfg.model
+        return cls(remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
+                   compute_dtype=cfg.precision.compute_dtype, loss_chunk=m.loss_chunk, stages=cfg.mesh.stage,
+                   microbatches=cfg.train.microbatches)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model to build: its architecture, how it runs, and how its weights start."""
+
+    arch: Architecture
+    execution: Execution = Execution()
+    init_std: float = 0.02
+
     @property
     def hidden_init_std(self) -> float:
-        return self.init_std / self.width_multiplier**0.5
+        return self.init_std / self.arch.width_multiplier**0.5
 
     @classmethod
     def from_config(cls, cfg) -> ModelSpec:
-        keys = {f.name for f in dataclasses.fields(cls)} - {"compute_dtype", "stages", "microbatches"}
-        return cls(
-            **{k: cfg.model[k] for k in keys},
-            compute_dtype=cfg.precision.compute_dtype,
-            stages=cfg.mesh.stage,
-            microbatches=cfg.train.microbatches,
-        )
+        return cls(Architecture.from_config(cfg), Execution.from_config(cfg), cfg.model.init_std)
 
 
 def _param(rngs: nnx.Rngs, shape, names, std: float) -> nnx.Param:
@@ -112,19 +137,20 @@ def apply_rope(x: jax.Array, tables) -> jax.Array:
 
 class Attention(nnx.Module):
     def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
-        d, n, k, h = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
+        a = spec.arch
+        d, n, k, h = a.d_model, a.n_heads, a.n_kv_heads, a.head_dim
         std = spec.hidden_init_std
-        out_std = std / (2 * spec.n_layers) ** 0.5  # keeps the residual stream's growth depth-independent
+        out_std = std / (2 * a.n_layers) ** 0.5  # keeps the residual stream's growth depth-independent
         self.wq = _param(rngs, (d, n, h), ("embed", "heads", "head_dim"), std)
         self.wk = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std)
         self.wv = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std)
         self.wo = _param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
-        self.spec, self.shard = spec, shard
+        self.execution, self.shard = spec.execution, shard
 
     def __call__(self, x, tables, segment_ids, cache=None):
         """With `cache` = (k_cache, v_cache, positions), writes this call's keys and values at
         `positions` and attends over the whole cache; returns (output, updated cache)."""
-        dt = self.spec.compute_dtype
+        dt = self.execution.compute_dtype
         q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
@@ -132,7 +158,7 @@ class Attention(nnx.Module):
         k = self.shard.constrain(apply_rope(k, tables), ("batch", "seq", "kv_heads", "head_dim"))
         v = self.shard.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         if cache is None:
-            out, new_cache = attend(self.spec.attention, q, k, v, segment_ids), None
+            out, new_cache = attend(self.execution.attention, q, k, v, segment_ids), None
         else:
             k_cache, v_cache, positions = cache
             start = positions[0, 0]  # all rows decode in step
@@ -144,15 +170,15 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
-        std = spec.hidden_init_std
-        out_std = std / (2 * spec.n_layers) ** 0.5
-        self.w_gate = _param(rngs, (spec.d_model, spec.d_ff), ("embed", "mlp"), std)
-        self.w_up = _param(rngs, (spec.d_model, spec.d_ff), ("embed", "mlp"), std)
-        self.w_down = _param(rngs, (spec.d_ff, spec.d_model), ("mlp", "embed"), out_std)
-        self.spec, self.shard = spec, shard
+        a, std = spec.arch, spec.hidden_init_std
+        out_std = std / (2 * a.n_layers) ** 0.5
+        self.w_gate = _param(rngs, (a.d_model, a.d_ff), ("embed", "mlp"), std)
+        self.w_up = _param(rngs, (a.d_model, a.d_ff), ("embed", "mlp"), std)
+        self.w_down = _param(rngs, (a.d_ff, a.d_model), ("mlp", "embed"), out_std)
+        self.execution, self.shard = spec.execution, shard
 
     def __call__(self, x):
-        dt = self.spec.compute_dtype
+        dt = self.execution.compute_dtype
         gate = x @ self.w_gate[...].astype(dt)
         up = x @ self.w_up[...].astype(dt)
         hidden = self.shard.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
@@ -161,9 +187,9 @@ class MLP(nnx.Module):
 
 class Block(nnx.Module):
     def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(spec.d_model, spec.norm_eps)
+        self.attn_norm = RMSNorm(spec.arch.d_model, spec.arch.norm_eps)
         self.attn = Attention(spec, shard, rngs)
-        self.mlp_norm = RMSNorm(spec.d_model, spec.norm_eps)
+        self.mlp_norm = RMSNorm(spec.arch.d_model, spec.arch.norm_eps)
         self.mlp = MLP(spec, shard, rngs)
         self.shard = shard
 
@@ -176,18 +202,19 @@ class Block(nnx.Module):
 
 class Decoder(nnx.Module):
     def __init__(self, spec: ModelSpec, shard: LogicalSharding = NO_SHARDING, *, rngs: nnx.Rngs):
-        self.embed = _param(rngs, (spec.vocab_size, spec.d_model), ("vocab", "embed"), spec.init_std)
+        a = spec.arch
+        self.embed = _param(rngs, (a.vocab_size, a.d_model), ("vocab", "embed"), spec.init_std)
 
-        @nnx.split_rngs(splits=spec.n_layers)
+        @nnx.split_rngs(splits=a.n_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stacked_blocks(rngs):
             return Block(spec, shard, rngs)
 
         self.layers = stacked_blocks(rngs)
-        self.final_norm = RMSNorm(spec.d_model, spec.norm_eps)
-        if not spec.tie_embeddings:
-            self.lm_head = _param(rngs, (spec.d_model, spec.vocab_size), ("embed", "vocab"), spec.init_std)
-        self.spec, self.shard = spec, shard
+        self.final_norm = RMSNorm(a.d_model, a.norm_eps)
+        if not a.tie_embeddings:
+            self.lm_head = _param(rngs, (a.d_model, a.vocab_size), ("embed", "vocab"), spec.init_std)
+        self.arch, self.execution, self.shard = a, spec.execution, shard
 
     def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
         """fp32 logits (batch, seq, vocab). Positions default to 0..seq-1."""
@@ -202,7 +229,7 @@ class Decoder(nnx.Module):
         """Next-token (cross-entropy sum, token count, log(Z)^2 sum, largest |logit|); see loss.py."""
         chex.assert_equal_shape([tokens, *(a for a in (positions, segment_ids) if a is not None)])
         features = self._run(tokens, positions, segment_ids, None)[0]
-        return chunked_loss_sums(self.logits, features, tokens, segment_ids, self.spec.loss_chunk)
+        return chunked_loss_sums(self.logits, features, tokens, segment_ids, self.execution.loss_chunk)
 
     def hidden_states(self, tokens) -> jax.Array:
         """The residual stream after each layer, (layers, batch, seq, d_model): for coordinate checks."""
@@ -220,13 +247,13 @@ class Decoder(nnx.Module):
         return self.logits(features), cache
 
     def _run(self, tokens, positions, segment_ids, cache, collect: bool = False):
-        spec, dt = self.spec, self.spec.compute_dtype
+        a, run, dt = self.arch, self.execution, self.execution.compute_dtype
         # Look up in the whole table, all-gathered like any FSDP weight at its
         # use: a gather from a sharded table makes XLA fall back to replicating
         # and re-partitioning its output, which costs more.
         table = self.shard.constrain(self.embed[...].astype(dt), (None, None))
         x = self.shard.constrain(table[tokens], RESIDUAL)
-        tables = rope_tables(positions, spec.head_dim, spec.rope_theta)
+        tables = rope_tables(positions, a.head_dim, a.rope_theta)
 
         graphdef, stacked = nnx.split(self.layers)
 
@@ -236,17 +263,17 @@ class Decoder(nnx.Module):
             x, new_cache = nnx.merge(graphdef, params)(x, tables, segment_ids, block_cache)
             return x, (new_cache, x if collect else None)
 
-        if REMAT[spec.remat] is not None and cache is None:
-            layer = jax.checkpoint(layer, policy=REMAT[spec.remat], prevent_cse=not spec.scan_layers)
+        if REMAT[run.remat] is not None and cache is None:
+            layer = jax.checkpoint(layer, policy=REMAT[run.remat], prevent_cse=not run.scan_layers)
 
         hidden = None
-        if spec.stages > 1 and cache is None and not collect:
+        if run.stages > 1 and cache is None and not collect:
             x = self._pipelined(layer, stacked, x, positions, segment_ids)
-        elif spec.scan_layers:
+        elif run.scan_layers:
             x, (cache, hidden) = jax.lax.scan(lambda x, i: layer(x, i, tables, segment_ids), x, (stacked, cache))
         else:
             outs = []
-            for i in range(spec.n_layers):
+            for i in range(a.n_layers):
                 x, out = layer(x, jax.tree.map(lambda a, i=i: a[i], (stacked, cache)), tables, segment_ids)
                 outs.append(out)
             cache, hidden = jax.tree.map(lambda *a: jnp.stack(a), *outs) if outs[0] != (None, None) else (None, None)
@@ -255,24 +282,24 @@ class Decoder(nnx.Module):
 
     def logits(self, features: jax.Array) -> jax.Array:
         """fp32 logits from the final-normed features (batch, seq, d_model)."""
-        spec = self.spec
-        head = self.embed[...].T if spec.tie_embeddings else self.lm_head[...]
-        logits = jnp.dot(features, head.astype(spec.compute_dtype), preferred_element_type=jnp.float32)
-        if spec.mup_base_width:
-            logits = logits / spec.width_multiplier  # muP's output multiplier
+        a = self.arch
+        head = self.embed[...].T if a.tie_embeddings else self.lm_head[...]
+        logits = jnp.dot(features, head.astype(self.execution.compute_dtype), preferred_element_type=jnp.float32)
+        if a.mup_base_width:
+            logits = logits / a.width_multiplier  # muP's output multiplier
         return self.shard.constrain(logits, ("batch", "seq", "vocab"))
 
     def _pipelined(self, layer, stacked, x, positions, segment_ids):
         """The layers as a GPipe pipeline over mesh.stage stages (parallelism/pipeline.py)."""
-        spec = self.spec
+        a, run = self.arch, self.execution
 
         def stage(params, mb):
-            tables = rope_tables(mb["positions"], spec.head_dim, spec.rope_theta)
+            tables = rope_tables(mb["positions"], a.head_dim, a.rope_theta)
             body = lambda x, p: layer(x, (p, None), tables, mb.get("segment_ids"))  # noqa: E731
             return jax.lax.scan(body, mb["x"], params)[0]
 
         inputs = {"x": x, "positions": positions}
         if segment_ids is not None:
             inputs["segment_ids"] = segment_ids
-        return pipeline.gpipe(stage, pipeline.split_stages(stacked, spec.stages), inputs,
-                              stages=spec.stages, microbatches=spec.microbatches, shard=self.shard)  # fmt: skip
+        return pipeline.gpipe(stage, pipeline.split_stages(stacked, run.stages), inputs,
+                              stages=run.stages, microbatches=run.microbatches, shard=self.shard)  # fmt: skip

@@ -19,12 +19,9 @@ import jax
 import optax
 
 from trainer.errors import ConfigError
+from trainer.model import Architecture
 
 MUP_OPTIMIZERS = ("adamw", "lion")  # updates proportional to the learning rate, independent of gradient scale
-
-
-def width_multiplier(cfg) -> float:
-    return cfg.model.d_model / cfg.model.mup_base_width if cfg.model.mup_base_width else 1.0
 
 
 def check(cfg) -> None:
@@ -43,7 +40,7 @@ def is_hidden(names: tuple) -> bool:
 
 def scale_updates(cfg, logical_names: dict) -> optax.GradientTransformation:
     """Multiply hidden weights' updates by 1/m, i.e. their learning rate (and decoupled decay)."""
-    m = width_multiplier(cfg)
+    m = Architecture.from_config(cfg).width_multiplier
     factors = jax.tree.map(
         lambda n: 1.0 / m if is_hidden(n) else 1.0, logical_names, is_leaf=lambda x: isinstance(x, tuple)
     )

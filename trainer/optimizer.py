@@ -13,9 +13,9 @@ normalisation instead of regularising.
   (the stacked layer axis is a batch axis), AdamW for embeddings, norms and the
   head; its updates are scaled to AdamW's RMS so one learning rate serves both.
 
-The learning rate is a hyperparameter in the optimiser state, set by the train
-step before each update (schedule x rollback scale), so the logged rate is the
-one the update used.
+The learning rate and weight decay are hyperparameters in the optimiser state,
+set by the train step before each update (schedule x rollback scale), so the
+logged rate is the one the update used.
 """
 
 from __future__ import annotations
@@ -116,12 +116,14 @@ def make_optimizer(cfg, logical_names: dict) -> optax.GradientTransformation:
 
 
 def applied_learning_rate(opt_state) -> jax.Array:
-    """The rate the last update used: chain state = (clip, injected optimiser, ...)."""
-    return opt_state[1].hyperparams["learning_rate"]
+    """The rate the last update used, found by its name in the injected hyperparameters."""
+    return optax.tree_utils.tree_get(opt_state, "learning_rate")
 
 
-def with_learning_rate(opt_state, learning_rate: jax.Array):
-    """The optimiser state with the rate the next update will use."""
-    inject = opt_state[1]
-    inject = inject._replace(hyperparams={**inject.hyperparams, "learning_rate": learning_rate})
-    return (opt_state[0], inject, *opt_state[2:])
+def with_hyperparams(opt_state, **values):
+    """The optimiser state with the hyperparameters (learning_rate, weight_decay) the next update uses.
+
+    Set before every update, so that the schedule, a rollback's scale and a
+    resumed run's config decide them, never what a checkpoint happened to hold.
+    """
+    return optax.tree_utils.tree_set(opt_state, **values)

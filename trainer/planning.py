@@ -37,7 +37,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     setup = build(cfg, devices)
     t, seq = cfg.train, cfg.data.seq_len
     counts = count_params(setup.model.abstract_params)
-    fpt = flops_per_token(setup.spec, setup.model.abstract_params, seq)
+    fpt = flops_per_token(setup.spec.arch, setup.model.abstract_params, seq)
     result = {
         "n_params": counts["total"],
         "n_params_non_embedding": counts["non_embedding"],

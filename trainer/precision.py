@@ -4,8 +4,12 @@ float16 has 5 exponent bits: small gradients underflow to zero. Dynamic loss
 scaling multiplies the loss by a large factor before the backward pass and
 divides the fp32 gradients by it afterwards; a step whose gradients overflow
 is skipped and the scale halved, and after `loss_scale_growth_interval` good
-steps in a row it doubles. bfloat16 has float32's exponent range and needs
-none of this, which is why it is the default.
+steps in a row it doubles. The scaled quantity is the mean loss over the
+step's tokens, so the gradients' size, and the scale that fits them, do not
+grow with the batch. While the scale can still fall, an overflow is the
+scaler's business, not a sign of trouble (trainer/stability.py); at the floor
+(1) it is a bad step like any other. bfloat16 has float32's exponent range and
+needs none of this, which is why it is the default.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+MIN_SCALE = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +39,19 @@ class LossScaling:
         if not self.dynamic:
             return scale, good_steps
         grow = finite & (good_steps + 1 >= self.growth_interval)
-        scale = jnp.where(finite, jnp.where(grow, scale * 2.0, scale), jnp.maximum(scale / 2.0, 1.0))
+        scale = jnp.where(finite, jnp.where(grow, scale * 2.0, scale), jnp.maximum(scale / 2.0, MIN_SCALE))
         good_steps = jnp.where(finite & ~grow, good_steps + 1, 0)
         return scale, good_steps
+
+    def overflowed(self, loss: jax.Array, grad_norm: jax.Array, scale: jax.Array) -> jax.Array:
+        """True for a step whose forward pass was finite and whose scaled backward pass was not,
+        while the scale can still fall: the scaler's own business, not a bad step."""
+        if not self.dynamic:
+            return jnp.zeros((), bool)
+        return jnp.isfinite(loss) & ~jnp.isfinite(grad_norm) & (scale > MIN_SCALE)
+
+    def resumed(self, saved_scale: float, saved_dynamic: bool) -> float:
+        """The scale to go on with after a resume, which may have switched precision."""
+        if not self.dynamic:
+            return 1.0
+        return saved_scale if saved_dynamic else self.initial

@@ -12,6 +12,7 @@ import os
 from trainer import workdir as wd
 from trainer.checkpoint import Checkpointer
 from trainer.errors import ConfigError
+from trainer.resume import check_architecture
 from trainer.setup import Setup, build
 from trainer.state import abstract_params
 
@@ -19,7 +20,7 @@ from trainer.state import abstract_params
 def load_params(cfg, workdir: str, step: int | None = None, devices=None) -> tuple[Setup, int, dict]:
     """(setup, step, params) for the newest checkpoint, or the one at `step`."""
     setup = build(cfg, devices)
-    wd.check_matches(workdir, cfg, wd.EVAL_KEYS)
+    check_architecture(workdir, cfg)
     directory = wd.checkpoint_dir(workdir)
     steps = Checkpointer(directory, read_only=True).steps() if os.path.isdir(directory) else []
     if not steps:

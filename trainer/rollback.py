@@ -8,6 +8,8 @@ the trouble. The learning rate is multiplied by `stability.rollback_lr_factor`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -18,13 +20,13 @@ from trainer.state import TrainState
 
 
 def roll_back(
-    cfg, ckpt: Checkpointer, abstract: TrainState, current: TrainState, data_read: int
-) -> tuple[TrainState, int]:
+    cfg, ckpt: Checkpointer, restore: Callable[[int], TrainState], current: TrainState, data_read: int
+) -> tuple[TrainState, float]:
     """(the state to go on from, data batches skipped); raises TrainingError past
     `stability.max_rollbacks` or with no healthy checkpoint to go back to.
 
-    The rollback count and learning-rate scale carry over from the current state:
-    the checkpoint predates them.
+    `restore(step)` reads a checkpoint onto the mesh. The rollback count and
+    learning-rate scale carry over from the current state: the checkpoint predates them.
     """
     current_step = int(jax.device_get(current.step))
     previous = jax.device_get({k: current.stability[k] for k in ("rollbacks", "lr_scale")})
@@ -35,9 +37,10 @@ def roll_back(
             "it does not recover by itself: lower optim.lr or look at the data near this point."
         )
     ckpt.wait()
+    replicated = current.step.sharding
     candidates = [s for s in ckpt.steps() if s < current_step]
     for step in reversed(candidates):
-        if stability.healthy(jax.device_get(ckpt.read_stability(step, abstract.stability))):
+        if stability.healthy(ckpt.restore_meta(step, replicated)["stability"]):
             break
     else:
         raise TrainingError(
@@ -46,10 +49,9 @@ def roll_back(
         )
     for later in [s for s in ckpt.steps() if s > step]:
         ckpt.set_aside(later, "rolled_back_checkpoints")
-    state = ckpt.restore(step, abstract, None)  # the data stream goes on from where it is
+    state = restore(step)  # the data stream goes on from where it is
     stats = state.stability
-    skipped_batches = data_read - int(jax.device_get(stats["data_read"]))
-    replicated = abstract.stability["lr_scale"].sharding
+    skipped = data_read - int(jax.device_get(stats["data_read"]))
     changes = {
         "lr_scale": jnp.float32(previous["lr_scale"] * cfg.stability.rollback_lr_factor),
         "rollbacks": jnp.int32(rollbacks),
@@ -58,4 +60,4 @@ def roll_back(
         "diverged_run": jnp.int32(0),
     }
     changes = {k: jax.device_put(v, replicated) for k, v in changes.items()}
-    return state.replace(stability={**stats, **changes}), skipped_batches
+    return state.replace(stability={**stats, **changes}), skipped / cfg.train.global_batch_size

@@ -54,7 +54,7 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     validate(cfg)
     make_schedule(cfg.optim, cfg.train.steps)  # refuses schedule phases that do not fit
     mup.check(cfg)
-    batch_ramp.check(cfg, cfg.train.global_batch_size // cfg.train.grad_accum_steps)
+    batch_ramp.check(cfg)
     Drills.from_config(cfg)  # refuses drills that do not parse
     parse_steps(cfg.train.profile_steps)
     mesh = make_mesh(cfg.mesh, devices)

@@ -1,9 +1,11 @@
 """Keeping a run alive: bad steps are skipped on the device, persistent trouble is rolled back.
 
 On the device, each step is judged before it is applied: non-finite loss or
-gradients (also an fp16 overflow), or a gradient norm above `spike_factor` x
-its running mean, leave parameters and optimiser state untouched. Running
-statistics (exponential means, half-life ~70 steps) follow good steps only.
+gradients, or a gradient norm above `spike_factor` x its running mean, leave
+parameters and optimiser state untouched. Such a step is bad, except an fp16
+overflow while the loss scale is still falling (trainer/precision.py): that
+one is skipped but not held against the run. Running statistics (exponential
+means, half-life ~70 steps) follow applied steps only.
 
 The device also keeps the verdicts of the last `bad_window` steps, so that the
 loop, reading them at its log points (no extra host syncs), can see
@@ -11,7 +13,7 @@ loop, reading them at its log points (no extra host syncs), can see
 running mean for `diverge_steps` steps in a row, and roll back to the newest
 checkpoint saved while healthy, skip the data read since, and lower the
 learning rate (trainer/rollback.py). The drills in `config.debug` feed it
-corrupted batches or a learning rate far too high, counted over the data stream.
+corrupted batches or a learning rate far too high, counted in global batches of the data stream.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from trainer.errors import ConfigError
 from trainer.precision import LossScaling
@@ -32,8 +35,8 @@ def initial_state(cfg) -> dict:
         "loss_scale": jnp.float32(LossScaling.from_config(cfg).initial),
         "good_steps": jnp.int32(0),  # finite steps in a row, for loss-scale growth
         "lr_scale": jnp.float32(1.0),  # lowered at each rollback
-        "microbatches": jnp.int32(0),  # microbatches trained on: the schedule's clock
-        "data_read": jnp.int32(0),  # microbatches drawn from the data stream (rollbacks skip ahead)
+        "sequences": jnp.int32(0),  # sequences trained on: the schedule's clock
+        "data_read": jnp.int32(0),  # sequences drawn from the data stream (rollbacks skip ahead)
         "grad_norm_mean": jnp.float32(0.0),
         "loss_mean": jnp.float32(0.0),
         "stat_steps": jnp.int32(0),
@@ -54,8 +57,8 @@ def judge(cfg, stats: dict, loss: jax.Array, grad_norm: jax.Array):
     return finite & ~spike, finite, spike
 
 
-def update_statistics(cfg, stats: dict, step: jax.Array, ok, loss: jax.Array, grad_norm: jax.Array) -> dict:
-    """Running means over applied steps; the divergence counter; the recent and total bad steps."""
+def update_statistics(cfg, stats: dict, step: jax.Array, ok, bad, loss: jax.Array, grad_norm: jax.Array) -> dict:
+    """Running means over applied steps; the divergence counter; skipped steps and the recent bad ones."""
     first = stats["stat_steps"] == 0
 
     def ema(mean, value):
@@ -70,7 +73,7 @@ def update_statistics(cfg, stats: dict, step: jax.Array, ok, loss: jax.Array, gr
         "stat_steps": stats["stat_steps"] + ok.astype(jnp.int32),
         "skipped": stats["skipped"] + (~ok).astype(jnp.int32),
         "diverged_run": jnp.where(diverged, stats["diverged_run"] + 1, jnp.where(ok, 0, stats["diverged_run"])),
-        "recent_bad": stats["recent_bad"].at[step % stats["recent_bad"].shape[0]].set((~ok).astype(jnp.int32)),
+        "recent_bad": stats["recent_bad"].at[step % stats["recent_bad"].shape[0]].set(bad.astype(jnp.int32)),
     }
 
 
@@ -87,12 +90,31 @@ def trouble(cfg, bad_in_window: int, diverged_run: int) -> str | None:
 def healthy(stats: dict) -> bool:
     """Whether a (restored) stability state was saved by a run in good shape: no bad step in its
     recent window and no divergence under way. Only such checkpoints are rolled back to."""
-    return int(stats["recent_bad"].sum()) == 0 and int(stats["diverged_run"]) == 0
+    return int(np.sum(stats["recent_bad"])) == 0 and int(stats["diverged_run"]) == 0
+
+
+def adopt(saved: dict, cfg, step: int, batch_size: int) -> dict:
+    """A restored stability state (host arrays, as saved) in the shape this config's runs keep.
+
+    The ring of recent verdicts is re-laid for another `bad_window` (the last
+    steps' verdicts kept); entries a newer trainer added start fresh; a state
+    saved before the clock counted sequences (it counted microbatches, and could
+    be converted only when a microbatch was the whole batch) is converted.
+    """
+    out = {k: np.array(v) for k, v in initial_state(cfg).items()}
+    out.update({k: np.asarray(v) for k, v in saved.items() if k in out and k != "recent_bad"})
+    if "sequences" not in saved:
+        out["sequences"] = np.int32(saved["microbatches"] * batch_size)
+        out["data_read"] = np.int32(saved["data_read"] * batch_size)
+    ring, window = np.asarray(saved["recent_bad"]), cfg.stability.bad_window
+    for s in range(max(0, step - min(window, len(ring))), step):
+        out["recent_bad"][s % window] = ring[s % len(ring)]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Drills:
-    """Debug drills, indexed by microbatch in the data stream."""
+    """Debug drills, indexed by global batch in the data stream."""
 
     poisoned: frozenset[int]
     lr_spike: tuple[int, int, float] | None
@@ -113,9 +135,9 @@ class Drills:
             ) from e
         return cls(poisoned, spike)
 
-    def knobs(self, first_batch: int, count: int) -> dict[str, float]:
-        """Multipliers for a step reading microbatches first_batch .. first_batch+count-1."""
-        batches = range(first_batch, first_batch + count)
+    def knobs(self, first: int, count: int, batch_size: int) -> dict[str, float]:
+        """Multipliers for a step reading sequences first .. first+count-1 of the data stream."""
+        batches = range(first // batch_size, (first + count - 1) // batch_size + 1)
         poisoned = any(b in self.poisoned for b in batches)
         lr = 1.0
         if self.lr_spike and any(self.lr_spike[0] <= b <= self.lr_spike[1] for b in batches):

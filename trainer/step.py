@@ -1,14 +1,18 @@
 """The jitted train and eval steps.
 
-One train step is one optimiser update on `k` microbatches (grad accumulation,
-or the current stage of a batch-size ramp), split inside the jitted step and
-accumulated in fp32 by a scan. Token losses are summed and divided once by the
-step's token count, so k microbatches give the gradient of the whole batch,
-not an average of per-microbatch means.
+One train step is one optimiser update on the batch it is given: `k`
+microbatches (train.grad_accum_steps, or fewer while a batch-size ramp
+grows), split inside the jitted step and accumulated in fp32 by a scan.
+Token losses are summed and divided once by the step's token count, so k
+microbatches give the gradient of the whole batch, not an average of
+per-microbatch means. What is differentiated is that sum times the loss
+scale over the batch's token positions (a constant of the trace, near the
+count), so the gradients' size, and the fp16 scale that fits them, do not
+grow with the batch (trainer/precision.py).
 
 The step then judges itself (trainer/stability.py): non-finite or spiking
 gradients leave parameters and optimiser state untouched. The learning rate is
-set here, from the schedule at the current token count, times the rollback
+set here, from the schedule at the current sequence count, times the rollback
 scale and any drill multiplier, so a step's logged rate is the one it used.
 """
 
@@ -22,7 +26,7 @@ import optax
 
 from parallelism.rules import LogicalSharding
 from trainer import stability
-from trainer.optimizer import applied_learning_rate, with_learning_rate
+from trainer.optimizer import applied_learning_rate, with_hyperparams
 from trainer.precision import LossScaling
 from trainer.schedules import make_schedule
 from trainer.state import ModelDef, TrainState, param_shardings
@@ -32,8 +36,8 @@ BATCH_NAMES = ("batch", "seq")
 KNOBS = ("loss_multiplier", "lr_multiplier")
 
 
-def _losses(model: ModelDef, params, batch, z_loss: float):
-    """(objective sum, (cross-entropy sum, token count, largest |logit|)) over the batch."""
+def _sums(model: ModelDef, params, batch, z_loss: float):
+    """(objective sum, (cross-entropy sum, target token count, largest |logit|)) over the batch."""
     ce, count, log_z_sq, largest = model.apply(
         params, batch["tokens"], batch["positions"], batch["segment_ids"], method="loss_sums"
     )
@@ -41,13 +45,33 @@ def _losses(model: ModelDef, params, batch, z_loss: float):
 
 
 def split_microbatches(batch: dict, k: int, shard: LogicalSharding) -> dict:
-    """(k*m, T) -> (k, m, T), microbatch j = rows j, j+k, j+2k, ... (see pipeline.interleave)."""
+    """(k*m, T) -> (k, m, T), microbatch j = rows j, j+k, j+2k, ...
+
+    Strided, so that each device's contiguous block of rows holds a share of
+    every microbatch and each microbatch stays spread over all data-parallel
+    devices; the rows a step trains on are the same for any k.
+    """
 
     def split(x):
         x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
         return shard.constrain(x, (None, *BATCH_NAMES))
 
     return jax.tree.map(split, batch)
+
+
+def _over_microbatches(fn, batch: dict, k: int, shard: LogicalSharding, init, combine):
+    """`fn` of each of the batch's k microbatches, folded with `combine` (in a scan when k > 1)."""
+    if k == 1:
+        return fn(batch)
+
+    def body(carry, micro):
+        return combine(carry, fn(micro)), None
+
+    return jax.lax.scan(body, init, split_microbatches(batch, k, shard))[0]
+
+
+def _add(total, new):
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), total, new)
 
 
 def _layer_norms(grads: dict) -> dict[str, jax.Array]:
@@ -65,47 +89,57 @@ def make_train_step(
     k = microbatches
     scaling = LossScaling.from_config(cfg)
     schedule = make_schedule(cfg.optim, cfg.train.steps)
-    full_batch = cfg.train.grad_accum_steps  # microbatches in one full-batch step: the schedule's unit
-    grad_fn = jax.value_and_grad(lambda p, b, s: _scaled(model, p, b, s, cfg.optim.z_loss), has_aux=True)
+    batch_size = cfg.train.global_batch_size  # sequences in one full batch: the schedule's unit
+    z_loss, weight_decay = cfg.optim.z_loss, cfg.optim.weight_decay
+
+    def scaled(params, batch, factor):
+        objective, aux = _sums(model, params, batch, z_loss)
+        return objective * factor, aux
+
+    grad_fn = jax.value_and_grad(scaled, has_aux=True)
     grad_shardings = param_shardings(model, shard) if shard.mesh is not None else None
 
     def train_step(state: TrainState, batch: dict, knobs: dict):
         stats = state.stability
-        scale = stats["loss_scale"] * knobs["loss_multiplier"]
-        if k == 1:
-            (_, (ce, count, max_logit)), grads = grad_fn(state.params, batch, scale)
-        else:
+        rows, positions = batch["tokens"].shape[0], batch["tokens"].size
+        # The token count comes out of the forward pass, not before it: counting up front adds a
+        # collective that depends on nothing, which XLA:CPU may run beside the first weight
+        # all-gather, and simulated devices then deadlock (seen resuming past a damaged checkpoint).
+        # A poisoned drill batch makes the factor, and so the loss and gradients, non-finite.
+        factor = stats["loss_scale"] * knobs["loss_multiplier"] / positions
 
-            def accumulate(carry, micro):
-                grads, ce, count, max_logit = carry
-                (_, (c, n, m)), g = grad_fn(state.params, micro, scale)
-                grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
-                return (grads, ce + c, count + n, jnp.maximum(max_logit, m)), None
+        def micro_step(micro):
+            (_, (ce, count, largest)), grads = grad_fn(state.params, micro, factor)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), ce, count, largest
 
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-            if grad_shardings is not None:
-                zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
-            micro = split_microbatches(batch, k, shard)
-            (grads, ce, count, max_logit), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0, 0.0), micro)
+        def combine(total, new):
+            return _add(total[0], new[0]), total[1] + new[1], total[2] + new[2], jnp.maximum(total[3], new[3])
 
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+        if grad_shardings is not None:
+            zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
+        grads, ce, count, max_logit = _over_microbatches(micro_step, batch, k, shard, (zeros, 0.0, 0.0, 0.0), combine)
         count = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: g / (count * stats["loss_scale"]), grads)  # unscale in fp32
-        loss, grad_norm = ce / count, optax.global_norm(grads)
+        # Unscale in fp32, and turn the sum over positions into the mean over target tokens.
+        grads = jax.tree.map(lambda g: g * (positions / (count * stats["loss_scale"])), grads)
+        loss, grad_norm = ce / count * knobs["loss_multiplier"], optax.global_norm(grads)
         ok, finite, spike = stability.judge(cfg, stats, loss, grad_norm)
+        bad = ~ok & ~scaling.overflowed(loss, grad_norm, stats["loss_scale"])
 
-        lr = schedule(stats["microbatches"] / full_batch) * stats["lr_scale"] * knobs["lr_multiplier"]
-        updates, new_opt = tx.update(grads, with_learning_rate(state.opt_state, lr), state.params)
+        lr = schedule(stats["sequences"] / batch_size) * stats["lr_scale"] * knobs["lr_multiplier"]
+        opt_state = with_hyperparams(state.opt_state, learning_rate=lr, weight_decay=jnp.float32(weight_decay))
+        updates, new_opt = tx.update(grads, opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
 
         def keep(new, old):  # skipped steps leave the state as it was
             return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
         params, opt_state = keep(new_params, state.params), keep(new_opt, state.opt_state)
-        new_scale, good = scaling.update(stats["loss_scale"], stats["good_steps"], finite)
-        stats = stability.update_statistics(cfg, stats, state.step, ok, loss, grad_norm)
+        new_scale, good = scaling.update(stats["loss_scale"], stats["good_steps"], jnp.isfinite(grad_norm))
+        stats = stability.update_statistics(cfg, stats, state.step, ok, bad, loss, grad_norm)
         stats = {**stats, "loss_scale": new_scale, "good_steps": good,
-                 "microbatches": stats["microbatches"] + jnp.where(ok, k, 0),
-                 "data_read": stats["data_read"] + k}  # fmt: skip
+                 "sequences": stats["sequences"] + jnp.where(ok, rows, 0),
+                 "data_read": stats["data_read"] + rows}  # fmt: skip
         param_norm = optax.global_norm(params)
         metrics = {
             "loss": loss,
@@ -115,12 +149,13 @@ def make_train_step(
             "lr": applied_learning_rate(new_opt),
             "max_logit": max_logit,
             "skipped": (~ok).astype(jnp.int32),
+            "overflow": (~ok & ~bad).astype(jnp.int32),
             "nonfinite": (~finite).astype(jnp.int32),
             "spike": spike.astype(jnp.int32),
             "skipped_total": stats["skipped"],
             "bad_in_window": jnp.sum(stats["recent_bad"]),
             "diverged_run": stats["diverged_run"],
-            "microbatches": stats["microbatches"],
+            "sequences": stats["sequences"],
             "loss_scale": stats["loss_scale"],
             "target_tokens": count,
         }
@@ -132,17 +167,14 @@ def make_train_step(
     return train_step
 
 
-def _scaled(model, params, batch, scale, z_loss):
-    objective, aux = _losses(model, params, batch, z_loss)
-    return objective * scale, aux
-
-
-def make_eval_step(model: ModelDef) -> Callable[[dict, dict], tuple[jax.Array, jax.Array]]:
-    """(params, batch) -> (sum of token losses, token count)."""
+def make_eval_step(model: ModelDef, shard: LogicalSharding, microbatches: int) -> Callable[[dict, dict], tuple]:
+    """(params, batch) -> (sum of token losses, token count), over the batch's microbatches."""
 
     def eval_step(params, batch):
-        _, (ce, count, _) = _losses(model, params, batch, 0.0)
-        return ce, count
+        def micro_sums(micro):
+            return _sums(model, params, micro, 0.0)[1][:2]
+
+        return _over_microbatches(micro_sums, batch, microbatches, shard, (0.0, 0.0), _add)
 
     return eval_step
 

@@ -1,9 +1,6 @@
-"""The run directory: its resolved config, what may change on resume, and whether it is writable.
+"""The run directory: where its checkpoints live, its resolved config, and whether it is writable.
 
-Resuming or evaluating a workdir with a config that would change the model or
-the data stream is refused with the keys that differ. Keys that change only how
-the run computes (mesh, remat, attention kernel, precision, logging, the
-schedule's length) may change freely; that is how a run moves to another mesh.
+What may change when a run resumes is decided in trainer/resume.py.
 """
 
 from __future__ import annotations
@@ -17,34 +14,23 @@ from trainer.errors import ConfigError
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
 
-# What the parameters mean: shapes, and the functions they feed.
-MODEL_KEYS = tuple(
-    f"model.{k}"
-    for k in (
-        "vocab_size",
-        "d_model",
-        "n_layers",
-        "n_heads",
-        "n_kv_heads",
-        "d_ff",
-        "rope_theta",
-        "norm_eps",
-        "tie_embeddings",
-    )
-)
-TOKENIZER_KEYS = ("data.tokenizer", "data.tokenizer_path")
-# What a resumed run reads next: the data iterator's state is only valid for the same streams.
-RESUME_KEYS = (
-    MODEL_KEYS
-    + TOKENIZER_KEYS
-    + tuple(f"data.{k}" for k in ("source", "name", "paths", "seq_len", "packing"))
-    + ("train.global_batch_size", "train.grad_accum_steps", "train.seed")
-)
-EVAL_KEYS = MODEL_KEYS + TOKENIZER_KEYS
-
 
 def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+
+
+def saved_steps(workdir: str) -> list[int]:
+    """Steps of the complete checkpoints under the workdir, from the directory listing alone.
+
+    Orbax writes into a temporary directory and renames it to the step number
+    when complete, so a name of digits is a whole checkpoint. No Orbax manager
+    is made here: its constructor synchronises all processes, and each process
+    decides for itself whether to look.
+    """
+    directory = checkpoint_dir(workdir)
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
 def saved_config(workdir: str) -> dict | None:
@@ -53,24 +39,6 @@ def saved_config(workdir: str) -> dict | None:
         return None
     with open(path) as f:
         return json.load(f)
-
-
-def check_matches(workdir: str, cfg, keys: tuple[str, ...]) -> None:
-    """Refuse a workdir whose saved config differs from `cfg` in any of `keys`."""
-    saved = saved_config(workdir)
-    if saved is None or not os.path.isdir(checkpoint_dir(workdir)):
-        return
-    current = cfg.to_dict()
-    differ = []
-    for key in keys:
-        section, name = key.split(".")
-        before, now = saved.get(section, {}).get(name), current[section][name]
-        if before != now:
-            differ.append(f"{key}={before!r} there, {now!r} here")
-    if differ:
-        raise ConfigError(
-            f"{workdir} belongs to another run ({'; '.join(differ)}); use its values or another --workdir."
-        )
 
 
 def check_writable(workdir: str) -> None:

@@ -1,20 +1,25 @@
 """Packed token batches from a prepared corpus, read with `tfds.data_source` and Grain.
 
-Every row of a microbatch (global_batch_size / grad_accum_steps sequences) has
-a document stream of its own: row r reads documents r, r+M, r+2M, ... of the
-corpus (reshuffled each epoch from the seed)
-and concatenates them into `seq_len` windows, splitting long documents across
-windows. Segment ids mark the documents inside a window and positions restart
-at each document. Because a row's contents depend only on its index, the
-global batch is the same whatever the number of processes, and each process
-opens only the streams of the rows its devices hold. A step reads as many
-microbatches in a row as it accumulates. The iterator's state
-(where every row's stream stands, keyed by row) goes into the checkpoint, so a
-run can resume under another number of processes.
+Every row of the global batch (train.global_batch_size sequences) has a
+document stream of its own: row r reads documents r, r+B, r+2B, ... of the
+corpus (reshuffled each epoch from the seed) and concatenates them into
+`seq_len` windows, splitting long documents across windows. Segment ids mark
+the documents inside a window and positions restart at each document.
+
+A step reads one window from every row: the global batch. Because a row's
+contents depend only on its index, that batch is the same whatever the
+number of processes, the mesh, or the number of microbatches the step splits
+it into (gradient accumulation); each process opens only the streams of the
+rows its devices hold. A batch-size ramp's smaller steps read every s-th row
+(`ramp_rows`), which keeps each row on the process that owns it. The
+iterator's state (where every row's stream stands, keyed by row) goes into the
+checkpoint, so a run can resume under another number of processes, mesh or
+accumulation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Iterator, Sequence
@@ -31,6 +36,39 @@ from trainer.data.tokenizers import BOS_ID, EOS_ID, load_tokenizer
 from trainer.errors import ConfigError
 
 SYNTHETIC_DOCUMENTS = 2**62  # "infinite", yet a valid MapDataset length
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """Everything the batches depend on. A checkpoint's data position means something only for the
+    same stream, so a resume compares these fields (all but `data_dir`, which says where, not what)."""
+
+    source: str
+    name: str
+    paths: str
+    text_key: str
+    tokenizer: str
+    tokenizer_path: str
+    seq_len: int
+    packing: str
+    train_split: str
+    seed: int
+    rows: int  # train.global_batch_size: one document stream per row
+    vocab_size: int  # the synthetic source draws tokens below it
+    data_dir: str = ""
+
+    @classmethod
+    def from_config(cls, cfg) -> Stream:
+        d = cfg.data
+        return cls(
+            source=d.source, name=d.name, paths=d.paths, text_key=d.text_key, tokenizer=d.tokenizer,
+            tokenizer_path=d.tokenizer_path, seq_len=d.seq_len, packing=d.packing, train_split=d.train_split,
+            seed=cfg.train.seed, rows=cfg.train.global_batch_size, vocab_size=cfg.model.vocab_size,
+            data_dir=d.data_dir,
+        )  # fmt: skip
+
+    def identity(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if k != "data_dir"}
 
 
 def data_dir(data_cfg) -> str:
@@ -70,21 +108,21 @@ def check_vocab(cfg) -> None:
         )
 
 
-def _documents(cfg, split: str, shuffle: bool, endless: bool = True) -> grain.MapDataset:
+def _documents(stream: Stream, split: str, shuffle: bool, endless: bool = True) -> grain.MapDataset:
     """A MapDataset of {"tokens": int32[n]} documents: endless, or the split once, in order."""
-    seed = cfg.train.seed
-    if cfg.data.source == "synthetic":
+    seed = stream.seed
+    if stream.source == "synthetic":
         # Uniform random tokens, one window per "document", fixed by seed and index.
         def random_doc(i):
-            rng = np.random.default_rng([seed, i, split == cfg.data.eval_split])
-            return {"tokens": rng.integers(3, cfg.model.vocab_size, cfg.data.seq_len, dtype=np.int32)}
+            rng = np.random.default_rng([seed, i, split != stream.train_split])
+            return {"tokens": rng.integers(3, stream.vocab_size, stream.seq_len, dtype=np.int32)}
 
         return grain.MapDataset.range(SYNTHETIC_DOCUMENTS).map(random_doc)
 
-    docs = grain.MapDataset.source(open_split(cfg.data, split))
+    docs = grain.MapDataset.source(open_split(stream, split))
     if shuffle:
         docs = docs.shuffle(seed=seed)
-    tokenizer, key = load_tokenizer(cfg.data), cfg.data.text_key
+    tokenizer, key = load_tokenizer(stream), stream.text_key
 
     def tokenize(example):
         ids = tokenizer.encode(example[key])
@@ -103,24 +141,15 @@ def _stack(rows) -> dict[str, np.ndarray]:
     }
 
 
-def microbatch_size(cfg) -> int:
-    """Sequences per microbatch: the unit the data streams deliver and a step accumulates."""
-    return cfg.train.global_batch_size // cfg.train.grad_accum_steps
+def batches(stream: Stream, split: str, rows: Sequence[int], *, shuffle: bool) -> grain.IterDataset:
+    """Endless batches holding the given rows of the global batch, as numpy arrays.
 
-
-def batches(cfg, split: str, rows: Sequence[int], *, shuffle: bool) -> grain.IterDataset:
-    """Endless microbatches holding the given rows (of `microbatch_size` rows), as numpy arrays.
-
-    A training step takes several in a row (grad accumulation, or a batch-size
-    ramp), so a larger batch means more microbatches, never other streams.
+    `next()` reads every row given here; `read(rows)` only some (a batch-size ramp's smaller steps).
     """
-    docs = _documents(cfg, split, shuffle)
-    stride = microbatch_size(cfg)
+    docs = _documents(stream, split, shuffle)
+    length = {"tokens": stream.seq_len}
     return _RowBatches(
-        {
-            r: ConcatThenSplitIterDataset(docs[r::stride].to_iter_dataset(), length_struct={"tokens": cfg.data.seq_len})
-            for r in rows
-        }
+        {r: ConcatThenSplitIterDataset(docs[r :: stream.rows].to_iter_dataset(), length_struct=length) for r in rows}
     )
 
 
@@ -132,7 +161,7 @@ class _RowBatches(grain.IterDataset):
         super().__init__(list(streams.values()))
         self._streams = streams
 
-    def __iter__(self) -> grain.DatasetIterator:
+    def __iter__(self) -> _RowBatchesIterator:
         return _RowBatchesIterator({r: s.__iter__() for r, s in self._streams.items()})
 
 
@@ -142,19 +171,17 @@ class _RowBatchesIterator(grain.DatasetIterator):
         self._streams = streams
 
     def __next__(self) -> dict[str, np.ndarray]:
-        return _stack([next(s) for s in self._streams.values()])
+        return self.read(self._streams)
+
+    def read(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
+        """The next window of each of `rows` (rows this iterator holds), stacked in that order."""
+        return _stack([next(self._streams[r]) for r in rows])
 
     def get_state(self) -> dict:
         return {"rows": {str(r): s.get_state() for r, s in self._streams.items()}}
 
     def set_state(self, state: dict) -> None:
         saved = state["rows"]
-        missing = [r for r in self._streams if str(r) not in saved]
-        if missing:
-            raise ConfigError(
-                f"the checkpoint holds no data position for batch rows {missing[:4]}...; was it written with "
-                "another train.global_batch_size?"
-            )
         for r, stream in self._streams.items():
             stream.set_state(_slices_as_tuples(saved[str(r)]))
 
@@ -173,21 +200,21 @@ def _slices_as_tuples(state):
     return state
 
 
-def one_pass(cfg, split: str, rows: Sequence[int]) -> Iterator[dict[str, np.ndarray]]:
+def one_pass(stream: Stream, split: str, rows: Sequence[int]) -> Iterator[dict[str, np.ndarray]]:
     """Every document of the split exactly once, in order, packed into windows dealt out to the rows.
 
-    One stream packs the whole split, and window i goes to row i mod B, so the
-    rows end together and only the last batch carries padding (segment id 0,
-    no loss). Every process packs the same stream and keeps its own rows, so
-    the batches do not depend on the number of processes; a held-out split is
-    small enough for each process to read it whole.
+    One stream packs the whole split, and window i goes to row i mod B (B the
+    global batch), so the rows end together and only the last batch carries
+    padding (segment id 0, no loss). Every process packs the same stream and
+    keeps its own rows, so the batches do not depend on the number of
+    processes; a held-out split is small enough for each process to read it whole.
     """
-    if cfg.data.source == "synthetic":
+    if stream.source == "synthetic":
         raise ConfigError("a synthetic source has no end; evaluate a fixed number of batches instead.")
-    docs = _documents(cfg, split, shuffle=False, endless=False).to_iter_dataset()
-    windows = iter(ConcatThenSplitIterDataset(docs, length_struct={"tokens": cfg.data.seq_len}))
-    padding = {k: np.zeros(cfg.data.seq_len, np.int32) for k in ("tokens", "tokens_segment_ids", "tokens_positions")}
-    size = microbatch_size(cfg)
+    docs = _documents(stream, split, shuffle=False, endless=False).to_iter_dataset()
+    windows = iter(ConcatThenSplitIterDataset(docs, length_struct={"tokens": stream.seq_len}))
+    padding = {k: np.zeros(stream.seq_len, np.int32) for k in ("tokens", "tokens_segment_ids", "tokens_positions")}
+    size = stream.rows
     while True:
         batch = list(itertools.islice(windows, size))
         if not batch:
@@ -197,20 +224,17 @@ def one_pass(cfg, split: str, rows: Sequence[int]) -> Iterator[dict[str, np.ndar
 
 
 def process_rows(sharding: NamedSharding, global_batch: int, seq_len: int) -> list[int]:
-    """The rows of the global batch that this process's devices hold, in order."""
+    """The rows of a batch of `global_batch` rows that this process's devices hold, in order."""
     indices = sharding.addressable_devices_indices_map((global_batch, seq_len)).values()
     return sorted({r for idx in indices for r in range(*idx[0].indices(global_batch))})
 
 
-def interleave(microbatches: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """k microbatches as one batch whose row i*k + j is row i of microbatch j.
-
-    The train step splits a batch into microbatches by stride (rows j, j+k, ...),
-    so each device's contiguous block of rows holds a share of every microbatch
-    and each microbatch stays spread over all data-parallel devices.
-    """
-    return {key: np.stack([m[key] for m in microbatches], axis=1).reshape(-1, *microbatches[0][key].shape[1:])
-            for key in microbatches[0]}  # fmt: skip
+def ramp_rows(local_rows: Sequence[int], size: int, global_batch: int) -> list[int]:
+    """The stream rows a smaller step of `size` rows reads: row a of its batch is row a x s of the
+    global batch (s = global_batch / size). Each device holds the same contiguous share of any
+    batch, so these rows belong to the process that reads them in a full step."""
+    stride = global_batch // size
+    return [a * stride for a in local_rows]
 
 
 def to_global(local: dict[str, np.ndarray], sharding: NamedSharding, global_batch: int) -> dict[str, jax.Array]:

@@ -115,3 +115,8 @@ def load_tokenizer(data_cfg) -> Tokenizer:
             "train one with scripts/train_tokenizer.py --config <your config>."
         )
     return SentencePieceTokenizer(path)
+
+
+def identity(data_cfg) -> tuple[str, str]:
+    """What decides which ids a text becomes: the settings load_tokenizer reads."""
+    return data_cfg.tokenizer, data_cfg.tokenizer_path if data_cfg.tokenizer != "byte" else ""

@@ -1,0 +1,175 @@
+"""Starting from saved weights: resuming this run, resetting its optimiser, or beginning from another run's.
+
+What may change across a resume is derived, not listed. A run's saved config
+(config.json) is compared with the new one three ways, each by what it feeds:
+the model's architecture (trainer/model.py), the data stream
+(trainer/data/pipeline.py) and the optimiser state's structure, shapes and
+dtypes. For every key that differs, the key alone is applied to the saved
+config; if that changes one of the three, the resume is refused, naming the
+key and both values, before anything on disk is touched. Any other change
+(mesh, remat, kernel, precision, learning rate, stability, logging,
+accumulation) resumes.
+
+A checkpoint is then read into the target shapes and shardings of whatever
+mesh the config now asks for. `checkpoint.reset_optimizer` keeps the weights,
+step, schedule and data position and starts the optimiser state afresh (once:
+a relaunch of the same command resumes the new state); `checkpoint.init_from`
+starts a new run from another run's weights.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from trainer import stability
+from trainer import workdir as wd
+from trainer.checkpoint import CODE_FAULTS, OPT_STATE, Checkpointer, arrays
+from trainer.config import flatten, from_dict, with_changes
+from trainer.data.pipeline import Stream
+from trainer.data.tokenizers import identity as tokenizer_identity
+from trainer.errors import ConfigError
+from trainer.model import Architecture
+from trainer.optimizer import make_optimizer
+from trainer.precision import LossScaling
+from trainer.state import TrainState, abstract_params
+
+
+def saved_config(workdir: str):
+    saved = wd.saved_config(workdir)
+    return None if saved is None else from_dict(saved)
+
+
+def changed_keys(saved, cfg, view: Callable) -> list[str]:
+    """'key=old there, new here' for each key whose change alone changes `view` of the saved config."""
+    before, now, base = flatten(saved), flatten(cfg), view(saved)
+    return [
+        f"{key}={before[key]!r} there, {now[key]!r} here"
+        for key in sorted(now)
+        if before.get(key) != now[key] and view(with_changes(saved, {key: now[key]})) != base
+    ]
+
+
+def check_architecture(workdir: str, cfg) -> None:
+    """Refuse a config whose model (or tokenizer) would read the saved weights differently."""
+    saved = saved_config(workdir)
+    if saved is None:
+        return
+    differ = changed_keys(saved, cfg, lambda c: (Architecture.from_config(c), tokenizer_identity(c.data)))
+    if differ:
+        raise ConfigError(
+            f"{workdir} belongs to another run ({'; '.join(differ)}); use its values or another --workdir."
+        )
+
+
+def check_resume(workdir: str, cfg, setup) -> None:
+    """Everything a resume may refuse, judged from the saved config, before anything is read or written."""
+    check_architecture(workdir, cfg)
+    saved = saved_config(workdir)
+    if saved is None:
+        return
+    differ = changed_keys(saved, cfg, lambda c: Stream.from_config(c).identity())
+    if differ:
+        raise ConfigError(
+            f"{workdir} was trained on another data stream ({'; '.join(differ)}); use its values, or start a "
+            f"new run from its weights with --config.checkpoint.init_from={workdir} and another --workdir."
+        )
+    if not cfg.checkpoint.reset_optimizer:
+        differ = changed_keys(saved, cfg, lambda c: _optimizer_shapes(c, setup))
+        if differ:
+            raise ConfigError(
+                f"{workdir} holds another optimiser's state ({'; '.join(differ)}); to go on with this one from "
+                "the saved weights, step, schedule and data, add --config.checkpoint.reset_optimizer=true."
+            )
+
+
+def _optimizer_shapes(cfg, setup):
+    """The optimiser state's structure, shapes and dtypes under `cfg`, for the setup's model."""
+    tx = make_optimizer(cfg, setup.model.logical_names)
+    abstract = jax.eval_shape(tx.init, setup.model.abstract_params)
+    return jax.tree.structure(abstract), [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)]
+
+
+def restore_state(ckpt: Checkpointer, step: int, setup, data_iterator, saved=None) -> tuple[TrainState, bool]:
+    """(the state saved at `step`, placed for this setup's mesh; whether the optimiser state was reset).
+
+    Raises ConfigError for a checkpoint that does not fit the config (nothing is
+    changed on disk); any other exception means its files cannot be read.
+    """
+    cfg, abstract = setup.cfg, setup.abstract_state()
+    metadata = ckpt.metadata(step)
+    ckpt.check_params(step, abstract.params)
+    replicated = setup.shard.replicated()
+    meta = ckpt.restore_meta(step, replicated)
+    batch_size = cfg.train.global_batch_size
+    if "format" not in meta and data_iterator is not None:
+        rows = ckpt.data_rows(step)
+        if rows is not None and len(rows) < batch_size:
+            raise ConfigError(
+                f"the checkpoint at step {step} in {ckpt.directory} keeps its data position by microbatch row "
+                f"({len(rows)} rows of a {batch_size}-sequence batch, written with gradient accumulation by an "
+                "older trainer), which cannot be converted; resume it with the trainer that wrote it, or start a "
+                "new run from its weights with --config.checkpoint.init_from."
+            )
+    fits = arrays(metadata[OPT_STATE]) == arrays(abstract.opt_state)
+    reset = cfg.checkpoint.reset_optimizer and (not int(meta.get("reset_optimizer", 0)) or not fits)
+    if not fits and not reset:
+        raise ConfigError(
+            f"the optimiser state in the checkpoint at step {step} in {ckpt.directory} does not fit this config's "
+            "optimiser; use the optim.* and precision.moments_dtype it was written with, or add "
+            "--config.checkpoint.reset_optimizer=true."
+        )
+    params, opt_state = ckpt.restore(step, abstract.params, None if reset else abstract.opt_state, data_iterator)
+    if reset:
+        opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(params)
+    stats = stability.adopt(meta["stability"], cfg, int(meta["step"]), batch_size)
+    scaling = LossScaling.from_config(cfg)
+    saved_dynamic = LossScaling.from_config(saved).dynamic if saved is not None else scaling.dynamic
+    stats["loss_scale"] = np.float32(scaling.resumed(float(stats["loss_scale"]), saved_dynamic))
+    if not scaling.dynamic or not saved_dynamic:
+        stats["good_steps"] = np.int32(0)
+    on_mesh = jax.device_put({"step": meta["step"], "rng": meta["rng"], "stability": stats}, replicated)
+    state = TrainState(on_mesh["step"], params, opt_state, on_mesh["rng"], on_mesh["stability"])
+    return state, reset
+
+
+def parse_init_from(text: str) -> tuple[str, int | None]:
+    """'DIR' or 'DIR@STEP' -> (DIR, STEP or None)."""
+    path, _, step = text.rpartition("@") if "@" in text else (text, "", "")
+    if step and not step.isdigit():
+        raise ConfigError(f"checkpoint.init_from={text!r} must be DIR or DIR@STEP with STEP a number.")
+    return path, int(step) if step else None
+
+
+def load_init_params(cfg, setup) -> tuple[dict, str, int]:
+    """The parameters `checkpoint.init_from` names, in this setup's shardings: (params, directory, step)."""
+    path, step = parse_init_from(cfg.checkpoint.init_from)
+    if not os.path.exists(path):
+        raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r}: {path} does not exist.")
+    directory = wd.checkpoint_dir(path) if os.path.isdir(wd.checkpoint_dir(path)) else path
+    ckpt = Checkpointer(directory, read_only=True)
+    try:
+        steps = ckpt.steps()
+        if not steps:
+            raise ConfigError(
+                f"checkpoint.init_from={cfg.checkpoint.init_from!r}: {path} holds no checkpoint; give a run "
+                "directory (or its checkpoints/ directory)."
+            )
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise ConfigError(f"checkpoint.init_from: {path} has no checkpoint at step {step}; it has steps {steps}.")
+        try:
+            return ckpt.restore_params(step, abstract_params(setup.model, setup.shard)), path, step
+        except (ConfigError, *CODE_FAULTS):
+            raise
+        except Exception as e:  # the files cannot be read
+            reason = " ".join(str(e).split())[:200]
+            raise ConfigError(
+                f"checkpoint.init_from: the checkpoint at step {step} in {path} cannot be read ({reason})."
+            ) from e
+    finally:
+        ckpt.close()
