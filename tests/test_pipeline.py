@@ -20,8 +20,8 @@ from test_equivalence import LOSS_RTOL, PARAM_RTOL, differences, run
 from trainer.checkpoint import Checkpointer
 from trainer.data import pipeline
 from trainer.errors import ConfigError
-from trainer.resume import restore_state
 from trainer.model import Architecture, Decoder, Execution, ModelSpec
+from trainer.resume import restore_state
 from trainer.setup import build
 from trainer.step import BATCH_KEYS, abstract_knobs, no_knobs
 
