@@ -53,7 +53,7 @@ def main():
             ckpt.wait()
             total.append(time.perf_counter() - start)
             start = time.perf_counter()
-            jax.block_until_ready(ckpt.restore(step, target, None))
+            jax.block_until_ready(ckpt.restore(step, target.params, target.opt_state, None))
             restore.append(time.perf_counter() - start)
         ckpt.close()
     report(

@@ -4,10 +4,13 @@
 
 `pipeline_tokens_per_s`: global batches read, packed and stacked on the host
 alone (the prepared TFDS corpus, shuffled, as training reads it).
-`train_tokens_per_s`: the training loop's rate, with `host_s_per_step` the
-part of each step spent on the host (next batch, device transfer) and
-`step_s` the whole step. `headroom` = pipeline rate over training rate: above
-1 the data keeps up.
+`train_tokens_per_s`: a bare loop's rate (next batch, transfer, step, wait), with
+`host_s_per_step` the part of each step spent on the host (next batch, device
+transfer) and `step_s` the whole step. `headroom` = pipeline rate over
+training rate: above 1 the data keeps up. `loop_step_s`: the real training
+loop's median step time logging every step (its worst case: every step's
+metrics fetched), and `loop_overhead_s` = loop_step_s - step_s, what the loop's
+own host work adds to a step.
 """
 
 import os
@@ -26,6 +29,25 @@ _CONFIG = cli.define_config_flag()
 _BATCHES = flags.DEFINE_integer("batches", 50, "Batches read for the pipeline-only rate.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Training steps timed (after one to compile).")
 _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
+
+
+def loop_step_seconds(cfg, steps: int) -> float:
+    """The median `step_time` the training loop logs, every step logged, no evaluation or saves."""
+    import json
+    import statistics
+    import tempfile
+
+    from trainer.loop import train
+
+    cfg = cfg.copy_and_resolve_references()
+    cfg.train.update(steps=steps + 1, log_every=1, eval_every=0)
+    cfg.optim.update(warmup_steps=1, decay_steps=0)
+    cfg.checkpoint.every_steps = 10 * steps
+    with tempfile.TemporaryDirectory() as workdir:
+        train(cfg, workdir)
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            times = [r["step_time"] for r in map(json.loads, f) if "step_time" in r]
+    return statistics.median(times[1:])  # the first includes the first step's dispatch and warm-up
 
 
 def main():
@@ -59,6 +81,7 @@ def main():
         if i:  # the first step compiles
             host, total = host + t1 - t0, total + time.perf_counter() - t0
     train_tps = _STEPS.value * tokens_per_step / total
+    loop_step = loop_step_seconds(cfg, _STEPS.value)
     report(
         "input_pipeline",
         {
@@ -68,6 +91,8 @@ def main():
             "headroom": pipeline_tps / train_tps,
             "host_s_per_step": host / _STEPS.value,
             "step_s": total / _STEPS.value,
+            "loop_step_s": loop_step,
+            "loop_overhead_s": loop_step - total / _STEPS.value,
         },
         append=_APPEND.value,
     )

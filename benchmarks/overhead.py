@@ -101,7 +101,7 @@ def main():
         bare_s.append(t)
     ours_t, bare_t = statistics.median(ours_s), statistics.median(bare_s)
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
-    fpt = flops_per_token(setup.spec, setup.model.abstract_params, cfg.data.seq_len)
+    fpt = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len)
     report(
         "overhead",
         {
