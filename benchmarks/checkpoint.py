@@ -33,9 +33,9 @@ def main():
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_SIMULATE.value}"
     import jax
 
-    from trainer.checkpoint import Checkpointer
     from trainer.flops import count_params
-    from trainer.setup import build
+    from trainer.storage.checkpoint import Checkpointer
+    from trainer.training.setup import build
 
     cfg = _CONFIG.value
     setup = build(cfg)

@@ -27,8 +27,8 @@ _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS
 def compile_seconds(cfg) -> float:
     import jax
 
-    from trainer.setup import build
-    from trainer.step import abstract_batch, abstract_knobs
+    from trainer.training.setup import build
+    from trainer.training.step import abstract_batch, abstract_knobs
 
     setup = build(cfg, jax.devices()[:1])
     start = time.perf_counter()

@@ -37,7 +37,7 @@ def loop_step_seconds(cfg, steps: int) -> float:
     import statistics
     import tempfile
 
-    from trainer.loop import train
+    from trainer.training.loop import train
 
     cfg = cfg.copy_and_resolve_references()
     cfg.train.update(steps=steps + 1, log_every=1, eval_every=0)
@@ -53,17 +53,17 @@ def loop_step_seconds(cfg, steps: int) -> float:
 def main():
     import jax
 
-    from trainer.data import pipeline
-    from trainer.setup import build
-    from trainer.step import no_knobs
+    from trainer.data import streams
+    from trainer.training.setup import build
+    from trainer.training.step import no_knobs
 
     cfg = _CONFIG.value
-    pipeline.prepare(cfg.data)
+    streams.prepare(cfg.data)
     setup = build(cfg)
     batch_size = cfg.train.global_batch_size
     tokens_per_step = batch_size * cfg.data.seq_len
 
-    data = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(batch_size), shuffle=True))
+    data = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(batch_size), shuffle=True))
     next(data)
     start = time.perf_counter()
     for _ in range(_BATCHES.value):
@@ -74,7 +74,7 @@ def main():
     host, total = 0.0, 0.0
     for i in range(_STEPS.value + 1):
         t0 = time.perf_counter()
-        batch = pipeline.to_global(next(data), setup.batch_sharding, batch_size)
+        batch = streams.to_global(next(data), setup.batch_sharding, batch_size)
         t1 = time.perf_counter()
         state, metrics = step(state, batch, no_knobs())
         jax.block_until_ready(metrics)

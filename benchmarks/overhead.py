@@ -60,10 +60,10 @@ def make_bare_step(setup, lr: float):
 def main():
     import jax
 
-    from trainer.data import pipeline
+    from trainer.data import streams
     from trainer.flops import flops_per_token, peak_flops
-    from trainer.setup import build
-    from trainer.step import no_knobs
+    from trainer.training.setup import build
+    from trainer.training.step import no_knobs
 
     cfg = _CONFIG.value
     cfg.mesh.update(dict(data=1, fsdp=1, tensor=1))
@@ -72,8 +72,8 @@ def main():
     synthetic.data.source = "synthetic"  # timing only: any tokens will do
     batch = next(
         iter(
-            pipeline.batches(
-                pipeline.Stream.from_config(synthetic), "train", range(cfg.train.global_batch_size), shuffle=False
+            streams.batches(
+                streams.Stream.from_config(synthetic), "train", range(cfg.train.global_batch_size), shuffle=False
             )
         )
     )

@@ -36,15 +36,15 @@ _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS
 def step_seconds(cfg, n_devices: int) -> float:
     import jax
 
-    from trainer.data import pipeline
-    from trainer.setup import build
-    from trainer.step import no_knobs
+    from trainer.data import streams
+    from trainer.training.setup import build
+    from trainer.training.step import no_knobs
 
     setup = build(cfg, jax.devices()[:n_devices])
     state, step = setup.new_state(), setup.train_step()
     synthetic = cfg.copy_and_resolve_references()
     synthetic.data.source = "synthetic"  # timing only: any tokens will do
-    batch = next(iter(pipeline.batches(synthetic, "train", range(cfg.train.global_batch_size), shuffle=False)))
+    batch = next(iter(streams.batches(synthetic, "train", range(cfg.train.global_batch_size), shuffle=False)))
     times = []
     for i in range(_STEPS.value + 1):
         start = time.perf_counter()

@@ -2,9 +2,9 @@
 
     python benchmarks/remat.py --config configs/small.py [--steps 3] [--append]
 
-Same model, batch and mesh for each policy in trainer/model.py's REMAT; the
+Same model, batch and mesh for each policy in trainer/model/decoder.py's REMAT; the
 step time is the median of `--steps` steps after one to compile, the memory
-XLA's compiled total per device (trainer/planning.py).
+XLA's compiled total per device (trainer/planning/plan.py).
 """
 
 import os
@@ -28,10 +28,10 @@ _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS
 def measure(cfg) -> tuple[float, int]:
     import jax
 
-    from trainer.data import pipeline
-    from trainer.planning import compiled_memory
-    from trainer.setup import build
-    from trainer.step import abstract_batch, abstract_knobs, no_knobs
+    from trainer.data import streams
+    from trainer.planning.plan import compiled_memory
+    from trainer.training.setup import build
+    from trainer.training.step import abstract_batch, abstract_knobs, no_knobs
 
     setup = build(cfg)
     abstract = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, setup.batch_sharding)
@@ -40,12 +40,12 @@ def measure(cfg) -> tuple[float, int]:
     synthetic.data.source = "synthetic"  # timing only: any tokens will do
     local = next(
         iter(
-            pipeline.batches(
-                pipeline.Stream.from_config(synthetic), "train", range(cfg.train.global_batch_size), shuffle=False
+            streams.batches(
+                streams.Stream.from_config(synthetic), "train", range(cfg.train.global_batch_size), shuffle=False
             )
         )
     )
-    batch = pipeline.to_global(local, setup.batch_sharding, cfg.train.global_batch_size)
+    batch = streams.to_global(local, setup.batch_sharding, cfg.train.global_batch_size)
     state, times = setup.new_state(), []
     for i in range(_STEPS.value + 1):
         start = time.perf_counter()
@@ -57,7 +57,7 @@ def measure(cfg) -> tuple[float, int]:
 
 
 def main():
-    from trainer.model import REMAT
+    from trainer.model.decoder import REMAT
 
     figures = {"config": os.path.basename(cli.config_path())}
     for policy in REMAT:

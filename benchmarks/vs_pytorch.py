@@ -72,9 +72,9 @@ def torch_trainer(cfg, spec, tokens_np):
 def main():
     import numpy as np
 
-    from trainer.data import pipeline
-    from trainer.setup import build
-    from trainer.step import no_knobs
+    from trainer.data import streams
+    from trainer.training.setup import build
+    from trainer.training.step import no_knobs
 
     cfg = _CONFIG.value
     setup = build(cfg)
@@ -82,15 +82,15 @@ def main():
     synthetic.data.source = "synthetic"  # timing only: any tokens will do
     local = next(
         iter(
-            pipeline.batches(
-                pipeline.Stream.from_config(synthetic), "train", range(cfg.train.global_batch_size), shuffle=False
+            streams.batches(
+                streams.Stream.from_config(synthetic), "train", range(cfg.train.global_batch_size), shuffle=False
             )
         )
     )
     # One document per row, so both sides see the same causal attention over the whole sequence.
     local["segment_ids"] = np.ones_like(local["tokens"])
     local["positions"] = np.broadcast_to(np.arange(local["tokens"].shape[1]), local["tokens"].shape).copy()
-    batch = pipeline.to_global(local, setup.batch_sharding, cfg.train.global_batch_size)
+    batch = streams.to_global(local, setup.batch_sharding, cfg.train.global_batch_size)
     state, ours = setup.new_state(), setup.train_step()
     torch_step, torch_sync = torch_trainer(cfg, setup.spec, local["tokens"])
 

@@ -77,7 +77,7 @@ def main():
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_SIMULATE.value}"
         )
-    from trainer.planning import plan
+    from trainer.planning.plan import plan
 
     result = plan(_CONFIG.value, compile_step=not _NO_COMPILE.value, sharding=_SHARDING.value, tokens=_TOKENS.value,
                   budget=_BUDGET.value, chip=_CHIP.value, chips=_CHIPS.value, mfu=_MFU.value)  # fmt: skip

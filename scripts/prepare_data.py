@@ -5,18 +5,16 @@ shared filesystem before a multi-host job starts, or to see the split sizes.
 """
 
 from trainer import cli
-from trainer.data import pipeline
+from trainer.data import streams
 
 _CONFIG = cli.define_config_flag()
 
 
 def main():
     data = _CONFIG.value.data
-    pipeline.prepare(data)
-    sizes = {s: len(pipeline.open_split(data, s)) for s in (data.train_split, data.eval_split)}
-    print(
-        f"{data.name} under {pipeline.data_dir(data)}: " + ", ".join(f"{k} {v:,} documents" for k, v in sizes.items())
-    )
+    streams.prepare(data)
+    sizes = {s: len(streams.open_split(data, s)) for s in (data.train_split, data.eval_split)}
+    print(f"{data.name} under {streams.data_dir(data)}: " + ", ".join(f"{k} {v:,} documents" for k, v in sizes.items()))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Running the same command on the same workdir resumes from its newest checkpoint.
 from absl import flags
 
 from trainer import cli
-from trainer.loop import train
+from trainer.training.loop import train
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")

@@ -61,19 +61,19 @@ def _flatten(tree, prefix=""):
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory):
     """The standard-library corpus, prepared once per test session."""
-    from trainer.data import pipeline
+    from trainer.data import streams
 
     path = str(tmp_path_factory.mktemp("tfds"))
     cfg = micro_config(data=dict(source="text_files", data_dir=path))
-    pipeline.prepare(cfg.data)
+    streams.prepare(cfg.data)
     return path
 
 
 @pytest.fixture(scope="session")
 def text_batches(corpus_dir):
     """20 batches of 16 x 32 standard-library tokens: the equivalence tests' shared data."""
-    from trainer.data import pipeline
+    from trainer.data import streams
 
     cfg = micro_config(data=dict(source="text_files", data_dir=corpus_dir), train=dict(global_batch_size=16))
-    stream = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(16), shuffle=True))
+    stream = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(16), shuffle=True))
     return [next(stream) for _ in range(20)]

@@ -5,19 +5,19 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
-from trainer.checkpoint import Checkpointer
-from trainer.data import pipeline
+from trainer.data import streams
 from trainer.errors import ConfigError
-from trainer.resume import restore_state
-from trainer.setup import build
-from trainer.step import no_knobs
+from trainer.storage.checkpoint import Checkpointer
+from trainer.storage.resume import restore_state
+from trainer.training.setup import build
+from trainer.training.step import no_knobs
 
 
 def trained_state(cfg, setup, data):
     state, step = setup.new_state(), setup.train_step()
     for _ in range(2):
         state, _ = step(
-            state, pipeline.to_global(next(data), setup.batch_sharding, cfg.train.global_batch_size), no_knobs()
+            state, streams.to_global(next(data), setup.batch_sharding, cfg.train.global_batch_size), no_knobs()
         )
     return state
 
@@ -30,7 +30,7 @@ def test_save_then_restore_gives_back_every_array_and_the_data_position(tmp_path
     cfg = micro_config(mesh=dict(fsdp=8))
     setup = build(cfg)
     rows = list(range(cfg.train.global_batch_size))
-    data = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", rows, shuffle=True))
+    data = iter(streams.batches(streams.Stream.from_config(cfg), "train", rows, shuffle=True))
     state = trained_state(cfg, setup, data)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep=2, async_save=True)
     ckpt.save(2, state, data)
@@ -39,7 +39,7 @@ def test_save_then_restore_gives_back_every_array_and_the_data_position(tmp_path
 
     target_cfg = micro_config(mesh=target_mesh)
     target = build(target_cfg, jax.devices()[:n_devices])
-    fresh = iter(pipeline.batches(pipeline.Stream.from_config(target_cfg), "train", rows, shuffle=True))
+    fresh = iter(streams.batches(streams.Stream.from_config(target_cfg), "train", rows, shuffle=True))
     restored, _ = restore_state(ckpt, 2, target, fresh)
     ckpt.close()
 
@@ -55,7 +55,7 @@ def test_save_then_restore_gives_back_every_array_and_the_data_position(tmp_path
 def _save_steps(tmp_path, steps=(1, 2, 3), keep=5, keep_every=0):
     cfg = micro_config(mesh=dict(fsdp=8))
     setup = build(cfg)
-    data = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", list(range(8)), shuffle=True))
+    data = iter(streams.batches(streams.Stream.from_config(cfg), "train", list(range(8)), shuffle=True))
     state = setup.new_state()
     ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=keep, keep_every=keep_every)
     for s in steps:
@@ -66,7 +66,7 @@ def _save_steps(tmp_path, steps=(1, 2, 3), keep=5, keep_every=0):
 
 def _restorer(cfg, setup, ckpt):
     def restore(step):
-        data = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", list(range(8)), shuffle=True))
+        data = iter(streams.batches(streams.Stream.from_config(cfg), "train", list(range(8)), shuffle=True))
         return restore_state(ckpt, step, setup, data)[0]
 
     return restore

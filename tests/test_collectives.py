@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from parallelism import collectives
-from trainer.planning import plan
+from trainer.planning.plan import plan
 
 
 def compiled_text(fn, *args):

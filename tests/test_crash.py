@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from conftest import cli_args, micro_config
 
-from trainer.checkpoint import Checkpointer
-from trainer.setup import build
-from trainer.state import abstract_params
+from trainer.storage.checkpoint import Checkpointer
+from trainer.training.setup import build
+from trainer.training.state import abstract_params
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 30

@@ -1,4 +1,4 @@
-"""Tokenizers, the TFDS text-files builder, and the packed Grain pipeline."""
+"""Tokenizers, the TFDS text-files builder, and the packed Grain batches."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
-from trainer.data import pipeline, text_files
+from trainer.data import streams, text_files
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
 from trainer.errors import ConfigError
 
@@ -39,7 +39,7 @@ def test_sentencepiece_trained_locally_round_trips_code(tmp_path):
 def test_missing_sentencepiece_model_is_a_clear_error():
     cfg = micro_config(data=dict(tokenizer="sentencepiece", tokenizer_path="/nonexistent/x.model", source="text_files"))
     with pytest.raises(ConfigError, match="train_tokenizer.py"):
-        pipeline.check_vocab(cfg)
+        streams.check_vocab(cfg)
 
 
 def _write_corpus(root):
@@ -61,8 +61,8 @@ def test_text_files_builder_prepares_splits_by_file(tmp_path):
             data_dir=str(tmp_path / "tfds"),
         )
     )
-    pipeline.prepare(cfg.data)
-    train, val = pipeline.open_split(cfg.data, "train"), pipeline.open_split(cfg.data, "validation")
+    streams.prepare(cfg.data)
+    train, val = streams.open_split(cfg.data, "train"), streams.open_split(cfg.data, "validation")
     sources = {"train": [], "validation": []}
     for name, split in (("train", train), ("validation", val)):
         for i in range(len(split)):
@@ -74,22 +74,22 @@ def test_text_files_builder_prepares_splits_by_file(tmp_path):
     assert {f"json line {i}" for i in range(5)} <= texts  # one document per jsonl line
     assert "document 7\n" * 3 in texts
     stamp = os.path.getmtime(os.path.join(tmp_path, "tfds", "text_files", "mine"))
-    pipeline.prepare(cfg.data)  # already there: untouched
+    streams.prepare(cfg.data)  # already there: untouched
     assert os.path.getmtime(os.path.join(tmp_path, "tfds", "text_files", "mine")) == stamp
 
 
 def test_text_files_errors(tmp_path):
     nothing = micro_config(data=dict(source="text_files", paths=f"{tmp_path}/none/*.txt", data_dir=str(tmp_path)))
     with pytest.raises(ConfigError, match="matches no files"):
-        pipeline.prepare(nothing.data)
+        streams.prepare(nothing.data)
     (tmp_path / "one.txt").write_text("x")
     one = micro_config(data=dict(source="text_files", paths=f"{tmp_path}/one.txt", data_dir=str(tmp_path)))
     with pytest.raises(ConfigError, match="too few"):
-        pipeline.prepare(one.data)
+        streams.prepare(one.data)
     assert not os.path.exists(tmp_path / "text_files")
     unprepared = micro_config(data=dict(source="tfds", name="not_a_dataset", data_dir=str(tmp_path)))
     with pytest.raises(ConfigError, match="not prepared"):
-        pipeline.open_split(unprepared.data, "train")
+        streams.open_split(unprepared.data, "train")
 
 
 def _cfg(corpus_dir, **train):
@@ -99,14 +99,14 @@ def _cfg(corpus_dir, **train):
 
 
 def _take(cfg, rows, n, shuffle=True, split="train"):
-    it = iter(pipeline.batches(pipeline.Stream.from_config(cfg), split, rows, shuffle=shuffle))
+    it = iter(streams.batches(streams.Stream.from_config(cfg), split, rows, shuffle=shuffle))
     return [next(it) for _ in range(n)]
 
 
 def test_windows_hold_whole_document_pieces_with_restarting_positions(corpus_dir):
     cfg = _cfg(corpus_dir)
     batches = _take(cfg, [0, 1, 2, 3], 6, shuffle=False)
-    source = pipeline.open_split(cfg.data, "train")
+    source = streams.open_split(cfg.data, "train")
     tok = ByteTokenizer()
     for row in range(4):
         docs = [
@@ -156,12 +156,12 @@ def test_iterator_state_restores_the_exact_position(corpus_dir, source):
     grain 0.2.18 gets wrong after the JSON round trip unless the pipeline mends the state."""
     cfg = _cfg(corpus_dir)
     cfg.data.source = source
-    it = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(4), shuffle=True))
+    it = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(4), shuffle=True))
     for _ in range(5):
         next(it)
     state = it.get_state()
     expected = [next(it) for _ in range(3)]
-    fresh = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(4), shuffle=True))
+    fresh = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(4), shuffle=True))
     fresh.set_state(json.loads(json.dumps(state)))  # survives the JSON round trip of a checkpoint
     for e in expected:
         got = next(fresh)
@@ -179,7 +179,7 @@ def test_synthetic_source_is_deterministic_and_in_vocabulary():
 
 def test_stdlib_corpus_validation_is_held_out_by_file(corpus_dir):
     cfg = _cfg(corpus_dir)
-    train, val = pipeline.open_split(cfg.data, "train"), pipeline.open_split(cfg.data, "validation")
+    train, val = streams.open_split(cfg.data, "train"), streams.open_split(cfg.data, "validation")
     val_sources = {val[i]["source"] for i in range(len(val))}
     assert 0.01 < len(val) / (len(train) + len(val)) < 0.04
     assert all(text_files.is_validation(s.decode()) for s in val_sources)

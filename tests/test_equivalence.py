@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
-from trainer.setup import build
-from trainer.step import no_knobs
+from trainer.training.setup import build
+from trainer.training.step import no_knobs
 
 STEPS = 20
 LOSS_RTOL, PARAM_RTOL = 1e-4, 2e-3

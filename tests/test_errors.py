@@ -8,7 +8,7 @@ import pytest
 from conftest import micro_config
 
 from trainer.errors import ConfigError
-from trainer.loop import train
+from trainer.training.loop import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

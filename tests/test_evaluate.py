@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from conftest import cli_args, micro_config
 
-from trainer.data import pipeline
+from trainer.data import streams
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer
 from trainer.errors import ConfigError
 from trainer.evaluate import evaluate_checkpoint
-from trainer.loop import train
+from trainer.training.loop import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,7 +51,7 @@ def test_reported_figures_are_consistent_and_written(trained, corpus_dir):
 
 def test_one_pass_covers_every_held_out_token_exactly_once(corpus_dir):
     cfg = text_cfg(corpus_dir)
-    source = pipeline.open_split(cfg.data, "validation")
+    source = streams.open_split(cfg.data, "validation")
     tok = ByteTokenizer()
     expected = np.concatenate(
         [np.concatenate([[BOS_ID], tok.encode(source[i]["text"]), [EOS_ID]]) for i in range(len(source))]
@@ -59,7 +59,7 @@ def test_one_pass_covers_every_held_out_token_exactly_once(corpus_dir):
     got = np.concatenate(
         [
             b["tokens"][b["segment_ids"] > 0]
-            for b in pipeline.one_pass(pipeline.Stream.from_config(cfg), "validation", range(8))
+            for b in streams.one_pass(streams.Stream.from_config(cfg), "validation", range(8))
         ]
     )
     assert len(got) == len(expected)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
-from trainer.generate import make_generate, sample
-from trainer.setup import build
+from trainer.model.sampling import make_generate, sample
+from trainer.training.setup import build
 
 
 def setup_and_params(mesh, n_devices):

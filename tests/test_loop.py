@@ -12,11 +12,11 @@ import pytest
 from conftest import micro_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainer.checkpoint import Checkpointer
 from trainer.errors import ConfigError
-from trainer.loop import train
-from trainer.metrics import MetricsWriter
-from trainer.setup import build
+from trainer.storage.checkpoint import Checkpointer
+from trainer.storage.metrics import MetricsWriter
+from trainer.training.loop import train
+from trainer.training.setup import build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOGGED = {"step", "loss", "lr", "grad_norm", "param_norm", "tokens_per_sec", "mfu", "step_time"}

@@ -76,7 +76,7 @@ def test_sequence_parallelism_splits_the_residual_stream_over_tensor():
 
 
 def test_sequence_parallelism_saves_activation_memory():
-    from trainer.planning import plan
+    from trainer.planning.plan import plan
 
     def temporaries(sp):
         cfg = micro_config(model=dict(n_heads=8, n_kv_heads=8, d_model=128, d_ff=256), mesh=dict(fsdp=2, tensor=4))

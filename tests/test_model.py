@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from parallelism.rules import DEFAULT_RULES
-from trainer.loss import cross_entropy_sum
-from trainer.model import NO_SHARDING, Architecture, Decoder, Execution, ModelSpec, apply_rope, rope_tables
-from trainer.state import ModelDef
+from trainer.model.decoder import NO_SHARDING, Architecture, Decoder, Execution, ModelSpec, apply_rope, rope_tables
+from trainer.model.loss import cross_entropy_sum
+from trainer.training.state import ModelDef
 
 ARCH = Architecture(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96)
 SPEC = ModelSpec(ARCH)

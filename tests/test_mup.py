@@ -12,8 +12,8 @@ from conftest import cli_args, micro_config
 
 from trainer import experiments
 from trainer.errors import ConfigError
-from trainer.setup import build
-from trainer.step import no_knobs
+from trainer.training.setup import build
+from trainer.training.step import no_knobs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

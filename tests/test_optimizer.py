@@ -9,8 +9,8 @@ import pytest
 from conftest import micro_config
 
 from trainer.errors import ConfigError
-from trainer.optimizer import applied_learning_rate, decay_mask, make_optimizer, with_hyperparams
-from trainer.schedules import make_schedule
+from trainer.optim.optimizer import applied_learning_rate, decay_mask, make_optimizer, with_hyperparams
+from trainer.optim.schedules import make_schedule
 
 PEAK, FLOOR_RATIO, WARMUP, TOTAL = 1e-3, 0.1, 10, 110
 FLOOR = PEAK * FLOOR_RATIO

@@ -12,9 +12,9 @@ from conftest import cli_args, micro_config
 
 from trainer import experiments
 from trainer.errors import ConfigError
-from trainer.loss import cross_entropy_sum
-from trainer.optimizer import make_optimizer, with_hyperparams
-from trainer.setup import build
+from trainer.model.loss import cross_entropy_sum
+from trainer.optim.optimizer import make_optimizer, with_hyperparams
+from trainer.training.setup import build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = {"w": ("layers", "embed", "mlp"), "norm": {"scale": ("layers", "embed")}}

@@ -17,13 +17,13 @@ from conftest import micro_config
 from flax import nnx
 from test_equivalence import LOSS_RTOL, PARAM_RTOL, differences, run
 
-from trainer.checkpoint import Checkpointer
-from trainer.data import pipeline
+from trainer.data import streams
 from trainer.errors import ConfigError
-from trainer.model import Architecture, Decoder, Execution, ModelSpec
-from trainer.resume import restore_state
-from trainer.setup import build
-from trainer.step import BATCH_KEYS, abstract_knobs, no_knobs
+from trainer.model.decoder import Architecture, Decoder, Execution, ModelSpec
+from trainer.storage.checkpoint import Checkpointer
+from trainer.storage.resume import restore_state
+from trainer.training.setup import build
+from trainer.training.step import BATCH_KEYS, abstract_knobs, no_knobs
 
 STEPS = 20
 
@@ -91,7 +91,7 @@ def test_a_checkpoint_restores_across_stage_counts(tmp_path, saved, restored):
         return cfg, build(cfg, jax.devices()[: 2 * stages])
 
     cfg, source = setup_for(saved)
-    data = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(16), shuffle=True))
+    data = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(16), shuffle=True))
     state, step = source.new_state(), source.train_step()
     for _ in range(2):
         state, _ = step(state, next(data), no_knobs())
@@ -100,7 +100,7 @@ def test_a_checkpoint_restores_across_stage_counts(tmp_path, saved, restored):
     upcoming = next(data)
 
     target_cfg, target = setup_for(restored)
-    fresh = iter(pipeline.batches(pipeline.Stream.from_config(target_cfg), "train", range(16), shuffle=True))
+    fresh = iter(streams.batches(streams.Stream.from_config(target_cfg), "train", range(16), shuffle=True))
     back, _ = restore_state(ckpt, 2, target, fresh)
     ckpt.close()
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back), strict=True):
@@ -130,7 +130,7 @@ def test_pipeline_misfits_are_refused_before_compiling(overrides, message):
 
 
 def test_the_plan_gives_the_bubble_and_what_each_stage_holds():
-    from trainer.planning import plan
+    from trainer.planning.plan import plan
 
     result = plan(config(dict(stage=4, fsdp=1), microbatches=4), compile_step=False, devices=jax.devices()[:4])
     piped = result["pipeline"]

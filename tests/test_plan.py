@@ -9,7 +9,7 @@ import jax
 import pytest
 from conftest import micro_config
 
-from trainer.planning import plan
+from trainer.planning.plan import plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -107,7 +107,7 @@ def test_time_to_train_and_the_budget_follow_their_formulas():
     assert 6 * rule["n_params"] * rule["tokens"] == pytest.approx(1e21) and rule["tokens"] == 20 * rule["n_params"]
     assert 6 * fit["n_params"] * fit["tokens"] == pytest.approx(1e21)
     # The fit's optimum: no other split of the same budget predicts a lower loss.
-    from trainer.scaling import fit_loss
+    from trainer.planning.scaling import fit_loss
 
     for scale in (0.5, 0.8, 1.25, 2.0):
         n = fit["n_params"] * scale

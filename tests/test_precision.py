@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from conftest import REPO, cli_args, micro_config
 
-from trainer.data import pipeline
-from trainer.setup import build
-from trainer.step import no_knobs
+from trainer.data import streams
+from trainer.training.setup import build
+from trainer.training.step import no_knobs
 
 STEPS = 30
 
@@ -29,7 +29,7 @@ def config(dtype, **precision):
 def text_batches(corpus_dir):
     cfg = config("float32")
     cfg.data.update(dict(source="text_files", data_dir=corpus_dir))
-    stream = iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(16), shuffle=True))
+    stream = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(16), shuffle=True))
     return [next(stream) for _ in range(STEPS)]
 
 

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from conftest import REPO, cli_args, micro_config
 
-from trainer.checkpoint import Checkpointer
 from trainer.errors import ConfigError
-from trainer.loop import train
-from trainer.setup import build
-from trainer.state import abstract_params
+from trainer.storage.checkpoint import Checkpointer
+from trainer.training.loop import train
+from trainer.training.setup import build
+from trainer.training.state import abstract_params
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "checkpoints_v1")
 

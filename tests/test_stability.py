@@ -8,7 +8,7 @@ import pytest
 from conftest import micro_config
 
 from trainer.errors import ConfigError, TrainingError
-from trainer.loop import train
+from trainer.training.loop import train
 
 
 def config(corpus_dir, **debug):

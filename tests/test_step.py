@@ -6,10 +6,10 @@ import pytest
 from conftest import micro_config
 from jax.sharding import PartitionSpec as P
 
-from trainer.data import pipeline
-from trainer.schedules import make_schedule
-from trainer.setup import build
-from trainer.step import make_train_step, no_knobs
+from trainer.data import streams
+from trainer.optim.schedules import make_schedule
+from trainer.training.setup import build
+from trainer.training.step import make_train_step, no_knobs
 
 
 def batch(cfg, seed=0):
@@ -138,7 +138,7 @@ def test_bf16_compute_keeps_fp32_state_and_tracks_the_fp32_loss(single_device):
 def test_a_chunked_loss_gives_the_same_step_in_less_memory():
     """Logits made 8 positions at a time: same loss, gradients and largest logit; the
     (batch, seq, vocab) fp32 logits and their gradient (8 x 64 x 8192 x 4 B = 16 MiB each) never exist whole."""
-    from trainer.planning import plan
+    from trainer.planning.plan import plan
 
     results = {}
     for chunk in (0, 8):
@@ -146,7 +146,7 @@ def test_a_chunked_loss_gives_the_same_step_in_less_memory():
                            mesh=dict(fsdp=1))  # fmt: skip
         setup = build(cfg, jax.devices()[:1])
         state, step = setup.new_state(), setup.train_step()
-        batch = next(iter(pipeline.batches(pipeline.Stream.from_config(cfg), "train", range(8), shuffle=False)))
+        batch = next(iter(streams.batches(streams.Stream.from_config(cfg), "train", range(8), shuffle=False)))
         _, metrics = step(state, batch, no_knobs())
         planned = plan(cfg, devices=jax.devices()[:1])
         results[chunk] = metrics, planned["compiled_breakdown"]["temporaries"], planned

@@ -8,8 +8,8 @@ import pytest
 from conftest import micro_config
 
 from trainer.errors import ConfigError
-from trainer.loop import train
-from trainer.schedules import make_schedule
+from trainer.optim.schedules import make_schedule
+from trainer.training.loop import train
 
 
 def records(workdir):

@@ -25,13 +25,13 @@ import jax
 import numpy as np
 
 from parallelism.distributed import fetch
-from trainer.data import pipeline
+from trainer.data import streams
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
-from trainer.loss import target_weights
-from trainer.restore import load_params
-from trainer.setup import Setup
-from trainer.step import jit_eval_step, make_eval_step
+from trainer.model.loss import target_weights
+from trainer.storage.restore import load_params
+from trainer.training.setup import Setup
+from trainer.training.step import jit_eval_step, make_eval_step
 
 
 def eval_step(setup: Setup):
@@ -43,7 +43,7 @@ def eval_step(setup: Setup):
 class Evaluator:
     def __init__(self, setup: Setup, rows: list[int]):
         cfg = setup.cfg
-        stream = iter(pipeline.batches(pipeline.Stream.from_config(cfg), cfg.data.eval_split, rows, shuffle=False))
+        stream = iter(streams.batches(streams.Stream.from_config(cfg), cfg.data.eval_split, rows, shuffle=False))
         self._batches = list(itertools.islice(stream, cfg.train.eval_batches))
         self._setup = setup
         self._step = eval_step(setup)
@@ -52,7 +52,7 @@ class Evaluator:
         setup = self._setup
         total, count = 0.0, 0.0
         for local in self._batches:
-            batch = pipeline.to_global(local, setup.batch_sharding, setup.cfg.train.global_batch_size)
+            batch = streams.to_global(local, setup.batch_sharding, setup.cfg.train.global_batch_size)
             s, n = fetch(self._step(params, batch))
             total, count = total + float(s), count + float(n)
         return {"eval_loss": total / max(count, 1.0), "eval_tokens": count}
@@ -78,18 +78,18 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     `max_batches` > 0 stops early (and is required for a synthetic source).
     The result is also written to <workdir>/eval/<split>_step<N>.json.
     """
-    pipeline.check_vocab(cfg)
+    streams.check_vocab(cfg)
     if cfg.data.source != "synthetic":
-        pipeline.open_split(cfg.data, cfg.data.eval_split)
+        streams.open_split(cfg.data, cfg.data.eval_split)
     elif not max_batches:
         raise ConfigError("a synthetic source has no end; pass a number of batches to evaluate.")
     setup, step, params = load_params(cfg, workdir, step, devices)
-    B, T, stream = cfg.train.global_batch_size, cfg.data.seq_len, pipeline.Stream.from_config(cfg)
-    rows = pipeline.process_rows(setup.batch_sharding, B, T)
+    B, T, stream = cfg.train.global_batch_size, cfg.data.seq_len, streams.Stream.from_config(cfg)
+    rows = streams.process_rows(setup.batch_sharding, B, T)
     if cfg.data.source == "synthetic":
-        local_batches = pipeline.batches(stream, cfg.data.eval_split, rows, shuffle=False)
+        local_batches = streams.batches(stream, cfg.data.eval_split, rows, shuffle=False)
     else:
-        local_batches = pipeline.one_pass(stream, cfg.data.eval_split, rows)
+        local_batches = streams.one_pass(stream, cfg.data.eval_split, rows)
     if max_batches:
         local_batches = itertools.islice(local_batches, max_batches)
     token_bytes = (
@@ -98,7 +98,7 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     step_fn = eval_step(setup)
     total, count, n_bytes, n_batches = 0.0, 0.0, 0, 0
     for local in local_batches:
-        s, n = fetch(step_fn(params, pipeline.to_global(local, setup.batch_sharding, B)))
+        s, n = fetch(step_fn(params, streams.to_global(local, setup.batch_sharding, B)))
         total, count, n_batches = total + float(s), count + float(n), n_batches + 1
         targets, weights = (np.asarray(a) for a in target_weights(local["tokens"], local["segment_ids"]))
         n_bytes += int(token_bytes[targets[weights > 0]].sum())

@@ -14,18 +14,18 @@ import jax
 import numpy as np
 
 from parallelism.distributed import fetch
-from trainer.data import pipeline
-from trainer.setup import build
-from trainer.step import no_knobs
+from trainer.data import streams
+from trainer.training.setup import build
+from trainer.training.step import no_knobs
 
 
 def fixed_batches(cfg, steps: int) -> list[dict]:
     """The first `steps` global batches of the config's training stream (one process)."""
-    pipeline.check_vocab(cfg)
+    streams.check_vocab(cfg)
     if cfg.data.source != "synthetic":
-        pipeline.prepare(cfg.data)
+        streams.prepare(cfg.data)
     rows = range(cfg.train.global_batch_size)
-    stream = iter(pipeline.batches(pipeline.Stream.from_config(cfg), cfg.data.train_split, rows, shuffle=True))
+    stream = iter(streams.batches(streams.Stream.from_config(cfg), cfg.data.train_split, rows, shuffle=True))
     return [next(stream) for _ in range(steps)]
 
 
@@ -35,7 +35,7 @@ def loss_curve(cfg, batches: list[dict]) -> list[float]:
     state, step = setup.new_state(), setup.train_step()
     losses = []
     for b in batches:
-        state, metrics = step(state, pipeline.to_global(b, setup.batch_sharding, len(b["tokens"])), no_knobs())
+        state, metrics = step(state, streams.to_global(b, setup.batch_sharding, len(b["tokens"])), no_knobs())
         loss = float(fetch(metrics["loss"]))
         losses.append(loss if math.isfinite(loss) else float("nan"))
     return losses

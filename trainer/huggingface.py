@@ -18,7 +18,7 @@ import numpy as np
 
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
 from trainer.errors import ConfigError
-from trainer.model import Architecture
+from trainer.model.decoder import Architecture
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -240,7 +240,7 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
     """Write a Llama-format directory (config, safetensors, tokenizer) for a checkpoint; returns its step."""
     import jax
 
-    from trainer.restore import load_params
+    from trainer.storage.restore import load_params
 
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir} is not empty; export into a new directory.")
@@ -265,9 +265,9 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     import jax
 
     from trainer import workdir as wd
-    from trainer.checkpoint import Checkpointer
-    from trainer.setup import build
-    from trainer.state import param_shardings, state_from_params
+    from trainer.storage.checkpoint import Checkpointer
+    from trainer.training.setup import build
+    from trainer.training.state import param_shardings, state_from_params
 
     wanted = model_keys_from_hf(read_config(hf_dir))
     differ = [f"model.{k}={v!r} (config has {cfg.model[k]!r})" for k, v in wanted.items() if cfg.model[k] != v]

@@ -109,7 +109,7 @@ def make_optimizer(cfg, logical_names: dict) -> optax.GradientTransformation:
     clip = optax.clip_by_global_norm(o.clip_norm) if o.clip_norm > 0 else optax.identity()
     chain = [clip, tx]
     if cfg.model.mup_base_width:
-        from trainer.mup import scale_updates
+        from trainer.optim.mup import scale_updates
 
         chain.append(scale_updates(cfg, logical_names))
     return optax.chain(*chain)

@@ -8,9 +8,9 @@ microbatches give the gradient of the whole batch, not an average of
 per-microbatch means. What is differentiated is that sum times the loss
 scale over the batch's token positions (a constant of the trace, near the
 count), so the gradients' size, and the fp16 scale that fits them, do not
-grow with the batch (trainer/precision.py).
+grow with the batch (trainer/training/precision.py).
 
-The step then judges itself (trainer/stability.py): non-finite or spiking
+The step then judges itself (trainer/training/stability.py): non-finite or spiking
 gradients leave parameters and optimiser state untouched. The learning rate is
 set here, from the schedule at the current sequence count, times the rollback
 scale and any drill multiplier, so a step's logged rate is the one it used.
@@ -25,11 +25,11 @@ import jax.numpy as jnp
 import optax
 
 from parallelism.rules import LogicalSharding
-from trainer import stability
-from trainer.optimizer import applied_learning_rate, with_hyperparams
-from trainer.precision import LossScaling
-from trainer.schedules import make_schedule
-from trainer.state import ModelDef, TrainState, param_shardings
+from trainer.optim.optimizer import applied_learning_rate, with_hyperparams
+from trainer.optim.schedules import make_schedule
+from trainer.training import stability
+from trainer.training.precision import LossScaling
+from trainer.training.state import ModelDef, TrainState, param_shardings
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions")
 BATCH_NAMES = ("batch", "seq")

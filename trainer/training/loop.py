@@ -5,7 +5,7 @@ on device until a log step fetches them, so host work (reading the next batch)
 overlaps with device compute. Step time is wall time over the interval between
 two log points, evaluation and checkpoint time excluded. Log points are also
 where the loop reads the device's stability counters and, if the run is in
-trouble, rolls back (trainer/stability.py, trainer/rollback.py).
+trouble, rolls back (trainer/training/stability.py, trainer/training/rollback.py).
 
 The run ends when `train.steps` full batches have been trained on: skipped
 steps and a batch-size ramp make that more steps than `train.steps`.
@@ -21,21 +21,22 @@ import jax
 import numpy as np
 
 from parallelism.distributed import fetch
-from trainer import batch_ramp, resume, stability
-from trainer import workdir as wd
-from trainer.checkpoint import Checkpointer
 from trainer.config import microbatch_size
-from trainer.data import pipeline
+from trainer.data import streams
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, peak_flops
-from trainer.metrics import MetricsWriter
-from trainer.planning import compiled_memory
-from trainer.preemption import watch_for_sigterm
-from trainer.profiling import StepProfiler
-from trainer.rollback import roll_back
-from trainer.setup import Setup, build
-from trainer.state import state_from_params
-from trainer.step import abstract_batch, abstract_knobs
+from trainer.planning.plan import compiled_memory
+from trainer.storage import resume
+from trainer.storage import workdir as wd
+from trainer.storage.checkpoint import Checkpointer
+from trainer.storage.metrics import MetricsWriter
+from trainer.training import batch_ramp, stability
+from trainer.training.preemption import watch_for_sigterm
+from trainer.training.profiling import StepProfiler
+from trainer.training.rollback import roll_back
+from trainer.training.setup import Setup, build
+from trainer.training.state import state_from_params
+from trainer.training.step import abstract_batch, abstract_knobs
 
 
 def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
@@ -44,17 +45,17 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
     Returns the setup and, for a new run with `checkpoint.init_from`, the weights to start from.
     """
     setup = build(cfg)
-    pipeline.check_vocab(cfg)
+    streams.check_vocab(cfg)
     if cfg.data.source != "synthetic":
         if jax.process_index() == 0:
-            pipeline.prepare(cfg.data)
+            streams.prepare(cfg.data)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("dataset prepared")
-        pipeline.open_split(cfg.data, cfg.data.train_split)
+        streams.open_split(cfg.data, cfg.data.train_split)
         if cfg.train.eval_every:
-            pipeline.open_split(cfg.data, cfg.data.eval_split)
+            streams.open_split(cfg.data, cfg.data.eval_split)
     init = None
     if wd.saved_steps(workdir):
         resume.check_resume(workdir, cfg, setup)
@@ -101,7 +102,7 @@ class Run:
         t = cfg.train
         self.batch, self.micro = t.global_batch_size, microbatch_size(cfg)
         self.target = t.steps * t.global_batch_size  # sequences to train on
-        self.stream = pipeline.Stream.from_config(cfg)
+        self.stream = streams.Stream.from_config(cfg)
         self.rows = self._local_rows(self.batch)
         self.ckpt = Checkpointer(
             wd.checkpoint_dir(workdir), keep=cfg.checkpoint.keep, keep_every=cfg.checkpoint.keep_every,
@@ -132,11 +133,11 @@ class Run:
         self.last: dict = {}
 
     def _new_data(self):
-        return iter(pipeline.batches(self.stream, self.cfg.data.train_split, self.rows, shuffle=True))
+        return iter(streams.batches(self.stream, self.cfg.data.train_split, self.rows, shuffle=True))
 
     def _local_rows(self, size: int) -> list[int]:
         """This process's rows of a batch of `size` rows (a batch-size ramp uses a few sizes)."""
-        return pipeline.process_rows(self.setup.batch_sharding, size, self.cfg.data.seq_len)
+        return streams.process_rows(self.setup.batch_sharding, size, self.cfg.data.seq_len)
 
     def _restore(self, step: int):
         data = self._new_data()
@@ -195,8 +196,8 @@ class Run:
     def take_step(self):
         """Dispatch one step (no waiting on the device); returns its metrics, still on the device."""
         size = batch_ramp.step_size(self.cfg, self.trained)
-        rows = self.rows if size == self.batch else pipeline.ramp_rows(self._local_rows(size), size, self.batch)
-        batch = pipeline.to_global(self.data.read(rows), self.setup.batch_sharding, size)
+        rows = self.rows if size == self.batch else streams.ramp_rows(self._local_rows(size), size, self.batch)
+        batch = streams.to_global(self.data.read(rows), self.setup.batch_sharding, size)
         knobs = {n: np.float32(v) for n, v in self.drills.knobs(self.data_read, size, self.batch).items()}
         knobs = jax.device_put(knobs, self.setup.shard.replicated())
         self.profiler.before(self.step + 1)

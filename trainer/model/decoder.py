@@ -20,8 +20,8 @@ from flax import nnx
 
 from parallelism import pipeline
 from parallelism.rules import LogicalSharding
-from trainer.attention import attend, cached_attention
-from trainer.loss import chunked_loss_sums
+from trainer.model.attention import attend, cached_attention
+from trainer.model.loss import chunked_loss_sums
 
 # Named rematerialisation policies: what the backward pass may keep from the forward.
 REMAT = {
@@ -59,7 +59,7 @@ class Architecture:
 
     @property
     def width_multiplier(self) -> float:
-        """muP's m = d_model / base width (1 without muP); see trainer/mup.py."""
+        """muP's m = d_model / base width (1 without muP); see trainer/optim/mup.py."""
         return self.d_model / self.mup_base_width if self.mup_base_width else 1.0
 
     @classmethod

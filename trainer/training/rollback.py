@@ -13,10 +13,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from trainer import stability
-from trainer.checkpoint import Checkpointer
 from trainer.errors import TrainingError
-from trainer.state import TrainState
+from trainer.storage.checkpoint import Checkpointer
+from trainer.training import stability
+from trainer.training.state import TrainState
 
 
 def roll_back(

@@ -2,8 +2,8 @@
 
 What may change across a resume is derived, not listed. A run's saved config
 (config.json) is compared with the new one three ways, each by what it feeds:
-the model's architecture (trainer/model.py), the data stream
-(trainer/data/pipeline.py) and the optimiser state's structure, shapes and
+the model's architecture (trainer/model/decoder.py), the data stream
+(trainer/data/streams.py) and the optimiser state's structure, shapes and
 dtypes. For every key that differs, the key alone is applied to the saved
 config; if that changes one of the three, the resume is refused, naming the
 key and both values, before anything on disk is touched. Any other change
@@ -25,17 +25,17 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from trainer import stability
-from trainer import workdir as wd
-from trainer.checkpoint import CODE_FAULTS, OPT_STATE, Checkpointer, arrays
 from trainer.config import flatten, from_dict, with_changes
-from trainer.data.pipeline import Stream
+from trainer.data.streams import Stream
 from trainer.data.tokenizers import identity as tokenizer_identity
 from trainer.errors import ConfigError
-from trainer.model import Architecture
-from trainer.optimizer import make_optimizer
-from trainer.precision import LossScaling
-from trainer.state import TrainState, abstract_params
+from trainer.model.decoder import Architecture
+from trainer.optim.optimizer import make_optimizer
+from trainer.storage import workdir as wd
+from trainer.storage.checkpoint import CODE_FAULTS, OPT_STATE, Checkpointer, arrays
+from trainer.training import stability
+from trainer.training.precision import LossScaling
+from trainer.training.state import TrainState, abstract_params
 
 
 def saved_config(workdir: str):

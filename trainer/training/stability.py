@@ -3,7 +3,7 @@
 On the device, each step is judged before it is applied: non-finite loss or
 gradients, or a gradient norm above `spike_factor` x its running mean, leave
 parameters and optimiser state untouched. Such a step is bad, except an fp16
-overflow while the loss scale is still falling (trainer/precision.py): that
+overflow while the loss scale is still falling (trainer/training/precision.py): that
 one is skipped but not held against the run. Running statistics (exponential
 means, half-life ~70 steps) follow applied steps only.
 
@@ -12,7 +12,7 @@ loop, reading them at its log points (no extra host syncs), can see
 `max_bad_steps` bad steps in the window, or a loss above `diverge_factor` x its
 running mean for `diverge_steps` steps in a row, and roll back to the newest
 checkpoint saved while healthy, skip the data read since, and lower the
-learning rate (trainer/rollback.py). The drills in `config.debug` feed it
+learning rate (trainer/training/rollback.py). The drills in `config.debug` feed it
 corrupted batches or a learning rate far too high, counted in global batches of the data stream.
 """
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trainer.errors import ConfigError
-from trainer.precision import LossScaling
+from trainer.training.precision import LossScaling
 
 EMA_DECAY = 0.99
 

@@ -1,6 +1,6 @@
 """The run directory: where its checkpoints live, its resolved config, and whether it is writable.
 
-What may change when a run resumes is decided in trainer/resume.py.
+What may change when a run resumes is decided in trainer/storage/resume.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ is skipped and the scale halved, and after `loss_scale_growth_interval` good
 steps in a row it doubles. The scaled quantity is the mean loss over the
 step's tokens, so the gradients' size, and the scale that fits them, do not
 grow with the batch. While the scale can still fall, an overflow is the
-scaler's business, not a sign of trouble (trainer/stability.py); at the floor
+scaler's business, not a sign of trouble (trainer/training/stability.py); at the floor
 (1) it is a bad step like any other. bfloat16 has float32's exponent range and
 needs none of this, which is why it is the default.
 """

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 
-from trainer import workdir as wd
-from trainer.checkpoint import Checkpointer
 from trainer.errors import ConfigError
-from trainer.resume import check_architecture
-from trainer.setup import Setup, build
-from trainer.state import abstract_params
+from trainer.storage import workdir as wd
+from trainer.storage.checkpoint import Checkpointer
+from trainer.storage.resume import check_architecture
+from trainer.training.setup import Setup, build
+from trainer.training.state import abstract_params
 
 
 def load_params(cfg, workdir: str, step: int | None = None, devices=None) -> tuple[Setup, int, dict]:

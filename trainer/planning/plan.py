@@ -16,12 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from parallelism import collectives, pipeline
-from trainer import memory, scaling
 from trainer.errors import ConfigError
 from trainer.flops import CHIPS, count_params, flops_per_token
-from trainer.setup import build
-from trainer.state import param_shardings
-from trainer.step import abstract_batch, abstract_knobs
+from trainer.planning import memory, scaling
+from trainer.training.setup import build
+from trainer.training.state import param_shardings
+from trainer.training.step import abstract_batch, abstract_knobs
 
 
 def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False, tokens: float = 0,

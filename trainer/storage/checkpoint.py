@@ -15,7 +15,7 @@ leftovers are removed at the next start. A checkpoint whose files cannot be
 read (a truncated or missing file) is moved to `damaged_checkpoints/` beside
 the checkpoint directory, never deleted, and the next older one is tried.
 Whether a readable checkpoint fits the config is decided before that, from its
-metadata (trainer/resume.py), so a changed config never sets one aside.
+metadata (trainer/storage/resume.py), so a changed config never sets one aside.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from trainer.errors import ConfigError
-from trainer.state import TrainState
+from trainer.training.state import TrainState
 
 PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
 # 2: the data position is keyed by global-batch row and the clock counts sequences. Checkpoints

@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 
 from parallelism.rules import LogicalSharding
-from trainer.model import Decoder, ModelSpec
+from trainer.model.decoder import Decoder, ModelSpec
 
 
 @flax.struct.dataclass
@@ -26,7 +26,7 @@ class TrainState:
     params: dict
     opt_state: optax.OptState
     rng: jax.Array  # raw uint32 key data, so checkpoints hold plain arrays
-    stability: dict  # loss scale, learning-rate scale, clocks and running statistics (trainer/stability.py)
+    stability: dict  # loss scale, learning-rate scale, clocks and running statistics (trainer/training/stability.py)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,15 +14,16 @@ from jax.sharding import Mesh, NamedSharding
 
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding, check_rules, parse_rules
-from trainer import batch_ramp, mup
 from trainer.config import check_mesh_fit, validate
-from trainer.model import ModelSpec
-from trainer.optimizer import make_optimizer
-from trainer.profiling import parse_steps
-from trainer.schedules import make_schedule
-from trainer.stability import Drills, initial_state
-from trainer.state import ModelDef, TrainState, abstract_train_state, create_train_state, state_shardings
-from trainer.step import BATCH_NAMES, jit_train_step, make_train_step
+from trainer.model.decoder import ModelSpec
+from trainer.optim import mup
+from trainer.optim.optimizer import make_optimizer
+from trainer.optim.schedules import make_schedule
+from trainer.training import batch_ramp
+from trainer.training.profiling import parse_steps
+from trainer.training.stability import Drills, initial_state
+from trainer.training.state import ModelDef, TrainState, abstract_train_state, create_train_state, state_shardings
+from trainer.training.step import BATCH_NAMES, jit_train_step, make_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Setup:
     tx: optax.GradientTransformation
     state_shardings: TrainState
     batch_sharding: NamedSharding
-    stability: dict  # the initial stability state (trainer/stability.py)
+    stability: dict  # the initial stability state (trainer/training/stability.py)
 
     def new_state(self) -> TrainState:
         return create_train_state(self.spec, self.model, self.tx, self.shard, self.cfg.train.seed, self.stability)

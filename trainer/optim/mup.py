@@ -19,7 +19,7 @@ import jax
 import optax
 
 from trainer.errors import ConfigError
-from trainer.model import Architecture
+from trainer.model.decoder import Architecture
 
 MUP_OPTIMIZERS = ("adamw", "lion")  # updates proportional to the learning rate, independent of gradient scale
 
