@@ -28,12 +28,12 @@ def compile_seconds(cfg) -> float:
     import jax
 
     from trainer.training.setup import build
-    from trainer.training.step import abstract_batch, abstract_knobs
+    from trainer.training.step import abstract_batch
 
     setup = build(cfg, jax.devices()[:1])
     start = time.perf_counter()
     batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, setup.batch_sharding)
-    setup.train_step().lower(setup.abstract_state(), batch, abstract_knobs(setup.shard)).compile()
+    setup.train_step().lower(setup.abstract_state(), batch).compile()
     return time.perf_counter() - start
 
 

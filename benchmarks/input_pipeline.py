@@ -55,7 +55,6 @@ def main():
 
     from trainer.data import streams
     from trainer.training.setup import build
-    from trainer.training.step import no_knobs
 
     cfg = _CONFIG.value
     streams.prepare(cfg.data)
@@ -76,7 +75,7 @@ def main():
         t0 = time.perf_counter()
         batch = streams.to_global(next(data), setup.batch_sharding, batch_size)
         t1 = time.perf_counter()
-        state, metrics = step(state, batch, no_knobs())
+        state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         if i:  # the first step compiles
             host, total = host + t1 - t0, total + time.perf_counter() - t0

@@ -63,7 +63,6 @@ def main():
     from trainer.data import streams
     from trainer.flops import flops_per_token, peak_flops
     from trainer.training.setup import build
-    from trainer.training.step import no_knobs
 
     cfg = _CONFIG.value
     cfg.mesh.update(dict(data=1, fsdp=1, tensor=1))
@@ -85,7 +84,7 @@ def main():
     opt_state = tx.init(params)
 
     def ours_step(state):
-        return ours(state, batch, no_knobs())[0]
+        return ours(state, batch)[0]
 
     def bare_step(carry):
         return bare(*carry, batch)[:2]

@@ -27,7 +27,7 @@ from trainer import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages.")
-_MICRO = flags.DEFINE_list("microbatches", ["4", "8", "16", "32"], "Microbatch counts to time.")
+_MICRO = flags.DEFINE_list("microbatches", ["4", "8", "16", "32"], "Pipeline microbatch counts to time.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed steps per setting (after one warm-up step); the median is used.")
 _SIMULATE = flags.DEFINE_integer("simulate_devices", 4, "Simulated CPU devices (0 = the real ones).")
 _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
@@ -38,7 +38,6 @@ def step_seconds(cfg, n_devices: int) -> float:
 
     from trainer.data import streams
     from trainer.training.setup import build
-    from trainer.training.step import no_knobs
 
     setup = build(cfg, jax.devices()[:n_devices])
     state, step = setup.new_state(), setup.train_step()
@@ -48,7 +47,7 @@ def step_seconds(cfg, n_devices: int) -> float:
     times = []
     for i in range(_STEPS.value + 1):
         start = time.perf_counter()
-        state, metrics = step(state, batch, no_knobs())
+        state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         if i:  # the first step compiles
             times.append(time.perf_counter() - start)
@@ -68,7 +67,7 @@ def main():
     for m in (int(x) for x in _MICRO.value):
         cfg = base.copy_and_resolve_references()
         cfg.mesh.update(dict(stage=stages, data=1))
-        cfg.train.microbatches = m
+        cfg.train.pipeline_microbatches = m
         seconds = step_seconds(cfg, stages)
         figures[f"m{m}_s"] = seconds
         figures[f"m{m}_bubble"] = 1 - one / seconds

@@ -29,13 +29,12 @@ def measure(cfg) -> tuple[float, int]:
     import jax
 
     from trainer.data import streams
-    from trainer.planning.plan import compiled_memory
     from trainer.training.setup import build
-    from trainer.training.step import abstract_batch, abstract_knobs, no_knobs
+    from trainer.training.step import abstract_batch, memory_per_device
 
     setup = build(cfg)
     abstract = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, setup.batch_sharding)
-    compiled = setup.train_step().lower(setup.abstract_state(), abstract, abstract_knobs(setup.shard)).compile()
+    compiled = setup.train_step().lower(setup.abstract_state(), abstract).compile()
     synthetic = cfg.copy_and_resolve_references()
     synthetic.data.source = "synthetic"  # timing only: any tokens will do
     local = next(
@@ -49,11 +48,11 @@ def measure(cfg) -> tuple[float, int]:
     state, times = setup.new_state(), []
     for i in range(_STEPS.value + 1):
         start = time.perf_counter()
-        state, metrics = compiled(state, batch, no_knobs())
+        state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
         if i:
             times.append(time.perf_counter() - start)
-    return statistics.median(times), compiled_memory(compiled)["total"]
+    return statistics.median(times), memory_per_device(compiled)["total"]
 
 
 def main():

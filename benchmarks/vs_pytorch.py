@@ -74,7 +74,6 @@ def main():
 
     from trainer.data import streams
     from trainer.training.setup import build
-    from trainer.training.step import no_knobs
 
     cfg = _CONFIG.value
     setup = build(cfg)
@@ -95,7 +94,7 @@ def main():
     torch_step, torch_sync = torch_trainer(cfg, setup.spec, local["tokens"])
 
     def ours_step(state):
-        return ours(state, batch, no_knobs())[0]
+        return ours(state, batch)[0]
 
     def time_torch():
         start = time.perf_counter()

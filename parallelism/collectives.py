@@ -33,7 +33,19 @@ def _bytes(shape_text: str) -> int:
     return total
 
 
+def _result_bytes(op: re.Match, line: str) -> int:
+    """The result's bytes. An async all-gather or permute (`*-start`, as accelerators emit them)
+    returns (operand, result, ...): only the second is what arrives."""
+    kind, shape = op.group(2), op.group(1)
+    if f"{kind}-start(" in line and kind in ("all-gather", "collective-permute") and shape.startswith("("):
+        dtype, dims = _ARRAY.findall(shape)[1]
+        return _bytes(f"{dtype}[{dims}]")
+    return _bytes(shape)
+
+
 def _group_size(line: str) -> int:
+    if "source_target_pairs={{" in line:
+        return 2  # a collective-permute: each device sends its buffer to one peer
     explicit = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
     if explicit:
         return len(explicit.group(1).split(","))
@@ -73,7 +85,7 @@ def parse(hlo_text: str) -> dict[str, dict[str, float]]:
             continue
         op = _OP.search(line)
         if op and "-done(" not in line:
-            ops[current].append((op.group(2), _bytes(op.group(1)), _group_size(line)))
+            ops[current].append((op.group(2), _result_bytes(op, line), _group_size(line)))
         trips = _TRIP.search(line)
         for role, callee in _CALLEE.findall(line):
             calls[current].append((callee, int(trips.group(1)) if role == "body" and trips else 1))

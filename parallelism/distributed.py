@@ -17,7 +17,7 @@ import os
 import jax
 import numpy as np
 
-from trainer.errors import ConfigError
+from parallelism.errors import ConfigError
 
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
     "TRAINER_COORDINATOR",

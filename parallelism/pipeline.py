@@ -22,6 +22,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from parallelism.microbatches import join as microbatch_join
+from parallelism.microbatches import split as microbatch_split
 from parallelism.rules import LogicalSharding
 
 STAGE_AXIS = "stage"
@@ -61,19 +63,19 @@ def gpipe(
     `params` is one stage's slice of `stage_params` (leading axis `stages`) and
     `mb` is a dict of one microbatch's arrays; it returns the new `mb["x"]`.
     `inputs` holds arrays with a leading batch axis; every entry travels with
-    its microbatch, only "x" is transformed. Microbatch i takes rows i, i + M,
-    i + 2M, ... so that each stays split over the data axes like the batch.
+    its microbatch, only "x" is transformed. Microbatches are split as
+    parallelism/microbatches.py says, so that each stays split over the data
+    axes like the batch.
     """
     batch = inputs["x"].shape[0]
     if batch % microbatches:
         raise ValueError(f"a batch of {batch} does not split into {microbatches} pipeline microbatches")
-    size = batch // microbatches
 
     def constrain(a, leading):
         return shard.constrain(a, (leading, "batch") + (None,) * (a.ndim - 2))
 
     def split(a):
-        mbs = a.reshape(size, microbatches, *a.shape[1:]).swapaxes(0, 1)
+        mbs = microbatch_split(a, microbatches)
         # S - 1 ticks of padding drain the pipeline; zeros keep the idle stages finite.
         return constrain(jnp.concatenate([mbs, jnp.zeros((stages - 1, *mbs.shape[1:]), a.dtype)]), None)
 
@@ -95,6 +97,5 @@ def gpipe(
         return buffer, buffer["x"]
 
     _, outputs = jax.lax.scan(tick, buffer, feed)
-    # Microbatch i leaves the last stage at tick i + S - 1; undo the row interleave.
-    outputs = outputs[stages - 1 :, -1]
-    return outputs.swapaxes(0, 1).reshape(batch, *outputs.shape[2:])
+    # Microbatch i leaves the last stage at tick i + S - 1.
+    return microbatch_join(outputs[stages - 1 :, -1])

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from trainer.errors import ConfigError
+from parallelism.errors import ConfigError
 
 # The default placement: FSDP shards the model dimension of every weight,
 # tensor parallelism splits MLP width, heads and vocabulary (Megatron style),
@@ -40,8 +40,8 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 }
 
 
-def parse_rules(overrides: Mapping[str, str], sequence_parallel: bool = False) -> dict[str, tuple[str, ...]]:
-    """Default rules updated with `mesh.rules` overrides ('data,fsdp' or '' for none).
+def parse_rules(overrides: Mapping[str, Sequence[str]], sequence_parallel: bool = False) -> dict[str, tuple[str, ...]]:
+    """Default rules updated with `mesh.rules` overrides (a tuple of mesh axes each; () for none).
 
     Sequence parallelism (Megatron's): between blocks the residual stream is
     split along the sequence over the tensor axis, so norms and the residual
@@ -52,7 +52,7 @@ def parse_rules(overrides: Mapping[str, str], sequence_parallel: bool = False) -
     for name, value in overrides.items():
         if name not in rules:
             raise ConfigError(f"mesh.rules.{name} names no logical axis; known axes are {sorted(rules)}.")
-        rules[name] = tuple(a.strip() for a in str(value).split(",") if a.strip())
+        rules[name] = tuple(value)
     if sequence_parallel:
         rules["residual_seq"] = ("tensor",)
     return rules

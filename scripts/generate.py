@@ -17,7 +17,7 @@ from trainer import cli
 from trainer.data.tokenizers import BOS_ID, EOS_ID, load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.sampling import make_generate
-from trainer.storage.restore import load_params
+from trainer.storage.resume import load_params
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")

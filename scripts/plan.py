@@ -94,7 +94,8 @@ def main():
         state = p["state_bytes_per_device"]
         print(
             f"pipeline          {p['stages']} stages x {p['layers_per_stage']} layers, "
-            f"{p['microbatches']} microbatches; bubble {p['bubble_fraction']:.1%} = {p['bubble_formula']}"
+            f"{p['pipeline_microbatches']} pipeline microbatches; "
+            f"bubble {p['bubble_fraction']:.1%} = {p['bubble_formula']}"
         )
         print(
             f"per stage device  parameters {state['params'] / mib:.1f} MiB, "

@@ -14,7 +14,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 
-from trainer.config import defaults  # noqa: E402
+from trainer.config import defaults, flatten  # noqa: E402
 
 
 def micro_config(**sections):
@@ -40,22 +40,12 @@ def cli_args(cfg) -> list[str]:
     spec = importlib.util.spec_from_file_location("tiny_config", os.path.join(REPO, "configs", "tiny.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    base = _flatten(module.get_config().to_dict())
+    base = flatten(module.get_config())
     args = ["--config", "configs/tiny.py"]
-    for key, value in _flatten(cfg.to_dict()).items():
+    for key, value in flatten(cfg).items():
         if base[key] != value:
             args.append(f"--config.{key}={str(value).lower() if isinstance(value, bool) else value}")
     return args
-
-
-def _flatten(tree, prefix=""):
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 @pytest.fixture(scope="session")

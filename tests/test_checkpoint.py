@@ -10,15 +10,12 @@ from trainer.errors import ConfigError
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.resume import restore_state
 from trainer.training.setup import build
-from trainer.training.step import no_knobs
 
 
 def trained_state(cfg, setup, data):
     state, step = setup.new_state(), setup.train_step()
     for _ in range(2):
-        state, _ = step(
-            state, streams.to_global(next(data), setup.batch_sharding, cfg.train.global_batch_size), no_knobs()
-        )
+        state, _ = step(state, streams.to_global(next(data), setup.batch_sharding, cfg.train.global_batch_size))
     return state
 
 

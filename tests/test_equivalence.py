@@ -16,7 +16,6 @@ import pytest
 from conftest import micro_config
 
 from trainer.training.setup import build
-from trainer.training.step import no_knobs
 
 STEPS = 20
 LOSS_RTOL, PARAM_RTOL = 1e-4, 2e-3
@@ -36,7 +35,7 @@ def run(cfg, n_devices, batches):
     state, step = setup.new_state(), setup.train_step()
     losses = []
     for b in batches:
-        state, metrics = step(state, b, no_knobs())
+        state, metrics = step(state, b)
         losses.append(float(metrics["loss"]))
     return np.array(losses), jax.device_get(state.params)
 

@@ -51,7 +51,10 @@ CASES = {
         lambda: micro_config(model=dict(remat="sometimes")),
         "model.remat='sometimes' is not one of none, full",
     ),
-    "rule naming a missing mesh axis": (lambda: micro_config(mesh=dict(rules=dict(mlp="model"))), "mesh axis 'model'"),
+    "rule naming a missing mesh axis": (
+        lambda: micro_config(mesh=dict(rules=dict(mlp=("model",)))),
+        "mesh axis 'model'",
+    ),
     "schedule longer than training": (lambda: micro_config(optim=dict(warmup_steps=30)), "exceed train.steps=20"),
     "vocabulary smaller than the tokenizer": (
         lambda: micro_config(model=dict(vocab_size=128), data=dict(source="text_files")),
@@ -98,16 +101,18 @@ def test_resuming_with_another_data_stream_names_the_keys(tmp_path):
         train(micro_config(data=dict(seq_len=16), train=dict(steps=4, global_batch_size=16)), workdir)
 
 
-def test_the_script_prints_one_line_and_fails(tmp_path):
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--config", "configs/tiny.py", "--config.optim.lrr=1"], "lrr"),
+        (["--config", "configs/nope.py"], "configs/nope.py could not be read"),
+        (["--config", "configs/tiny.py", "--config.train.microbatches=2"], "now --config.train.pipeline_microbatches"),
+    ],
+    ids=["misspelt key", "missing config file", "renamed key"],
+)
+def test_the_script_prints_one_line_and_fails(tmp_path, args, named):
     result = subprocess.run(
-        [
-            sys.executable,
-            "scripts/train.py",
-            "--config",
-            "configs/tiny.py",
-            "--config.optim.lrr=1",
-            f"--workdir={tmp_path / 'run'}",
-        ],
+        [sys.executable, "scripts/train.py", *args, f"--workdir={tmp_path / 'run'}"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -115,5 +120,5 @@ def test_the_script_prints_one_line_and_fails(tmp_path):
     )
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].startswith("error: ")
-    assert "lrr" in result.stderr and "Traceback" not in result.stderr
+    assert named in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()

@@ -1,5 +1,6 @@
 """Evaluating a saved checkpoint: the same numbers on any mesh, over every held-out token once."""
 
+import itertools
 import json
 import math
 import os
@@ -40,11 +41,23 @@ def test_the_same_checkpoint_scores_the_same_on_any_mesh(trained, corpus_dir, me
 
 
 def test_reported_figures_are_consistent_and_written(trained, corpus_dir):
-    result = evaluate_checkpoint(text_cfg(corpus_dir), trained, step=5, max_batches=3)
-    assert result["step"] == 5 and result["batches"] == 3
+    result = evaluate_checkpoint(text_cfg(corpus_dir), trained, step=5, max_batches=16)
+    assert result["step"] == 5 and result["batches"] == 16
     assert result["perplexity"] == pytest.approx(math.exp(result["loss"]))
-    # Byte tokenizer: every target but the end-of-document token is one byte.
-    assert result["bits_per_byte"] == pytest.approx(result["loss"] * result["tokens"] / math.log(2) / result["bytes"])
+    # Counted here from the batches themselves: targets are next tokens in the same document, and
+    # the text they stand for is the bytes they decode to (end-of-document decodes to none).
+    tokens, text, ends = 0, b"", 0
+    for b in itertools.islice(
+        streams.one_pass(streams.Stream.from_config(text_cfg(corpus_dir)), "validation", range(8)), 16
+    ):
+        same = (b["segment_ids"][:, 1:] == b["segment_ids"][:, :-1]) & (b["segment_ids"][:, 1:] > 0)
+        targets = b["tokens"][:, 1:][same]
+        tokens += targets.size
+        ends += int((targets == EOS_ID).sum())
+        text += bytes(int(t) - ByteTokenizer.offset for t in targets if t not in (BOS_ID, EOS_ID))
+    assert ends > 0  # a document ends inside these 16 batches (measured: the 16th)
+    assert (result["tokens"], result["bytes"]) == (tokens, len(text))
+    assert result["bits_per_byte"] == pytest.approx(result["loss"] * tokens / math.log(2) / len(text))
     with open(os.path.join(trained, "eval", "validation_step5.json")) as f:
         assert json.load(f) == result
 

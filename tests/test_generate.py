@@ -16,13 +16,15 @@ def setup_and_params(mesh, n_devices):
     return setup, state.params
 
 
-def naive_greedy(setup, params, prompt, n):
-    """The reference: the full forward pass over the growing sequence, argmax at the end, n times."""
+def naive_generate(setup, params, prompt, n, seed=0, temperature=0.0, top_k=0, top_p=1.0):
+    """The reference: the full forward pass over the growing sequence, one token from its last
+    position at a time, with the same per-token keys the cached loop is documented to use."""
     tokens = jnp.asarray(prompt)
     forward = jax.jit(lambda p, t: setup.model.apply(p, t))
-    for _ in range(n):
-        nxt = jnp.argmax(forward(params, tokens)[:, -1], axis=-1)
-        tokens = jnp.concatenate([tokens, nxt[:, None]], axis=1)
+    keys = jax.random.split(jax.random.key(seed), n)
+    for i in range(n):
+        nxt = sample(forward(params, tokens)[:, -1], keys[i], temperature, top_k, top_p)
+        tokens = jnp.concatenate([tokens, nxt[:, None].astype(tokens.dtype)], axis=1)
     return np.asarray(tokens[:, prompt.shape[1] :])
 
 
@@ -31,10 +33,10 @@ def test_cached_greedy_decoding_equals_recomputing_the_prefix(mesh, n_devices):
     setup, params = setup_and_params(mesh, n_devices)
     prompt = np.random.default_rng(0).integers(3, 384, (2, 7)).astype(np.int32)
     generate = make_generate(setup.spec, setup.shard, max_new_tokens=12)
-    np.testing.assert_array_equal(np.asarray(generate(params, prompt, 0)), naive_greedy(setup, params, prompt, 12))
+    np.testing.assert_array_equal(np.asarray(generate(params, prompt, 0)), naive_generate(setup, params, prompt, 12))
 
 
-def test_top_k_one_and_tiny_top_p_are_greedy_and_sampling_is_seeded():
+def test_top_k_one_and_tiny_top_p_are_greedy_and_sampling_equals_uncached_sampling():
     setup, params = setup_and_params(dict(fsdp=1), 1)
     prompt = np.random.default_rng(1).integers(3, 384, (1, 5)).astype(np.int32)
     greedy = make_generate(setup.spec, setup.shard, max_new_tokens=8)(params, prompt, 0)
@@ -43,8 +45,9 @@ def test_top_k_one_and_tiny_top_p_are_greedy_and_sampling_is_seeded():
     np.testing.assert_array_equal(np.asarray(top1(params, prompt, 3)), np.asarray(greedy))
     np.testing.assert_array_equal(np.asarray(nucleus(params, prompt, 3)), np.asarray(greedy))
     free = make_generate(setup.spec, setup.shard, max_new_tokens=8, temperature=1.0)
-    np.testing.assert_array_equal(np.asarray(free(params, prompt, 5)), np.asarray(free(params, prompt, 5)))
-    assert not np.array_equal(np.asarray(free(params, prompt, 5)), np.asarray(free(params, prompt, 6)))
+    reference = naive_generate(setup, params, prompt, 8, seed=5, temperature=1.0)
+    np.testing.assert_array_equal(np.asarray(free(params, prompt, 5)), reference)
+    assert not np.array_equal(np.asarray(free(params, prompt, 6)), reference)
 
 
 def test_top_k_and_top_p_only_ever_pick_allowed_tokens():

@@ -15,7 +15,7 @@ from trainer.data.tokenizers import BOS_ID, ByteTokenizer, SentencePieceTokenize
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.evaluate import evaluate_checkpoint  # noqa: E402
 from trainer.huggingface import export_checkpoint, import_checkpoint, write_tokenizer  # noqa: E402
-from trainer.storage.restore import load_params  # noqa: E402
+from trainer.storage.resume import load_params  # noqa: E402
 from trainer.training.loop import train  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(3, 384, (2, 24))

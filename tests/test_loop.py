@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from conftest import micro_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util import tensor_util
 
+from trainer import config
 from trainer.errors import ConfigError
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.metrics import MetricsWriter
@@ -48,7 +50,7 @@ def test_a_run_leaves_config_metrics_tensorboard_and_checkpoints(tmp_path, corpu
     assert result["step"] == 10
 
     with open(os.path.join(workdir, "config.json")) as f:
-        assert json.load(f) == cfg.to_dict()
+        assert config.from_dict(json.load(f)).to_dict() == cfg.to_dict()
     logged = records(workdir)
     train_records = [r for r in logged if "loss" in r]
     assert [r["step"] for r in train_records] == [2, 4, 6, 8, 10]
@@ -60,8 +62,9 @@ def test_a_run_leaves_config_metrics_tensorboard_and_checkpoints(tmp_path, corpu
 
     events = EventAccumulator(workdir)
     events.Reload()
-    assert [e.step for e in events.Scalars("loss")] == [2, 4, 6, 8, 10]
-    assert events.Scalars("loss")[-1].value == pytest.approx(train_records[-1]["loss"], rel=1e-6)
+    loss = events.Tensors("loss")  # tensorboard.summary.Writer writes scalars as tensors
+    assert [e.step for e in loss] == [2, 4, 6, 8, 10]
+    assert float(tensor_util.make_ndarray(loss[-1].tensor_proto)) == pytest.approx(train_records[-1]["loss"], rel=1e-6)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "5"]
 
 
@@ -131,7 +134,7 @@ def test_tiny_config_learns(tmp_path, corpus_dir):
 
 
 def test_profile_steps_writes_a_trace_of_those_steps(tmp_path, capsys):
-    cfg = micro_config(train=dict(steps=4, profile_steps="2,3"))
+    cfg = micro_config(train=dict(steps=4, profile_steps=(2, 3)))
     workdir = str(tmp_path / "run")
     train(cfg, workdir)
     traces = glob.glob(os.path.join(workdir, "profile", "**", "*.xplane.pb"), recursive=True)
@@ -140,6 +143,6 @@ def test_profile_steps_writes_a_trace_of_those_steps(tmp_path, capsys):
 
 
 def test_a_malformed_profile_window_is_refused_before_anything_runs(tmp_path):
-    with pytest.raises(ConfigError, match=r"train.profile_steps='3,2' must be 'first,last'"):
-        train(micro_config(train=dict(profile_steps="3,2")), str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match=r"train.profile_steps=\(3, 2\) must be \(first, last\)"):
+        train(micro_config(train=dict(profile_steps=(3, 2))), str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run" / "checkpoints")

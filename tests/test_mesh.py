@@ -59,11 +59,11 @@ def test_dcn_sizes_must_match_the_slices_present():
 
 def test_rules_must_name_axes_the_mesh_has_and_use_each_once():
     with pytest.raises(ConfigError, match="mesh axis 'model'"):
-        check_rules(parse_rules({"mlp": "model"}), ("data", "fsdp", "tensor"))
+        check_rules(parse_rules({"mlp": ("model",)}), ("data", "fsdp", "tensor"))
     with pytest.raises(ConfigError, match="uses a mesh axis twice"):
-        check_rules(parse_rules({"batch": "data,data"}), ("data", "fsdp", "tensor"))
+        check_rules(parse_rules({"batch": ("data", "data")}), ("data", "fsdp", "tensor"))
     with pytest.raises(ConfigError, match="names no logical axis"):
-        parse_rules({"hidden": "tensor"})
+        parse_rules({"hidden": ("tensor",)})
 
 
 def test_sequence_parallelism_splits_the_residual_stream_over_tensor():

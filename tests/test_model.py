@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 
 from parallelism.rules import DEFAULT_RULES
-from trainer.model.decoder import NO_SHARDING, Architecture, Decoder, Execution, ModelSpec, apply_rope, rope_tables
-from trainer.model.loss import cross_entropy_sum
-from trainer.training.state import ModelDef
+from trainer.model.decoder import NO_SHARDING, Decoder, ModelDef
+from trainer.model.layers import apply_rope, rope_tables
+from trainer.model.spec import Architecture, Execution, ModelSpec
 
 ARCH = Architecture(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96)
 SPEC = ModelSpec(ARCH)
@@ -84,12 +84,13 @@ def test_attention_implementations_agree_on_packed_gqa():
 def test_remat_and_scan_change_nothing_numerically(remat, scan):
     params = nnx.to_pure_dict(nnx.state(make()))
     x = tokens()
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
 
     def loss_and_grads(spec):
         model = ModelDef.create(spec, NO_SHARDING)
 
         def loss(p):
-            s, n, _ = cross_entropy_sum(model.apply(p, x), x, None)
+            s, n, _, _ = model.apply(p, x, positions, None, method="loss_sums")
             return s / n
 
         return jax.jit(jax.value_and_grad(loss))(params)
@@ -131,6 +132,7 @@ def _np_rope(x, positions, theta):
 
 
 def numpy_loss(p, spec, tok, segments, positions):
+    """(mean next-token loss, sum of log(Z)^2 over the targets, largest |logit|), in float64."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
     b, t = tok.shape
     x = p["embed"][tok]
@@ -159,23 +161,29 @@ def numpy_loss(p, spec, tok, segments, positions):
         - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logits.max(-1, keepdims=True)
     )
-    losses = []
+    log_z = logits.max(-1) + np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1))
+    losses, z_sq = [], 0.0
     for bi in range(b):
         for ti in range(t - 1):
             if segments[bi, ti + 1] == segments[bi, ti] and segments[bi, ti] > 0:
                 losses.append(-log_probs[bi, ti, tok[bi, ti + 1]])
-    return float(np.mean(losses))
+                z_sq += log_z[bi, ti] ** 2
+    return float(np.mean(losses)), z_sq, float(np.abs(logits).max())
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_loss_matches_numpy_reference(tie):
-    spec = ModelSpec(dataclasses.replace(ARCH, tie_embeddings=tie))
+@pytest.mark.parametrize("tie,chunk", [(False, 0), (True, 0), (False, 4)])
+def test_the_training_loss_matches_a_numpy_reference(tie, chunk):
+    """Through `loss_sums`, the path the train and eval steps take, whole and chunked."""
+    spec = ModelSpec(dataclasses.replace(ARCH, tie_embeddings=tie), Execution(loss_chunk=chunk))
     model = ModelDef.create(spec, NO_SHARDING)
     params = nnx.to_pure_dict(nnx.state(make(spec, seed=3)))
     assert ("lm_head" in params) is not tie
     tok = np.asarray(tokens(b=2, t=16, seed=4))
     segments = np.array([[1] * 6 + [2] * 8 + [0] * 2, [1] * 16])  # packing and padding
     positions = np.array([list(range(6)) + list(range(8)) + [0, 0], list(range(16))])
-    s, n, _ = cross_entropy_sum(model.apply(params, tok, positions, segments), tok, segments)
+    s, n, log_z_sq, largest = model.apply(params, tok, positions, segments, method="loss_sums")
+    loss, z_sq, biggest = numpy_loss(params, spec.arch, tok, segments, positions)
     assert float(n) == 5 + 7 + 15
-    assert float(s / n) == pytest.approx(numpy_loss(params, spec.arch, tok, segments, positions), rel=1e-5)
+    assert float(s / n) == pytest.approx(loss, rel=1e-5)
+    assert float(log_z_sq) == pytest.approx(z_sq, rel=1e-5)
+    assert float(largest) == pytest.approx(biggest, rel=1e-5)

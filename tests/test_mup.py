@@ -13,7 +13,6 @@ from conftest import cli_args, micro_config
 from trainer import experiments
 from trainer.errors import ConfigError
 from trainer.training.setup import build
-from trainer.training.step import no_knobs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,7 +26,7 @@ def activation_change(width, mup, batches):
     tokens = batches[0]["tokens"]
     h0, l0 = setup.model.apply(state.params, tokens, method="hidden_states"), setup.model.apply(state.params, tokens)
     for b in batches:
-        state, _ = step(state, b, no_knobs())
+        state, _ = step(state, b)
     h, logits = setup.model.apply(state.params, tokens, method="hidden_states"), setup.model.apply(state.params, tokens)
 
     def rms(x):

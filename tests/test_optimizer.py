@@ -9,6 +9,7 @@ import pytest
 from conftest import micro_config
 
 from trainer.errors import ConfigError
+from trainer.optim import schedules
 from trainer.optim.optimizer import applied_learning_rate, decay_mask, make_optimizer, with_hyperparams
 from trainer.optim.schedules import make_schedule
 
@@ -31,9 +32,11 @@ def optim(**kw):
         ("cosine", 10, PEAK),
         ("cosine", 60, FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi * 0.5))),
         ("cosine", 85, FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi * 0.75))),
-        ("cosine", 110, FLOOR),
+        # The last step trained is TOTAL - 1 (the clock counts steps already taken), one
+        # step short of the floor: a decay that ends early or late moves this value.
+        ("cosine", TOTAL - 1, FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi * 0.99))),
         ("linear", 35, PEAK - (PEAK - FLOOR) * 0.25),
-        ("linear", 110, FLOOR),
+        ("linear", TOTAL - 1, PEAK - (PEAK - FLOOR) * 0.99),
         ("constant", 3, PEAK * 4 / WARMUP),
         ("constant", 100, PEAK),
     ],
@@ -67,22 +70,34 @@ def test_wsd_warms_holds_then_decays_over_the_last_fraction(shape):
         else FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi / 4))
     )
     assert float(lr(85)) == pytest.approx(quarter, rel=1e-5)
-    assert float(lr(100)) == pytest.approx(FLOOR, rel=1e-5)
+    last = (  # step 99, the last trained
+        PEAK - (PEAK - FLOOR) * 0.95
+        if shape == "linear"
+        else FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi * 0.95))
+    )
+    assert float(lr(99)) == pytest.approx(last, rel=1e-5)
 
 
 def test_wsd_refuses_a_decay_that_starts_inside_warmup():
     with pytest.raises(ConfigError, match="before warmup ends"):
-        make_schedule(optim(schedule="wsd", warmup_steps=90, decay_fraction=0.2), 100)
+        schedules.check(optim(schedule="wsd", warmup_steps=90, decay_fraction=0.2), 100)
 
 
-def test_decay_mask_skips_norm_scales_only():
-    params = {"embed": 0, "layers": {"attn_norm": {"scale": 0}, "mlp": {"w_up": 0}}, "final_norm": {"scale": 0}}
-    mask = decay_mask(params)
-    assert mask == {
-        "embed": True,
-        "layers": {"attn_norm": {"scale": False}, "mlp": {"w_up": True}},
-        "final_norm": {"scale": False},
-    }
+def test_decay_mask_follows_the_logical_axes_of_the_real_model():
+    """Decay on every matrix (embedding, projections, head), never on a norm's gain, whatever it is named."""
+    from trainer.model.decoder import NO_SHARDING, ModelDef
+    from trainer.model.spec import ModelSpec
+
+    model = ModelDef.create(ModelSpec.from_config(micro_config(model=dict(tie_embeddings=False))), NO_SHARDING)
+    mask = decay_mask(model.logical_names)
+    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_leaves_with_path(mask)}
+    shapes = {jax.tree_util.keystr(k): v.shape for k, v in jax.tree_util.tree_leaves_with_path(model.abstract_params)}
+    assert flat.keys() == shapes.keys()
+    for name, decayed in flat.items():
+        # Independent of the axis names: a stacked weight's own rank is its rank less the layer axis.
+        rank = len(shapes[name]) - (name.startswith("['layers']"))
+        assert decayed == (rank >= 2), name
+    assert any(flat.values()) and not all(flat.values())
 
 
 def test_first_update_is_pure_decoupled_decay_on_weights_and_none_on_scales():

@@ -12,7 +12,6 @@ from conftest import REPO, cli_args, micro_config
 
 from trainer.data import streams
 from trainer.training.setup import build
-from trainer.training.step import no_knobs
 
 STEPS = 30
 
@@ -38,7 +37,7 @@ def run(cfg, batches):
     state, step = setup.new_state(), setup.train_step()
     history = []
     for b in batches:
-        state, metrics = step(state, b, no_knobs())
+        state, metrics = step(state, b)
         history.append({k: float(v) for k, v in jax.device_get(metrics).items()})
     return state, history
 

@@ -30,7 +30,7 @@ def records(workdir):
 
 def test_an_isolated_poisoned_batch_is_skipped(tmp_path, corpus_dir):
     workdir = str(tmp_path / "run")
-    result = train(config(corpus_dir, poison_batches="7"), workdir)
+    result = train(config(corpus_dir, poison_batches=(7,)), workdir)
     steps = {r["step"]: r for r in records(workdir) if "loss" in r}
     # Batch 7 is read by step 8: skipped, parameters as they were after step 7.
     assert steps[8]["skipped"] == 1 and steps[8]["nonfinite"] == 1
@@ -42,21 +42,22 @@ def test_an_isolated_poisoned_batch_is_skipped(tmp_path, corpus_dir):
 
 def test_a_poisoned_window_longer_than_the_budget_rolls_back_and_the_run_finishes(tmp_path, corpus_dir):
     workdir = str(tmp_path / "run")
-    result = train(config(corpus_dir, poison_batches="12,13,14,15,16,17"), workdir)
+    result = train(config(corpus_dir, poison_batches=(12, 13, 14, 15, 16, 17)), workdir)
     events = [r for r in records(workdir) if r.get("event") == "rollback"]
     assert len(events) == 1
     rollback = events[0]
     assert rollback["reason"] == "4 bad steps in the last 10"
     # Back to the newest checkpoint with a clean window (step 10: batch 12 is read by step 13),
-    # the batches read since skipped, the learning rate halved.
-    assert rollback["to_step"] == 10 and rollback["lr_scale"] == 0.5 and rollback["data_batches_skipped"] == 6
+    # the batches read since skipped (steps 11-16 and step 17, already dispatched when step 16's
+    # metrics were read), the learning rate halved.
+    assert rollback["to_step"] == 10 and rollback["lr_scale"] == 0.5 and rollback["data_batches_skipped"] == 7
     assert (tmp_path / "run" / "rolled_back_checkpoints" / "15").is_dir()
     assert math.isfinite(result["loss"]) and result["loss"] < 4.0
 
 
 def test_a_stretch_of_far_too_high_learning_rate_is_survived(tmp_path, corpus_dir):
     workdir = str(tmp_path / "run")
-    result = train(config(corpus_dir, lr_spike="20:27:1000"), workdir)
+    result = train(config(corpus_dir, lr_spike=(20, 27, 1000)), workdir)
     logged = records(workdir)
     assert max(r["loss"] for r in logged if "loss" in r) > 50  # it really blew up
     assert any(r.get("event") == "rollback" for r in logged)
@@ -64,12 +65,14 @@ def test_a_stretch_of_far_too_high_learning_rate_is_survived(tmp_path, corpus_di
 
 
 def test_a_run_that_keeps_diverging_stops_with_a_clear_message(tmp_path, corpus_dir):
-    cfg = config(corpus_dir, poison_batches=",".join(str(i) for i in range(8, 200)))
+    cfg = config(corpus_dir, poison_batches=tuple(range(8, 200)))
     cfg.stability.max_rollbacks = 1
     with pytest.raises(TrainingError, match="needed 2 rollbacks"):
         train(cfg, str(tmp_path / "run"))
 
 
 def test_drills_that_do_not_parse_are_refused(tmp_path, corpus_dir):
-    with pytest.raises(ConfigError, match="first:last:factor"):
-        train(config(corpus_dir, lr_spike="20-27"), str(tmp_path / "run"))
+    with pytest.raises(
+        ConfigError, match=r"must be \(first batch, last batch, factor\), e.g. --config.debug.lr_spike=20,27,1000"
+    ):
+        train(config(corpus_dir, lr_spike=("20:27:1000",)), str(tmp_path / "run"))

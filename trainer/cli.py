@@ -12,6 +12,7 @@ from collections.abc import Callable
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from trainer import config
 from trainer.errors import ConfigError, TrainingError
 
 _COORDINATOR = flags.DEFINE_string("coordinator", None, "Multi-process runs: host:port of process 0.")
@@ -35,8 +36,19 @@ def default_workdir() -> str:
 
 
 def _parse(argv):
+    for arg in argv[1:]:
+        key = arg.removeprefix("--config.").split("=")[0]
+        if arg.startswith("--config.") and key in config.RENAMED:
+            sys.exit(f"error: --config.{key} is now --config.{config.RENAMED[key]}; use the new name.")
     try:
-        return flags.FLAGS(argv)
+        rest = flags.FLAGS(argv)
+        if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
+            config.command_line_lists(flags.FLAGS["config"].value)
+        return rest
+    except OSError as e:
+        # ml_collections' message spans several lines of search attempts; the path is what matters.
+        path = e.filename or str(e).split("Attempted [Relative path]:")[-1].split()[0]
+        sys.exit(f"error: the config file {path} could not be read; pass --config with a file that exists.")
     except (AttributeError, KeyError, ValueError, TypeError, flags.Error) as e:
         detail = " ".join(str(e).replace("\\n", " ").replace("\\", "").replace("'", "").split())
         sys.exit(f"error: a command-line flag could not be applied ({detail}); check it against trainer/config.py.")

@@ -1,21 +1,23 @@
-"""Every config key, its default, and the checks that run before anything compiles.
+"""Every config key and its default, and the few things computed from keys alone.
 
 Recipes in `configs/` start from `defaults()` and change what they need. The
 returned dict is locked, so a misspelt key in a recipe or on the command line
-(`--config.optim.lrr=1`) is refused by name instead of silently ignored.
+(`--config.optim.lrr=1`) is refused by name instead of silently ignored; a key
+that was renamed is refused with its new name. Lists are tuples: on the command
+line `--config.debug.poison_batches=12,13` or `--config.mesh.rules.batch=data,fsdp`
+(`command_line_lists` splits what the flag parser leaves as one string). The
+checks that a config can work live in trainer/validation.py.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import math
 from collections.abc import Mapping
 
 import ml_collections
 
 from parallelism.rules import DEFAULT_RULES
-from trainer.errors import ConfigError
 
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 OPTIMIZERS = ("adamw", "lion", "adafactor", "sgd", "muon")
@@ -50,8 +52,8 @@ def defaults() -> ml_collections.ConfigDict:
         loss_chunk=0,  # > 0: the loss makes logits this many positions at a time (less memory, one more matmul)
     )
     # Each size is a device count (within a slice) or -1 for "the rest". `rules`
-    # places each logical axis on mesh axes ("data,fsdp"; "" replicates), e.g.
-    # --config.mesh.rules.embed=tensor.
+    # places each logical axis on mesh axes (a tuple; () replicates), e.g.
+    # --config.mesh.rules.embed=tensor or --config.mesh.rules.vocab=.
     c.mesh = dict(
         stage=1,  # pipeline stages: the stacked layers split into this many blocks (GPipe)
         data=1,
@@ -60,7 +62,7 @@ def defaults() -> ml_collections.ConfigDict:
         dcn_data=1,  # slices (TPU slices or hosts) the data axis spans; sizes above are per slice
         dcn_fsdp=1,
         sequence_parallel=False,  # shard the residual stream's sequence axis over tensor between blocks
-        rules={name: ",".join(axes) for name, axes in DEFAULT_RULES.items()},
+        rules=dict(DEFAULT_RULES),
     )
     c.data = dict(
         source="text_files",  # one of SOURCES
@@ -104,7 +106,7 @@ def defaults() -> ml_collections.ConfigDict:
         steps=1000,
         global_batch_size=32,  # sequences per optimiser update, over all devices and microbatches
         grad_accum_steps=1,
-        microbatches=1,  # pipeline microbatches per accumulation step; >= mesh.stage when pipelining
+        pipeline_microbatches=1,  # a pipeline cuts each microbatch into these; >= mesh.stage when pipelining
         seed=0,
         log_every=10,
         eval_every=200,  # 0 disables validation
@@ -112,7 +114,7 @@ def defaults() -> ml_collections.ConfigDict:
         ramp_batch_size=0,  # > 0: start at this global batch and grow to global_batch_size ...
         ramp_tokens=0,  # ... over this many tokens (the schedule counts tokens either way)
         layer_grad_norms=False,  # also log each layer's gradient norm
-        profile_steps="",  # "first,last": a jax.profiler trace of those steps in <workdir>/profile
+        profile_steps=(),  # (first, last): a jax.profiler trace of those steps in <workdir>/profile
     )
     # Bad steps (non-finite, or a gradient-norm spike) are skipped; too many in a
     # window, or a loss that stays diverged, rolls back to the last healthy checkpoint.
@@ -127,8 +129,8 @@ def defaults() -> ml_collections.ConfigDict:
         max_rollbacks=3,
     )
     c.debug = dict(
-        poison_batches="",  # "i,j,...": these data batches yield non-finite gradients (a drill)
-        lr_spike="",  # "first:last:factor": data batches first..last train at factor x the learning rate
+        poison_batches=(),  # these data batches yield a non-finite loss and gradients (a drill)
+        lr_spike=(),  # (first, last, factor): data batches first..last train at factor x the learning rate
     )
     # Keep the newest `keep`, plus every multiple of `keep_every` (0 = none).
     # `async` is a Python keyword: read it as cfg.checkpoint["async"].
@@ -146,6 +148,10 @@ def defaults() -> ml_collections.ConfigDict:
     return c
 
 
+# Keys that were renamed: refused with their new name, and read from an older run's config.json.
+RENAMED = {"train.microbatches": "train.pipeline_microbatches"}
+
+
 def _walk(node, prefix=""):
     for key, value in node.items():
         path = f"{prefix}{key}"
@@ -155,153 +161,18 @@ def _walk(node, prefix=""):
             yield path, value
 
 
-def validate(cfg: ml_collections.ConfigDict) -> None:
-    """Raise ConfigError naming the first key that cannot work; devices are checked elsewhere."""
-    known = dict(_walk(defaults()))
-    for path, value in _walk(cfg):
-        if path not in known:
-            raise ConfigError(f"unknown config key '{path}'; check its spelling against trainer/config.py.")
-        default = known[path]
-        if isinstance(default, (int, float)) and not isinstance(default, bool):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{path}={value!r} must be a number.")
-    missing = set(known) - {p for p, _ in _walk(cfg)}
-    if missing:
-        raise ConfigError(
-            f"config key '{sorted(missing)[0]}' is missing; start recipes from trainer.config.defaults()."
-        )
-
-    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
-    _choice("model.remat", m.remat, REMAT_POLICIES)
-    _choice("model.attention", m.attention, ATTENTION_IMPLS)
-    _choice("optim.schedule", o.schedule, SCHEDULES)
-    _choice("optim.name", o.name, OPTIMIZERS)
-    _choice("precision.loss_scaling", cfg.precision.loss_scaling, LOSS_SCALING)
-    _choice("precision.moments_dtype", cfg.precision.moments_dtype, ("float32", "bfloat16"))
-    _choice("optim.decay_shape", o.decay_shape, ("linear", "cosine"))
-    _choice("precision.param_dtype", cfg.precision.param_dtype, ("float32",))
-    _choice("precision.compute_dtype", cfg.precision.compute_dtype, DTYPES)
-    _choice("data.source", d.source, SOURCES)
-    _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
-    _choice("data.packing", d.packing, ("concat",))
-    for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
-        _positive(f"model.{key}", m[key])
-    for key in ("steps", "global_batch_size", "grad_accum_steps", "microbatches", "log_every", "eval_batches"):
-        _positive(f"train.{key}", t[key])
-    _positive("data.seq_len", d.seq_len)
-    _positive("checkpoint.every_steps", cfg.checkpoint.every_steps)
-    _positive("checkpoint.keep", cfg.checkpoint.keep)
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} is not a multiple of model.n_heads={m.n_heads}.")
-    if (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"the head size d_model/n_heads={m.d_model // m.n_heads} must be even for rotary embeddings.")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(
-            f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}; "
-            "each key/value head must serve a whole group of query heads."
-        )
-    if m.loss_chunk < 0 or (m.loss_chunk and d.seq_len % m.loss_chunk):
-        raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be 0 or divide data.seq_len={d.seq_len}.")
-    if d.seq_len > m.max_seq_len:
-        raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}.")
-    if t.global_batch_size % t.grad_accum_steps:
-        raise ConfigError(
-            f"train.global_batch_size={t.global_batch_size} does not divide into "
-            f"train.grad_accum_steps={t.grad_accum_steps} microbatches."
-        )
-    _check_pipeline(cfg)
-    if not 0 <= o.min_lr_ratio <= 1:
-        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
-    if not 0 < o.decay_fraction <= 1:
-        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must lie in (0, 1].")
-    if o.warmup_steps < 0 or o.decay_steps < 0 or t.eval_every < 0 or cfg.checkpoint.keep_every < 0:
-        raise ConfigError(
-            "optim.warmup_steps, optim.decay_steps, train.eval_every and checkpoint.keep_every cannot be negative."
-        )
-    if o.warmup_steps + o.decay_steps > t.steps:
-        raise ConfigError(
-            f"optim.warmup_steps={o.warmup_steps} + optim.decay_steps={o.decay_steps} exceed "
-            f"train.steps={t.steps}; shorten the schedule or train longer."
-        )
-    if cfg.checkpoint.reset_optimizer and cfg.checkpoint.init_from:
-        raise ConfigError(
-            "checkpoint.reset_optimizer resumes this run and checkpoint.init_from starts a new one from another's "
-            "weights; set one, not both."
-        )
-    if d.tokenizer == "sentencepiece" and not d.tokenizer_path:
-        raise ConfigError(
-            "data.tokenizer='sentencepiece' needs data.tokenizer_path; train one with scripts/train_tokenizer.py."
-        )
-
-
-def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
-    stages, m = cfg.mesh.stage, cfg.train.microbatches
-    if stages < 1:
-        raise ConfigError(f"mesh.stage={stages} must be a positive number of pipeline stages.")
-    if stages == 1:
-        if m != 1:
-            raise ConfigError(f"train.microbatches={m} only applies to a pipeline; set mesh.stage > 1 or leave it 1.")
-        return
-    if cfg.model.n_layers % stages:
-        raise ConfigError(
-            f"model.n_layers={cfg.model.n_layers} does not split into mesh.stage={stages} equal stages; "
-            f"use a stage count that divides {cfg.model.n_layers}."
-        )
-    if m < stages:
-        raise ConfigError(
-            f"train.microbatches={m} is fewer than mesh.stage={stages}, so stages would sit idle; "
-            f"use at least {stages} (4 x {stages} = {4 * stages} keeps the bubble under 20%)."
-        )
-    micro = microbatch_size(cfg)
-    if micro % m:
-        raise ConfigError(
-            f"a batch of {micro} sequences (train.global_batch_size / train.grad_accum_steps) does not "
-            f"split into train.microbatches={m} pipeline microbatches; make it a multiple of {m}."
-        )
-
-
 def microbatch_size(cfg) -> int:
     """Sequences in one microbatch: what a step computes at once (train.grad_accum_steps of them make a batch)."""
     return cfg.train.global_batch_size // cfg.train.grad_accum_steps
 
 
-def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
-    """Refuse a batch or head count that does not divide over the mesh."""
-    data_ways = mesh.shape["data"] * mesh.shape["fsdp"]
-    tensor = mesh.shape["tensor"]
-    micro = microbatch_size(cfg)
-    if micro % data_ways:
-        raise ConfigError(
-            f"each microbatch of {micro} sequences (train.global_batch_size / train.grad_accum_steps) "
-            f"does not divide over data x fsdp = {data_ways} devices; make it a multiple of {data_ways}."
-        )
-    piece = micro // cfg.train.microbatches
-    if piece % data_ways:
-        raise ConfigError(
-            f"each pipeline microbatch of {piece} sequences does not divide over data x fsdp = "
-            f"{data_ways} devices; use fewer train.microbatches or a larger batch."
-        )
-    for key in ("n_heads", "n_kv_heads"):
-        if cfg.model[key] % tensor:
-            raise ConfigError(
-                f"model.{key}={cfg.model[key]} does not divide over mesh.tensor={tensor}; "
-                f"use a tensor size that divides {cfg.model[key]}."
-            )
-    for key in ("d_ff", "vocab_size"):
-        if cfg.model[key] % tensor:
-            raise ConfigError(f"model.{key}={cfg.model[key]} does not divide over mesh.tensor={tensor}.")
-    if cfg.model.d_model % mesh.shape["fsdp"]:
-        raise ConfigError(f"model.d_model={cfg.model.d_model} does not divide over mesh.fsdp={mesh.shape['fsdp']}.")
-
-
-def _choice(path: str, value, valid) -> None:
-    if value not in valid:
-        raise ConfigError(f"{path}={value!r} is not one of {', '.join(map(str, valid))}.")
-
-
-def _positive(path: str, value) -> None:
-    if value <= 0 or (isinstance(value, float) and not math.isfinite(value)):
-        raise ConfigError(f"{path}={value} must be positive.")
+def command_line_lists(cfg: ml_collections.ConfigDict) -> None:
+    """Split, in place, what the flag parser leaves of a list as one string ('data,fsdp' -> ('data', 'fsdp'),
+    '' -> ()); numbers arrive as tuples already."""
+    for key, value in flatten(cfg).items():
+        if isinstance(value, tuple) and any(isinstance(v, str) and ("," in v or not v) for v in value):
+            parts = tuple(p.strip() for v in value for p in str(v).split(",") if p.strip())
+            with_changes(cfg, {key: parts}, in_place=True)
 
 
 def to_json(cfg: ml_collections.ConfigDict) -> str:
@@ -313,9 +184,9 @@ def flatten(cfg) -> dict[str, object]:
     return dict(_walk(cfg))
 
 
-def with_changes(cfg: ml_collections.ConfigDict, changes: Mapping[str, object]) -> ml_collections.ConfigDict:
-    """A copy of `cfg` with dotted keys changed: with_changes(cfg, {"optim.lr": 1e-3})."""
-    out = copy.deepcopy(cfg)
+def with_changes(cfg: ml_collections.ConfigDict, changes: Mapping[str, object], in_place: bool = False):
+    """`cfg` (a copy, unless `in_place`) with dotted keys changed: with_changes(cfg, {"optim.lr": 1e-3})."""
+    out = cfg if in_place else copy.deepcopy(cfg)
     for key, value in changes.items():
         *parents, name = key.split(".")
         node = out
@@ -328,8 +199,27 @@ def with_changes(cfg: ml_collections.ConfigDict, changes: Mapping[str, object]) 
 def from_dict(saved: Mapping) -> ml_collections.ConfigDict:
     """A config from a saved config.json: today's defaults, overwritten by every key the file knows.
 
-    Keys an older trainer wrote and this one no longer has are dropped; keys it
-    did not have yet keep their defaults.
+    Renamed keys are read under their new names; keys an older trainer wrote
+    and this one no longer has are dropped; keys it did not have yet keep their
+    defaults; JSON's lists become the tuples they were.
     """
     known = flatten(defaults())
-    return with_changes(defaults(), {k: v for k, v in _walk(saved) if k in known})
+    values = {RENAMED.get(k, k): v for k, v in _walk(saved)}
+    values = {k: _as_tuple(v) if isinstance(known[k], tuple) else v for k, v in values.items() if k in known}
+    return with_changes(defaults(), values)
+
+
+def _as_tuple(value) -> tuple:
+    """A list from JSON, or the comma-separated string an older trainer kept a list in."""
+    if not isinstance(value, str):
+        return tuple(value)
+
+    def parsed(part):
+        for kind in (int, float):
+            try:
+                return kind(part)
+            except ValueError:
+                pass
+        return part
+
+    return tuple(parsed(p.strip()) for p in value.split(",") if p.strip())

@@ -1,8 +1,8 @@
-"""The one exception type for input the user must fix."""
+"""Input the user must fix (ConfigError) and runs that cannot go on by themselves (TrainingError)."""
 
+from parallelism.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A config, mesh, dataset or checkpoint that cannot work; the message says how to fix it."""
+__all__ = ["ConfigError", "TrainingError"]
 
 
 class TrainingError(RuntimeError):

@@ -29,7 +29,7 @@ from trainer.data import streams
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.loss import target_weights
-from trainer.storage.restore import load_params
+from trainer.storage.resume import load_params
 from trainer.training.setup import Setup
 from trainer.training.step import jit_eval_step, make_eval_step
 
@@ -40,34 +40,53 @@ def eval_step(setup: Setup):
     return jit_eval_step(step, setup.state_shardings, setup.shard)
 
 
+def _targets(local: dict[str, np.ndarray]) -> np.ndarray:
+    """The ids this process's rows of a batch are trained to predict."""
+    targets, weights = (np.asarray(a) for a in target_weights(local["tokens"], local["segment_ids"]))
+    return targets[weights > 0]
+
+
+def _sum_over_processes(value):
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(np.asarray(value)).sum(axis=0)
+
+
+def evaluate(setup: Setup, step_fn, params, local_batches, token_bytes: np.ndarray | None = None) -> dict:
+    """Loss sum, token count and batches over `local_batches` (this process's rows of each global
+    batch); with `token_bytes`, also the UTF-8 bytes of the predicted tokens, over all processes."""
+    total, count, n_bytes, n_batches = 0.0, 0.0, 0, 0
+    for local in local_batches:
+        s, n = fetch(step_fn(params, streams.to_global(local, setup.batch_sharding, setup.cfg.train.global_batch_size)))
+        total, count, n_batches = total + float(s), count + float(n), n_batches + 1
+        if token_bytes is not None:
+            n_bytes += int(token_bytes[_targets(local)].sum())
+    return {"total": total, "count": count, "batches": n_batches, "bytes": int(_sum_over_processes(n_bytes))}
+
+
 class Evaluator:
+    """The training loop's evaluation: the same `train.eval_batches` held-out batches every time."""
+
     def __init__(self, setup: Setup, rows: list[int]):
         cfg = setup.cfg
         stream = iter(streams.batches(streams.Stream.from_config(cfg), cfg.data.eval_split, rows, shuffle=False))
         self._batches = list(itertools.islice(stream, cfg.train.eval_batches))
         self._setup = setup
         self._step = eval_step(setup)
+        self.unigram_loss = self._unigram_loss()
 
     def __call__(self, params) -> dict[str, float]:
-        setup = self._setup
-        total, count = 0.0, 0.0
-        for local in self._batches:
-            batch = streams.to_global(local, setup.batch_sharding, setup.cfg.train.global_batch_size)
-            s, n = fetch(self._step(params, batch))
-            total, count = total + float(s), count + float(n)
-        return {"eval_loss": total / max(count, 1.0), "eval_tokens": count}
+        sums = evaluate(self._setup, self._step, params, self._batches)
+        return {"eval_loss": sums["total"] / max(sums["count"], 1.0), "eval_tokens": sums["count"],
+                "unigram_loss": self.unigram_loss}  # fmt: skip
 
-    def unigram_loss(self) -> float:
+    def _unigram_loss(self) -> float:
         """Entropy (nats) of the eval batches' target tokens, over all processes' rows."""
         vocab = self._setup.cfg.model.vocab_size
-        counts = np.zeros(vocab)
-        for b in self._batches:
-            targets, weights = (np.asarray(a) for a in target_weights(b["tokens"], b["segment_ids"]))
-            counts += np.bincount(targets[weights > 0], minlength=vocab)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            counts = multihost_utils.process_allgather(counts).sum(axis=0)
+        counts = sum(np.bincount(_targets(b), minlength=vocab) for b in self._batches)
+        counts = _sum_over_processes(counts)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())
 
@@ -95,17 +114,8 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     token_bytes = (
         np.ones(cfg.model.vocab_size) if cfg.data.source == "synthetic" else load_tokenizer(cfg.data).token_bytes()
     )
-    step_fn = eval_step(setup)
-    total, count, n_bytes, n_batches = 0.0, 0.0, 0, 0
-    for local in local_batches:
-        s, n = fetch(step_fn(params, streams.to_global(local, setup.batch_sharding, B)))
-        total, count, n_batches = total + float(s), count + float(n), n_batches + 1
-        targets, weights = (np.asarray(a) for a in target_weights(local["tokens"], local["segment_ids"]))
-        n_bytes += int(token_bytes[targets[weights > 0]].sum())
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        n_bytes = int(multihost_utils.process_allgather(np.array(n_bytes)).sum())
+    sums = evaluate(setup, eval_step(setup), params, local_batches, token_bytes)
+    total, count, n_bytes = sums["total"], sums["count"], sums["bytes"]
     loss = total / max(count, 1.0)
     result = {
         "step": step,
@@ -114,7 +124,7 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
         "bits_per_byte": total / math.log(2) / max(n_bytes, 1),
         "tokens": int(count),
         "bytes": n_bytes,
-        "batches": n_batches,
+        "batches": sums["batches"],
         "split": cfg.data.eval_split,
         "mesh": dict(setup.mesh.shape),
     }

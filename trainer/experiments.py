@@ -7,16 +7,15 @@ evaluation. The plots need matplotlib (`pip install -e ".[dev]"`).
 
 from __future__ import annotations
 
-import copy
 import math
 
 import jax
 import numpy as np
 
 from parallelism.distributed import fetch
+from trainer import config
 from trainer.data import streams
 from trainer.training.setup import build
-from trainer.training.step import no_knobs
 
 
 def fixed_batches(cfg, steps: int) -> list[dict]:
@@ -35,27 +34,18 @@ def loss_curve(cfg, batches: list[dict]) -> list[float]:
     state, step = setup.new_state(), setup.train_step()
     losses = []
     for b in batches:
-        state, metrics = step(state, streams.to_global(b, setup.batch_sharding, len(b["tokens"])), no_knobs())
+        state, metrics = step(state, streams.to_global(b, setup.batch_sharding, len(b["tokens"])))
         loss = float(fetch(metrics["loss"]))
         losses.append(loss if math.isfinite(loss) else float("nan"))
     return losses
-
-
-def variant(cfg, **changes):
-    """A copy of `cfg` with dotted keys changed: variant(cfg, **{"optim.lr": 1e-3})."""
-    out = copy.deepcopy(cfg)
-    for key, value in changes.items():
-        section, name = key.split(".")
-        out[section][name] = value
-    return out
 
 
 def widened(cfg, width: int, base_width: int, mup: bool):
     """The config at another d_model: more heads of the same size, MLP and heads in proportion."""
     m = cfg.model
     ratio = width / m.d_model
-    return variant(
-        cfg, **{"model.d_model": width, "model.n_heads": int(m.n_heads * ratio),
+    return config.with_changes(
+        cfg, {"model.d_model": width, "model.n_heads": int(m.n_heads * ratio),
                 "model.n_kv_heads": int(m.n_kv_heads * ratio), "model.d_ff": int(m.d_ff * ratio),
                 "model.mup_base_width": base_width if mup else 0},
     )  # fmt: skip

@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from trainer.model.decoder import Architecture
+from trainer.model.spec import Architecture
 
 # Each chip's planner name: (what jax's device_kind contains, dense bf16 peak FLOP/s
 # per chip from the vendor's data sheet). Matched in this order: v5p reports itself

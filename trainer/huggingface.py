@@ -18,7 +18,7 @@ import numpy as np
 
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
 from trainer.errors import ConfigError
-from trainer.model.decoder import Architecture
+from trainer.model.spec import Architecture
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -240,7 +240,7 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
     """Write a Llama-format directory (config, safetensors, tokenizer) for a checkpoint; returns its step."""
     import jax
 
-    from trainer.storage.restore import load_params
+    from trainer.storage.resume import load_params
 
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir} is not empty; export into a new directory.")
@@ -264,7 +264,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     """
     import jax
 
-    from trainer import workdir as wd
+    from trainer.storage import workdir as wd
     from trainer.storage.checkpoint import Checkpointer
     from trainer.training.setup import build
     from trainer.training.state import param_shardings, state_from_params
@@ -284,7 +284,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     if jax.tree.map(lambda a: a.shape, params) != expected:
         raise ConfigError(f"the weights in {hf_dir} do not have the shapes its config.json describes.")
     params = jax.device_put(params, param_shardings(setup.model, setup.shard))
-    state = state_from_params(params, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.stability)
+    state = state_from_params(params, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.counters)
     wd.check_writable(workdir)
     wd.write_config(workdir, cfg)
     ckpt = Checkpointer(wd.checkpoint_dir(workdir), keep=cfg.checkpoint.keep)

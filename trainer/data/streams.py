@@ -22,7 +22,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from collections.abc import Iterator, Sequence
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import grain
 import jax
@@ -242,3 +244,51 @@ def to_global(local: dict[str, np.ndarray], sharding: NamedSharding, global_batc
     return {
         k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:])) for k, v in local.items()
     }
+
+
+class Prefetch:
+    """The coming steps' batches, read in a background thread `depth` steps ahead.
+
+    `plan(read)` gives (rows in the step's batch, this process's stream rows to
+    read) for the step that starts `read` sequences into the stream. Tokenising
+    and packing then overlap the device's step instead of following it. The
+    checkpoint asks `get_state()`: the position after the last batch handed
+    out, not after the batches read ahead.
+    """
+
+    def __init__(self, iterator, plan: Callable[[int], tuple[int, list[int]]], read: int, depth: int = 3):
+        self._state = iterator.get_state()
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._produce, args=(iterator, plan, read), daemon=True)
+        self._thread.start()
+
+    def _produce(self, iterator, plan, read: int) -> None:
+        try:
+            while not self._stop.is_set():
+                size, rows = plan(read)
+                item = (size, iterator.read(rows), iterator.get_state())
+                read += size
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+        except Exception as e:  # handed to the training thread, which raises it
+            self._queue.put((None, e, None))
+
+    def next(self) -> tuple[int, dict[str, np.ndarray]]:
+        """(rows, this process's part of the batch) for the next step."""
+        size, batch, state = self._queue.get()
+        if size is None:
+            raise batch
+        self._state = state
+        return size, batch
+
+    def get_state(self) -> dict:
+        return self._state
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)

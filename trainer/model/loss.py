@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import chex
 import jax
 import jax.numpy as jnp
 
@@ -34,20 +33,11 @@ def _sums(logits: jax.Array, targets: jax.Array, weights: jax.Array):
     )
 
 
-def cross_entropy_sum(logits: jax.Array, tokens: jax.Array, segment_ids: jax.Array | None):
-    """(sum of token losses, number of predicted tokens, sum of log(Z)^2) over the batch.
+def chunked_loss_sums(logits_fn, features: jax.Array, tokens: jax.Array, segment_ids, chunk: int):
+    """(cross-entropy sum, token count, log(Z)^2 sum, largest |logit|) from features (batch, seq, d).
 
     The caller divides once per global batch. log Z (the softmax normaliser) is
     what z-loss keeps near 0, which stops the logits drifting upwards in bf16.
-    """
-    chex.assert_equal_shape_prefix([logits, tokens], 2)
-    targets, weights = target_weights(tokens, segment_ids)
-    ce, log_z_sq, _ = _sums(logits, targets, weights)
-    return ce, jnp.sum(weights), log_z_sq
-
-
-def chunked_loss_sums(logits_fn, features: jax.Array, tokens: jax.Array, segment_ids, chunk: int):
-    """(cross-entropy sum, token count, log(Z)^2 sum, largest |logit|) from features (batch, seq, d).
 
     `logits_fn` maps features to fp32 logits. With 0 < `chunk` < seq the
     sequence is scanned `chunk` positions at a time and each chunk's logits are

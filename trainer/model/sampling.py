@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from parallelism.rules import LogicalSharding
-from trainer.model.decoder import ModelSpec
-from trainer.training.state import ModelDef
+from trainer.model.decoder import ModelDef
+from trainer.model.spec import ModelSpec
 
 CACHE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # a single prompt: batch and time stay whole
 

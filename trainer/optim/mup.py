@@ -19,7 +19,7 @@ import jax
 import optax
 
 from trainer.errors import ConfigError
-from trainer.model.decoder import Architecture
+from trainer.model.spec import Architecture, is_hidden
 
 MUP_OPTIMIZERS = ("adamw", "lion")  # updates proportional to the learning rate, independent of gradient scale
 
@@ -31,11 +31,6 @@ def check(cfg) -> None:
         raise ConfigError("muP treats the input embedding and the output head differently; set tie_embeddings=False.")
     if cfg.optim.name not in MUP_OPTIMIZERS:
         raise ConfigError(f"muP is implemented for {', '.join(MUP_OPTIMIZERS)}, not optim.name={cfg.optim.name!r}.")
-
-
-def is_hidden(names: tuple) -> bool:
-    """Matrices inside the blocks: stacked over layers, with a width axis and another."""
-    return names[0] == "layers" and len(names) >= 3
 
 
 def scale_updates(cfg, logical_names: dict) -> optax.GradientTransformation:

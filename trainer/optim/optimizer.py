@@ -1,9 +1,8 @@
 """The Optax chain: global-norm clipping, then the chosen optimiser at an injected learning rate.
 
 Every optimiser gets the same clipping, the same decoupled weight decay (applied
-to the parameters, scaled by the learning rate) and the same decay mask, which
-skips norm scales and biases: decaying a norm's gain towards zero fights the
-normalisation instead of regularising.
+to the parameters, scaled by the learning rate) and the same decay mask: the
+matrices, as their logical axes say (model/spec.py).
 
 - adamw: the default.
 - lion: sign of an interpolated momentum; wants a 3-10x smaller learning rate.
@@ -25,29 +24,30 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers
 
-NO_DECAY_NAMES = ("scale", "bias")
+from trainer.model.spec import is_hidden, is_matrix
 
 
-def decay_mask(params):
-    """True where weight decay applies: every parameter but norm scales and biases."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: getattr(path[-1], "key", None) not in NO_DECAY_NAMES, params
-    )
+def _by_axes(rule, logical_names: dict):
+    return jax.tree.map(rule, logical_names, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def decay_mask(logical_names: dict):
+    """True where weight decay applies: the matrices, read from the logical axes (spec.is_matrix)."""
+    return _by_axes(is_matrix, logical_names)
 
 
 def muon_dimensions(logical_names: dict):
-    """Which axes of each stacked weight are the matrix's input and output; None = AdamW."""
+    """Which axes of each hidden matrix are its input and output; None (AdamW) for everything else."""
 
     def dims(names):
-        if names[0] != "layers" or len(names) < 3:
+        if not is_hidden(names):
             return None  # embeddings, head, norms
         if names[1] == "embed":  # (layers, embed, out...): wq, wk, wv, w_gate, w_up
             return MuonDimensionNumbers(reduction_axis=(1,), output_axis=tuple(range(2, len(names))))
-        if names[-1] == "embed":  # (layers, in..., embed): wo, w_down
-            return MuonDimensionNumbers(reduction_axis=tuple(range(1, len(names) - 1)), output_axis=(len(names) - 1,))
-        return None
+        # (layers, in..., embed): wo, w_down
+        return MuonDimensionNumbers(reduction_axis=tuple(range(1, len(names) - 1)), output_axis=(len(names) - 1,))
 
-    return jax.tree.map(dims, logical_names, is_leaf=lambda x: isinstance(x, tuple))
+    return _by_axes(dims, logical_names)
 
 
 def moments_in(dtype, inner: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -65,14 +65,15 @@ def moments_in(dtype, inner: optax.GradientTransformation) -> optax.GradientTran
 
 def make_optimizer(cfg, logical_names: dict) -> optax.GradientTransformation:
     o = cfg.optim
+    mask = decay_mask(logical_names)
 
-    # Masks are closures, not arguments: inject_hyperparams would take a callable
+    # The mask is a closure, not an argument: inject_hyperparams would take a callable
     # argument for a schedule and silently disable the decay.
     def build(learning_rate, weight_decay):
         if o.name == "adamw":
-            inner = optax.adamw(learning_rate, o.b1, o.b2, o.eps, weight_decay=weight_decay, mask=decay_mask)
+            inner = optax.adamw(learning_rate, o.b1, o.b2, o.eps, weight_decay=weight_decay, mask=mask)
         elif o.name == "lion":
-            inner = optax.lion(learning_rate, o.b1, o.b2, weight_decay=weight_decay, mask=decay_mask)
+            inner = optax.lion(learning_rate, o.b1, o.b2, weight_decay=weight_decay, mask=mask)
         elif o.name == "adafactor":
             # optax.adafactor's defaults (factored second moments, decay 0.8, update RMS clipped
             # at 1), assembled here so that weight decay is scaled by the learning rate like every
@@ -82,13 +83,13 @@ def make_optimizer(cfg, logical_names: dict) -> optax.GradientTransformation:
             inner = optax.chain(
                 optax.scale_by_factored_rms(),
                 optax.clip_by_block_rms(1.0),
-                optax.add_decayed_weights(weight_decay, decay_mask),
+                optax.add_decayed_weights(weight_decay, mask),
                 optax.scale_by_learning_rate(learning_rate),
             )
         elif o.name == "sgd":
             inner = optax.chain(
                 optax.trace(decay=o.momentum),
-                optax.add_decayed_weights(weight_decay, decay_mask),
+                optax.add_decayed_weights(weight_decay, mask),
                 optax.scale_by_learning_rate(learning_rate),
             )
         else:  # muon
@@ -99,7 +100,7 @@ def make_optimizer(cfg, logical_names: dict) -> optax.GradientTransformation:
                     learning_rate, beta=o.b1, adam_b1=o.b1, adam_b2=o.b2,
                     muon_weight_dimension_numbers=muon_dimensions(logical_names), consistent_rms=0.2,
                 ),
-                optax.add_decayed_weights(-learning_rate * weight_decay, decay_mask),
+                optax.add_decayed_weights(-learning_rate * weight_decay, mask),
             )  # fmt: skip
         if cfg.precision.moments_dtype != "float32":
             inner = moments_in(jnp.dtype(cfg.precision.moments_dtype), inner)

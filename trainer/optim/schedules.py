@@ -21,20 +21,30 @@ import optax
 from trainer.errors import ConfigError
 
 
+def _wsd_decay(optim_cfg, total_steps: int) -> tuple[int, int]:
+    """(first step of the WSD decay, its length in steps)."""
+    decay_len = max(1, round(optim_cfg.decay_fraction * total_steps))
+    return total_steps - decay_len, decay_len
+
+
+def check(optim_cfg, total_steps: int) -> None:
+    if optim_cfg.schedule == "wsd":
+        decay_start, _ = _wsd_decay(optim_cfg, total_steps)
+        if decay_start < optim_cfg.warmup_steps:
+            raise ConfigError(
+                f"the WSD decay starts at step {decay_start} (last {optim_cfg.decay_fraction:g} of "
+                f"{total_steps} steps), before warmup ends at {optim_cfg.warmup_steps}; lower "
+                "optim.warmup_steps or optim.decay_fraction."
+            )
+
+
 def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
     peak = float(optim_cfg.lr)
     floor = peak * float(optim_cfg.min_lr_ratio)
     warmup = int(optim_cfg.warmup_steps)
     if optim_cfg.schedule == "wsd":
-        decay_len = max(1, round(optim_cfg.decay_fraction * total_steps))
-        decay_start = total_steps - decay_len
+        decay_start, decay_len = _wsd_decay(optim_cfg, total_steps)
         shape = optim_cfg.decay_shape
-        if decay_start < warmup:
-            raise ConfigError(
-                f"the WSD decay starts at step {decay_start} (last {optim_cfg.decay_fraction:g} of "
-                f"{total_steps} steps), before warmup ends at {warmup}; lower optim.warmup_steps or "
-                "optim.decay_fraction."
-            )
     else:
         decay_start = warmup
         decay_len = max(1, int(optim_cfg.decay_steps) or total_steps - warmup)

@@ -22,6 +22,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from trainer.config import microbatch_size
+
 
 def shard_bytes(tree, itemsize: int | None = None) -> int:
     """Bytes of one device's shards of abstract arrays (at `itemsize` bytes per element if given)."""
@@ -63,7 +65,7 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int) -
 def activation_bytes(cfg, spec, mesh_shape: dict[str, int]) -> int:
     """Bytes one device keeps for the backward pass of one microbatch."""
     t = cfg.train
-    rows = t.global_batch_size // t.grad_accum_steps / (mesh_shape["data"] * mesh_shape["fsdp"])
+    rows = microbatch_size(cfg) / (mesh_shape["data"] * mesh_shape["fsdp"])
     tokens, tensor = rows * cfg.data.seq_len, mesh_shape["tensor"]
     act = jnp.dtype(cfg.precision.compute_dtype).itemsize
     per_layer = layer_activation_elements(spec, cfg.data.seq_len, tensor, act)
@@ -73,7 +75,8 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int]) -> int:
         kept += per_layer["none"]  # the layer being recomputed
     if mesh_shape["stage"] > 1:
         # GPipe holds every microbatch's activations until its backward starts.
-        kept *= (t.microbatches + mesh_shape["stage"] - 1) / t.microbatches
+        m = t.pipeline_microbatches
+        kept *= (m + mesh_shape["stage"] - 1) / m
     # fp32 logits and their gradient: for every position, or one loss chunk's at a time.
     chunk = spec.execution.loss_chunk
     logit_positions = rows * chunk if chunk else tokens

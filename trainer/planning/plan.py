@@ -16,12 +16,13 @@ import jax
 import jax.numpy as jnp
 
 from parallelism import collectives, pipeline
+from trainer.config import microbatch_size
 from trainer.errors import ConfigError
 from trainer.flops import CHIPS, count_params, flops_per_token
 from trainer.planning import memory, scaling
 from trainer.training.setup import build
 from trainer.training.state import param_shardings
-from trainer.training.step import abstract_batch, abstract_knobs
+from trainer.training.step import abstract_batch, memory_per_device
 
 
 def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False, tokens: float = 0,
@@ -78,11 +79,10 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     start = time.perf_counter()
     compiled = (
         setup.train_step()
-        .lower(setup.abstract_state(), abstract_batch(t.global_batch_size, seq, setup.batch_sharding),
-               abstract_knobs(setup.shard))
+        .lower(setup.abstract_state(), abstract_batch(t.global_batch_size, seq, setup.batch_sharding))
         .compile()
     )  # fmt: skip
-    breakdown = compiled_memory(compiled)
+    breakdown = memory_per_device(compiled)
     result["compiled_bytes_per_device"] = breakdown.pop("total")
     result["compiled_breakdown"] = breakdown
     result["compile_seconds"] = time.perf_counter() - start
@@ -97,7 +97,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
                 n_layers=cfg.model.n_layers,
                 d_model=cfg.model.d_model,
                 seq_len=seq,
-                micro_rows=t.global_batch_size // t.grad_accum_steps,
+                micro_rows=microbatch_size(cfg),
                 microbatches=t.grad_accum_steps,
                 act_bytes=jnp.dtype(cfg.precision.compute_dtype).itemsize,
             ),  # fmt: skip
@@ -107,13 +107,13 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
 
 def pipeline_plan(cfg, setup) -> dict:
     """The GPipe bubble and what each stage holds (every device of a stage holds the same)."""
-    stages, m = cfg.mesh.stage, cfg.train.microbatches
+    stages, m = cfg.mesh.stage, cfg.train.pipeline_microbatches
     return {
         "stages": stages,
-        "microbatches": m,
+        "pipeline_microbatches": m,
         "layers_per_stage": cfg.model.n_layers // stages,
         "bubble_fraction": pipeline.bubble_fraction(stages, m),
-        "bubble_formula": "(stages - 1) / (microbatches + stages - 1)",
+        "bubble_formula": "(stages - 1) / (pipeline_microbatches + stages - 1)",
         "state_bytes_per_device": state_bytes_per_device(setup),
     }
 
@@ -141,17 +141,3 @@ def state_bytes_per_device(setup) -> dict[str, int]:
     """Bytes of parameters and optimiser state on one device, from the shardings alone."""
     state = setup.abstract_state()
     return {"params": memory.shard_bytes(state.params), "optimizer": memory.shard_bytes(state.opt_state)}
-
-
-def compiled_memory(compiled) -> dict[str, int]:
-    """XLA's per-device bytes; `total` counts outputs that reuse donated inputs once."""
-    mem = compiled.memory_analysis()
-    breakdown = {
-        "arguments": mem.argument_size_in_bytes,
-        "outputs": mem.output_size_in_bytes,
-        "aliased": mem.alias_size_in_bytes,
-        "temporaries": mem.temp_size_in_bytes,
-        "code": mem.generated_code_size_in_bytes,
-    }
-    breakdown["total"] = breakdown["arguments"] + breakdown["outputs"] - breakdown["aliased"] + breakdown["temporaries"]
-    return breakdown

@@ -1,9 +1,9 @@
 """Orbax checkpoints: the train state in parts, and the data iterator, together.
 
 A checkpoint is a step directory with up to four items:
-`params` and `opt_state` (each process writes its own shards), `meta` (step and
-RNG, loss scale and the other stability state, the layout's `format` and
-whether the writing run had reset its optimiser) and `data` (the position of
+`params` and `opt_state` (each process writes its own shards), `meta` (step,
+RNG, clock, loss scale and stability state, the layout's `format` and whether
+the writing run had reset its optimiser) and `data` (the position of
 every global-batch row's data stream, as JSON, one file per process, merged on
 restore so any process layout can resume). Parameters are an item of their own
 so that evaluation and export read nothing else.
@@ -35,9 +35,9 @@ from trainer.errors import ConfigError
 from trainer.training.state import TrainState
 
 PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
-# 2: the data position is keyed by global-batch row and the clock counts sequences. Checkpoints
-# without a format entry were keyed by microbatch row and counted microbatches.
-FORMAT = 2
+# 3: the data position is keyed by global-batch row, and meta holds the clock (in sequences), the
+# loss scale and the stability state apart. Older layouts are read by storage/resume.py.
+FORMAT = 3
 # Orbax and TensorStore report a missing, truncated or corrupt file with many exception types, a bare
 # Exception among them; these, though, are faults in the code, and setting checkpoints aside for one
 # would hide it behind "damaged" files.
@@ -118,8 +118,9 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def save(self, step: int, state: TrainState, data_iterator, *, reset_optimizer: bool = False) -> None:
-        meta = {"step": state.step, "rng": state.rng, "stability": state.stability,
-                "format": np.int32(FORMAT), "reset_optimizer": np.int32(reset_optimizer)}  # fmt: skip
+        meta = {"step": state.step, "rng": state.rng, "clock": state.clock, "loss_scale": state.loss_scale,
+                "stability": state.stability, "format": np.int32(FORMAT),
+                "reset_optimizer": np.int32(reset_optimizer)}  # fmt: skip
         items = {
             PARAMS: ocp.args.StandardSave(state.params),
             OPT_STATE: ocp.args.StandardSave(state.opt_state),

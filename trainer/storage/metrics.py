@@ -10,11 +10,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 
-from tensorboard.compat.proto.event_pb2 import Event
-from tensorboard.compat.proto.summary_pb2 import Summary
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.summary import Writer
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -39,7 +36,7 @@ class MetricsWriter:
             return
         self._drop_records_after(resume_step)
         self._jsonl = open(self.path, "a")
-        self._tb = EventFileWriter(workdir)
+        self._tb = Writer(workdir)
 
     def _drop_records_after(self, step: int) -> None:
         if not os.path.exists(self.path):
@@ -57,12 +54,9 @@ class MetricsWriter:
         record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        values = [
-            Summary.Value(tag=k, simple_value=float(v))
-            for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)
-        ]
-        self._tb.add_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
+        for name, value in metrics.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._tb.add_scalar(name, value, step)
         self._tb.flush()
         if console:
             print(console, flush=True)

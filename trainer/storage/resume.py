@@ -1,4 +1,5 @@
-"""Starting from saved weights: resuming this run, resetting its optimiser, or beginning from another run's.
+"""Starting from saved weights: resuming a run, resetting its optimiser, beginning from another run's,
+or reading a run's parameters alone (evaluation, generation, export).
 
 What may change across a resume is derived, not listed. A run's saved config
 (config.json) is compared with the new one three ways, each by what it feeds:
@@ -29,12 +30,13 @@ from trainer.config import flatten, from_dict, with_changes
 from trainer.data.streams import Stream
 from trainer.data.tokenizers import identity as tokenizer_identity
 from trainer.errors import ConfigError
-from trainer.model.decoder import Architecture
+from trainer.model.spec import Architecture
 from trainer.optim.optimizer import make_optimizer
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import CODE_FAULTS, OPT_STATE, Checkpointer, arrays
 from trainer.training import stability
 from trainer.training.precision import LossScaling
+from trainer.training.setup import Setup, build
 from trainer.training.state import TrainState, abstract_params
 
 
@@ -125,15 +127,36 @@ def restore_state(ckpt: Checkpointer, step: int, setup, data_iterator, saved=Non
     params, opt_state = ckpt.restore(step, abstract.params, None if reset else abstract.opt_state, data_iterator)
     if reset:
         opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(params)
-    stats = stability.adopt(meta["stability"], cfg, int(meta["step"]), batch_size)
+    counters = _counters(meta, cfg, saved)
+    on_mesh = jax.device_put({"step": meta["step"], "rng": meta["rng"], **counters}, replicated)
+    return TrainState(params=params, opt_state=opt_state, **on_mesh), reset
+
+
+def _counters(meta: dict, cfg, saved) -> dict:
+    """The clock, loss scale and stability entries of a restored meta item, whichever layout wrote it.
+
+    Format 3 keeps the three apart. Format 2 (commit 40ed449) kept all in
+    `stability`; checkpoints with no format (2549b1c and before) did too, and
+    counted microbatches, which are global batches here (a checkpoint written
+    with accumulation is refused before this).
+    """
+    old, batch = meta["stability"], cfg.train.global_batch_size
+    if "clock" in meta:
+        clock, scale = meta["clock"], meta["loss_scale"]
+    else:
+        per = 1 if "format" in meta else batch
+        trained = old["sequences"] if "sequences" in old else old["microbatches"]
+        clock = {"sequences": trained * per, "data_read": old["data_read"] * per}
+        scale = {"scale": old["loss_scale"], "good_steps": old["good_steps"]}
     scaling = LossScaling.from_config(cfg)
     saved_dynamic = LossScaling.from_config(saved).dynamic if saved is not None else scaling.dynamic
-    stats["loss_scale"] = np.float32(scaling.resumed(float(stats["loss_scale"]), saved_dynamic))
-    if not scaling.dynamic or not saved_dynamic:
-        stats["good_steps"] = np.int32(0)
-    on_mesh = jax.device_put({"step": meta["step"], "rng": meta["rng"], "stability": stats}, replicated)
-    state = TrainState(on_mesh["step"], params, opt_state, on_mesh["rng"], on_mesh["stability"])
-    return state, reset
+    return {
+        "clock": {k: np.int32(v) for k, v in clock.items()},
+        "loss_scale": scaling.resumed(
+            {"scale": np.float32(scale["scale"]), "good_steps": np.int32(scale["good_steps"])}, saved_dynamic
+        ),
+        "stability": stability.adopt(old, cfg, int(meta["step"])),
+    }
 
 
 def parse_init_from(text: str) -> tuple[str, int | None]:
@@ -171,5 +194,25 @@ def load_init_params(cfg, setup) -> tuple[dict, str, int]:
             raise ConfigError(
                 f"checkpoint.init_from: the checkpoint at step {step} in {path} cannot be read ({reason})."
             ) from e
+    finally:
+        ckpt.close()
+
+
+def load_params(cfg, workdir: str, step: int | None = None, devices=None) -> tuple[Setup, int, dict]:
+    """(setup, step, params) of the newest checkpoint in `workdir`, or the one at `step`, for evaluation,
+    generation and export: parameters only, straight into the shardings of the mesh the config asks for,
+    and nothing in the workdir created, cleaned up or deleted."""
+    setup = build(cfg, devices)
+    check_architecture(workdir, cfg)
+    steps = wd.saved_steps(workdir)
+    if not steps:
+        raise ConfigError(f"{workdir} holds no checkpoints; train there first, or pass the --workdir of a run.")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ConfigError(f"{workdir} has no checkpoint at step {step}; it has steps {steps}.")
+    ckpt = Checkpointer(wd.checkpoint_dir(workdir), read_only=True)
+    try:
+        return setup, step, ckpt.restore_params(step, abstract_params(setup.model, setup.shard))
     finally:
         ckpt.close()

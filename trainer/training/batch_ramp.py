@@ -7,9 +7,11 @@ tokens (a stage is the largest power-of-two multiple of the start not above
 the linear target). The learning-rate schedule counts sequences, so the ramp
 does not move it: step s of the schedule is always s full batches' worth.
 
-A run trains exactly `train.steps` global batches' worth of sequences; the
+Sizes follow the sequences read from the data stream, so the loop can read
+batches ahead (a skipped step reads data too). A run reads exactly
+`train.steps` global batches' worth of sequences unless steps are skipped; the
 last steps of a ramped run take what is left, in halves of a stage, so every
-step's size divides the global batch (see pipeline.ramp_rows).
+step's size divides the global batch (see streams.ramp_rows).
 """
 
 from __future__ import annotations
@@ -38,16 +40,16 @@ def check(cfg) -> None:
         raise ConfigError("train.ramp_tokens must be positive when train.ramp_batch_size is set.")
 
 
-def step_size(cfg, trained: int) -> int:
-    """Sequences the next step reads, given how many sequences have been trained on."""
+def step_size(cfg, read: int) -> int:
+    """Sequences the next step reads, given how many sequences have been read from the stream."""
     t = cfg.train
     size = t.global_batch_size
     if t.ramp_batch_size:
         start = t.ramp_batch_size
         ramp = t.ramp_tokens / cfg.data.seq_len  # in sequences
-        linear = start + (size - start) * min(1.0, trained / ramp)
+        linear = start + (size - start) * min(1.0, read / ramp)
         size = min(size, start * 2 ** int(math.floor(math.log2(linear / start) + 1e-9)))
-    left = t.steps * t.global_batch_size - trained
+    left = t.steps * t.global_batch_size - read
     while size > left > 0:
         size //= 2
     return size

@@ -1,11 +1,12 @@
-"""The training loop: build, restore or initialise, step, log, evaluate, checkpoint, recover.
+"""The training loop: restore or initialise, step, log, evaluate, checkpoint, recover.
 
-The loop never waits on the devices between log points: a step's metrics stay
-on device until a log step fetches them, so host work (reading the next batch)
-overlaps with device compute. Step time is wall time over the interval between
-two log points, evaluation and checkpoint time excluded. Log points are also
-where the loop reads the device's stability counters and, if the run is in
-trouble, rolls back (trainer/training/stability.py, trainer/training/rollback.py).
+The host never makes the device wait. Batches are read a few steps ahead in a
+background thread (streams.Prefetch); a log point's metrics are fetched only
+after the next step has been dispatched, so the device has work queued while
+the host writes them. Step time is wall time between two log points,
+evaluation and checkpoint time excluded. Log points are also where the loop
+reads the device's stability counters and, if the run is in trouble, rolls
+back (trainer/training/stability.py, trainer/training/rollback.py).
 
 The run ends when `train.steps` full batches have been trained on: skipped
 steps and a batch-size ramp make that more steps than `train.steps`.
@@ -25,7 +26,6 @@ from trainer.config import microbatch_size
 from trainer.data import streams
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, peak_flops
-from trainer.planning.plan import compiled_memory
 from trainer.storage import resume
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
@@ -36,7 +36,7 @@ from trainer.training.profiling import StepProfiler
 from trainer.training.rollback import roll_back
 from trainer.training.setup import Setup, build
 from trainer.training.state import state_from_params
-from trainer.training.step import abstract_batch, abstract_knobs
+from trainer.training.step import abstract_batch, memory_per_device
 
 
 def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
@@ -74,14 +74,20 @@ def train(cfg, workdir: str) -> dict:
             return {"step": run.step}
         run.start()
         with watch_for_sigterm() as stop:
-            while not stop.requested and not run.finished():
-                metrics = run.take_step()
-                if run.step % cfg.train.log_every == 0 or run.trained >= run.target:
-                    trouble = run.log(metrics)
-                    if trouble:
+            pending = None  # a log point's metrics, fetched once the next step is dispatched
+            while not stop.requested and (pending or not run.finished()):
+                metrics = None if run.finished() else run.take_step()
+                if pending:
+                    trouble, pending = run.log(*pending), None
+                    if trouble:  # the step just dispatched is dropped with the rest
                         run.roll_back(trouble)
                         continue
-                run.evaluate_and_save(force_save=stop.requested)
+                if metrics is not None:
+                    if run.step % cfg.train.log_every == 0 or run.trained >= run.target:
+                        pending = (run.step, metrics)
+                    run.evaluate_and_save(force_save=stop.requested)
+            if pending:
+                run.log(*pending)
             if stop.requested:
                 run.save_now()
                 run.say(f"stopping on signal {stop.signal}: checkpoint saved at step {run.step}; rerun to resume")
@@ -98,7 +104,7 @@ class Run:
         self.cfg, self.setup = cfg, setup
         self.primary = jax.process_index() == 0
         self.say = print if self.primary else (lambda *a, **k: None)
-        self.saved_cfg = resume.saved_config(workdir)
+        saved_cfg = resume.saved_config(workdir)
         t = cfg.train
         self.batch, self.micro = t.global_batch_size, microbatch_size(cfg)
         self.target = t.steps * t.global_batch_size  # sequences to train on
@@ -109,27 +115,40 @@ class Run:
             async_save=cfg.checkpoint["async"],
         )  # fmt: skip
         self.abstract = setup.abstract_state()
-        found = self.ckpt.restore_newest_intact(self._restore, self.say)
+
+        def restore(step: int):
+            data = self._new_data()
+            state, reset = resume.restore_state(self.ckpt, step, setup, data, saved_cfg)
+            return state, data, reset
+
+        found = self.ckpt.restore_newest_intact(restore, self.say)
         self.resumed, self.reset_optimizer = found is not None, found is not None and found[1][2]
         if found:
-            self.state, self.data = found[1][:2]
+            self.state, data = found[1][:2]
             if cfg.checkpoint.init_from:
-                self.say(
-                    f"checkpoint.init_from ignored: {workdir} holds checkpoints of its own, which this run resumes"
-                )
+                self.say(f"checkpoint.init_from ignored: {workdir} holds checkpoints of its own; resuming them")
         elif init is not None:
             params, source, step = init
-            self.state = state_from_params(params, setup.model, setup.tx, setup.shard, t.seed, setup.stability)
-            self.data = self._new_data()
+            self.state = state_from_params(params, setup.model, setup.tx, setup.shard, t.seed, setup.counters)
+            data = self._new_data()
             self.say(f"started from the weights of {source} at step {step} (checkpoint.init_from); optimiser, "
                      "schedule and data start afresh")  # fmt: skip
         else:
-            self.state, self.data = setup.new_state(), self._new_data()
+            self.state, data = setup.new_state(), self._new_data()
         if self.primary:  # once the checkpoint is accepted: a refusal leaves the workdir as it was
             wd.write_config(workdir, cfg)
-        self._read_clocks()
+        clock = fetch({"step": self.state.step, **self.state.clock, "skipped": self.state.stability["skipped"]})
+        self.step, self.trained, self.data_read = int(clock["step"]), int(clock["sequences"]), int(clock["data_read"])
+        self.skipped_seen = int(clock["skipped"])
+        self.data = streams.Prefetch(data, self._plan, self.data_read)
         self.writer = MetricsWriter(workdir, resume_step=self.step, enabled=self.primary)
-        self.profiler = StepProfiler(cfg.train.profile_steps, workdir, enabled=self.primary)
+        self.profiler = StepProfiler(t.profile_steps, workdir, enabled=self.primary)
+        self.flops_per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len)
+        self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
+        self.evaluator = Evaluator(setup, self.rows) if t.eval_every else None
+        self.compiled: dict = {}
+        self.dispatched: list[tuple[int, int]] = []  # (step, tokens) of the steps not yet logged
+        self.mark_step, self.mark_time = self.step, time.perf_counter()
         self.last: dict = {}
 
     def _new_data(self):
@@ -139,14 +158,15 @@ class Run:
         """This process's rows of a batch of `size` rows (a batch-size ramp uses a few sizes)."""
         return streams.process_rows(self.setup.batch_sharding, size, self.cfg.data.seq_len)
 
-    def _restore(self, step: int):
-        data = self._new_data()
-        state, reset = resume.restore_state(self.ckpt, step, self.setup, data, self.saved_cfg)
-        return state, data, reset
+    def _plan(self, read: int) -> tuple[int, list[int]]:
+        """(rows of the step starting `read` sequences into the stream, this process's stream rows)."""
+        size = batch_ramp.step_size(self.cfg, read)
+        rows = self.rows if size == self.batch else streams.ramp_rows(self._local_rows(size), size, self.batch)
+        return size, rows
 
     def _read_clocks(self) -> None:
         """Step, sequences trained on and read, skipped steps: a (small) sync with the device."""
-        s = fetch({"step": self.state.step, **self.state.stability})
+        s = fetch({"step": self.state.step, **self.state.clock, "skipped": self.state.stability["skipped"]})
         self.step, self.trained, self.data_read = int(s["step"]), int(s["sequences"]), int(s["data_read"])
         self.skipped_seen = int(s["skipped"])
 
@@ -161,78 +181,68 @@ class Run:
             fresh = f" with a fresh {cfg.optim.name} optimiser state (checkpoint.reset_optimizer)"
             self.say(f"resumed from the checkpoint at step {self.step}{fresh if self.reset_optimizer else ''}")
         counts = count_params(setup.model.abstract_params)
-        self.flops_per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len)
-        self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
         self.say(
             f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
             f"{self.flops_per_token / 1e6:.1f} MFLOPs/token; mesh {dict(setup.mesh.shape)}"
         )
-        self._compiled: dict = {}
-        self._step_fn(batch_ramp.step_size(cfg, self.trained))
-        self.drills = stability.Drills.from_config(cfg)
-        self.evaluator = Evaluator(setup, self.rows) if cfg.train.eval_every else None
-        self.unigram = self.evaluator.unigram_loss() if self.evaluator else None
+        self._step_fn(batch_ramp.step_size(cfg, self.data_read))
         self._mark()
 
     def _step_fn(self, size: int):
         """The train step compiled ahead of time for a batch of `size` sequences (a ramp uses a few sizes)."""
-        if size not in self._compiled:
+        if size not in self.compiled:
             s, start = self.setup, time.perf_counter()
-            batch = abstract_batch(size, self.cfg.data.seq_len, s.batch_sharding)
             step = s.train_step(size // self.micro)
-            self._compiled[size] = step.lower(self.abstract, batch, abstract_knobs(s.shard)).compile()
+            self.compiled[size] = step.lower(self.abstract, abstract_batch(size, self.cfg.data.seq_len,
+                                                                           s.batch_sharding)).compile()  # fmt: skip
             seconds = time.perf_counter() - start
             self.say(
                 f"compiled the train step for {size} sequences in {seconds:.1f}s, "
-                f"{compiled_memory(self._compiled[size])['total'] / 2**30:.2f} GiB per device"
+                f"{memory_per_device(self.compiled[size])['total'] / 2**30:.2f} GiB per device"
             )
-            if hasattr(self, "mark_time"):
-                self.mark_time += seconds  # compiling is not training time
-        return self._compiled[size]
+            self.mark_time += seconds  # compiling is not training time
+        return self.compiled[size]
 
     def _mark(self) -> None:
-        self.mark_step, self.mark_time, self.mark_tokens = self.step, time.perf_counter(), 0
+        self.mark_step, self.mark_time = self.step, time.perf_counter()
 
     def take_step(self):
         """Dispatch one step (no waiting on the device); returns its metrics, still on the device."""
-        size = batch_ramp.step_size(self.cfg, self.trained)
-        rows = self.rows if size == self.batch else streams.ramp_rows(self._local_rows(size), size, self.batch)
-        batch = streams.to_global(self.data.read(rows), self.setup.batch_sharding, size)
-        knobs = {n: np.float32(v) for n, v in self.drills.knobs(self.data_read, size, self.batch).items()}
-        knobs = jax.device_put(knobs, self.setup.shard.replicated())
+        size, local = self.data.next()
+        batch = streams.to_global(local, self.setup.batch_sharding, size)
         self.profiler.before(self.step + 1)
-        self.state, metrics = self._step_fn(size)(self.state, batch, knobs)
+        self.state, metrics = self._step_fn(size)(self.state, batch)
         self.step, self.trained, self.data_read = self.step + 1, self.trained + size, self.data_read + size
         traced = self.profiler.after(self.step, metrics)
         if traced:
             self.say(traced)
-        self.mark_tokens += size * self.cfg.data.seq_len
+        self.dispatched.append((self.step, size * self.cfg.data.seq_len))
         return metrics
 
-    def log(self, metrics) -> str | None:
-        """Write the step's metrics (and any skipped-step event); returns why to roll back, if so."""
-        values = _floats(fetch(metrics))
-        self.trained = int(values["sequences"])
+    def log(self, step: int, metrics) -> str | None:
+        """Write step `step`'s metrics (and any skipped-step event); returns why to roll back, if so."""
+        values = _floats(fetch(metrics))  # waits for that step only: the next one is already queued
         elapsed = time.perf_counter() - self.mark_time
-        tokens_per_sec = self.mark_tokens / elapsed
-        self.last = {
+        tokens = sum(n for s, n in self.dispatched if s <= step)
+        self.dispatched = [(s, n) for s, n in self.dispatched if s > step]
+        tokens_per_sec = tokens / elapsed
+        logged = {
             **values,
             "tokens_per_sec": tokens_per_sec,
             "mfu": self.flops_per_token * tokens_per_sec / self.peak if self.peak else None,
-            "step_time": elapsed / (self.step - self.mark_step),
+            "step_time": elapsed / max(step - self.mark_step, 1),
         }
-        batches = self.trained / self.batch
-        self.writer.write(
-            self.step, self.last, console=_console_line(self.step, batches, self.cfg.train.steps, self.last)
-        )
-        self._mark()
+        self.last.update(logged)  # beside the latest evaluation's figures
+        console = _console_line(step, values["sequences"] / self.batch, self.cfg.train.steps, logged)
+        self.writer.write(step, logged, console=console)
+        self.mark_step, self.mark_time = step, time.perf_counter()
         skipped = int(values["skipped_total"]) - self.skipped_seen
         if skipped > 0:
             self.skipped_seen += skipped
             self.writer.write(
-                self.step, {"event": "skipped", "steps": skipped, "total": self.skipped_seen},
-                console=f"step {self.step:>6}  skipped {skipped} bad step(s) since the last log line (non-finite "
-                f"or spiking gradients; {self.skipped_seen} in all): parameters unchanged by them",
+                step, {"event": "skipped", "steps": skipped, "total": self.skipped_seen},
+                console=f"step {step:>6}  skipped {skipped} step(s) since the last log line (non-finite, spiking "
+                f"or fp16-overflowing gradients; {self.skipped_seen} in all): parameters unchanged by them",
             )  # fmt: skip
         return stability.trouble(self.cfg, int(values["bad_in_window"]), int(values["diverged_run"]))
 
@@ -244,12 +254,13 @@ class Run:
 
         self.state, skipped_batches = roll_back(self.cfg, self.ckpt, restore, self.state, self.data_read)
         self._read_clocks()
+        self.dispatched = []
         lr_scale = float(fetch(self.state.stability["lr_scale"]))
         event = {"event": "rollback", "reason": reason, "from_step": from_step, "to_step": self.step,
                  "lr_scale": lr_scale, "data_batches_skipped": skipped_batches}  # fmt: skip
         self.writer.write(self.step, event, console=(
             f"step {from_step:>6}  ROLLBACK to step {self.step}: {reason}; learning rate now x{lr_scale:g}, "
-            f"the {event['data_batches_skipped']} data batches read since the checkpoint skipped"))  # fmt: skip
+            f"the {skipped_batches:g} data batches read since the checkpoint skipped"))  # fmt: skip
         self._mark()
 
     def evaluate_and_save(self, force_save: bool) -> None:
@@ -263,10 +274,10 @@ class Run:
         jax.block_until_ready(self.state)
         paused = time.perf_counter()
         if evaluate:
-            result = {**self.evaluator(self.state.params), "unigram_loss": self.unigram}
+            result = self.evaluator(self.state.params)
             self.last.update(result)
-            self.writer.write(step, result, console=(
-                f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {self.unigram:.4f})"))  # fmt: skip
+            line = f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f})"
+            self.writer.write(step, result, console=line)
         if save:
             self.ckpt.save(step, self.state, self.data, reset_optimizer=cfg.checkpoint.reset_optimizer)
         self.mark_time += time.perf_counter() - paused
@@ -276,6 +287,7 @@ class Run:
             self.ckpt.save(self.step, self.state, self.data, reset_optimizer=self.cfg.checkpoint.reset_optimizer)
 
     def close(self) -> None:
+        self.data.close()
         self.profiler.stop()
         self.ckpt.wait()
         self.ckpt.close()

@@ -34,14 +34,17 @@ class LossScaling:
         dynamic = p.loss_scaling == "dynamic" or (p.loss_scaling == "auto" and p.compute_dtype == "float16")
         return cls(dynamic, float(p.initial_loss_scale) if dynamic else 1.0, int(p.loss_scale_growth_interval))
 
-    def update(self, scale: jax.Array, good_steps: jax.Array, finite: jax.Array):
-        """(new scale, new count of good steps in a row) after a step whose gradients were `finite`."""
+    def initial_state(self) -> dict:
+        return {"scale": jnp.float32(self.initial), "good_steps": jnp.int32(0)}
+
+    def update(self, state: dict, finite: jax.Array) -> dict:
+        """The scale and the count of good steps in a row after a step whose gradients were `finite`."""
         if not self.dynamic:
-            return scale, good_steps
+            return state
+        scale, good_steps = state["scale"], state["good_steps"]
         grow = finite & (good_steps + 1 >= self.growth_interval)
         scale = jnp.where(finite, jnp.where(grow, scale * 2.0, scale), jnp.maximum(scale / 2.0, MIN_SCALE))
-        good_steps = jnp.where(finite & ~grow, good_steps + 1, 0)
-        return scale, good_steps
+        return {"scale": scale, "good_steps": jnp.where(finite & ~grow, good_steps + 1, 0)}
 
     def overflowed(self, loss: jax.Array, grad_norm: jax.Array, scale: jax.Array) -> jax.Array:
         """True for a step whose forward pass was finite and whose scaled backward pass was not,
@@ -50,8 +53,8 @@ class LossScaling:
             return jnp.zeros((), bool)
         return jnp.isfinite(loss) & ~jnp.isfinite(grad_norm) & (scale > MIN_SCALE)
 
-    def resumed(self, saved_scale: float, saved_dynamic: bool) -> float:
+    def resumed(self, saved: dict, saved_dynamic: bool) -> dict:
         """The scale to go on with after a resume, which may have switched precision."""
-        if not self.dynamic:
-            return 1.0
-        return saved_scale if saved_dynamic else self.initial
+        if self.dynamic and saved_dynamic:
+            return saved
+        return {k: jnp.asarray(v) for k, v in self.initial_state().items()}

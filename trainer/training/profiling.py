@@ -1,4 +1,4 @@
-"""`train.profile_steps=a,b`: a jax.profiler trace of steps a..b in <workdir>/profile.
+"""`train.profile_steps=(a, b)`: a jax.profiler trace of steps a..b in <workdir>/profile.
 
 The trace starts before step a is dispatched and stops once step b's outputs
 are ready, so it holds whole steps, device work included. Open it with
@@ -13,25 +13,10 @@ import os
 
 import jax
 
-from trainer.errors import ConfigError
-
-
-def parse_steps(text: str) -> tuple[int, int] | None:
-    """'a,b' -> (a, b) with 1 <= a <= b; '' -> None."""
-    if not text:
-        return None
-    try:
-        first, last = (int(x) for x in text.split(","))
-    except ValueError:
-        first = last = 0
-    if not 1 <= first <= last:
-        raise ConfigError(f"train.profile_steps={text!r} must be 'first,last' with 1 <= first <= last, e.g. '10,12'.")
-    return first, last
-
 
 class StepProfiler:
-    def __init__(self, text: str, workdir: str, enabled: bool):
-        self.window = parse_steps(text) if enabled else None
+    def __init__(self, window: tuple[int, int] | tuple[()], workdir: str, enabled: bool):
+        self.window = tuple(window) if enabled and window else None
         self.dir = os.path.join(workdir, "profile")
         self.active = False
 

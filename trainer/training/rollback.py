@@ -51,13 +51,13 @@ def roll_back(
         ckpt.set_aside(later, "rolled_back_checkpoints")
     state = restore(step)  # the data stream goes on from where it is
     stats = state.stability
-    skipped = data_read - int(jax.device_get(stats["data_read"]))
+    skipped = data_read - int(jax.device_get(state.clock["data_read"]))
     changes = {
         "lr_scale": jnp.float32(previous["lr_scale"] * cfg.stability.rollback_lr_factor),
         "rollbacks": jnp.int32(rollbacks),
-        "data_read": jnp.int32(data_read),
         "recent_bad": jnp.zeros_like(stats["recent_bad"]),
         "diverged_run": jnp.int32(0),
     }
     changes = {k: jax.device_put(v, replicated) for k, v in changes.items()}
-    return state.replace(stability={**stats, **changes}), skipped / cfg.train.global_batch_size
+    clock = {**state.clock, "data_read": jax.device_put(jnp.int32(data_read), replicated)}
+    return state.replace(stability={**stats, **changes}, clock=clock), skipped / cfg.train.global_batch_size

@@ -18,29 +18,20 @@ corrupted batches or a learning rate far too high, counted in global batches of 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from trainer.errors import ConfigError
-from trainer.training.precision import LossScaling
 
 EMA_DECAY = 0.99
 
 
 def initial_state(cfg) -> dict:
     return {
-        "loss_scale": jnp.float32(LossScaling.from_config(cfg).initial),
-        "good_steps": jnp.int32(0),  # finite steps in a row, for loss-scale growth
         "lr_scale": jnp.float32(1.0),  # lowered at each rollback
-        "sequences": jnp.int32(0),  # sequences trained on: the schedule's clock
-        "data_read": jnp.int32(0),  # sequences drawn from the data stream (rollbacks skip ahead)
         "grad_norm_mean": jnp.float32(0.0),
         "loss_mean": jnp.float32(0.0),
         "stat_steps": jnp.int32(0),
-        "skipped": jnp.int32(0),  # bad steps so far
+        "skipped": jnp.int32(0),  # steps skipped so far (bad ones and fp16 overflows)
         "diverged_run": jnp.int32(0),  # steps in a row with the loss far above its mean
         "recent_bad": jnp.zeros((cfg.stability.bad_window,), jnp.int32),  # verdicts of the last steps, a ring
         "rollbacks": jnp.int32(0),
@@ -93,53 +84,31 @@ def healthy(stats: dict) -> bool:
     return int(np.sum(stats["recent_bad"])) == 0 and int(stats["diverged_run"]) == 0
 
 
-def adopt(saved: dict, cfg, step: int, batch_size: int) -> dict:
+def adopt(saved: dict, cfg, step: int) -> dict:
     """A restored stability state (host arrays, as saved) in the shape this config's runs keep.
 
     The ring of recent verdicts is re-laid for another `bad_window` (the last
-    steps' verdicts kept); entries a newer trainer added start fresh; a state
-    saved before the clock counted sequences (it counted microbatches, and could
-    be converted only when a microbatch was the whole batch) is converted.
+    steps' verdicts kept), and entries a newer trainer added start fresh.
     """
     out = {k: np.array(v) for k, v in initial_state(cfg).items()}
     out.update({k: np.asarray(v) for k, v in saved.items() if k in out and k != "recent_bad"})
-    if "sequences" not in saved:
-        out["sequences"] = np.int32(saved["microbatches"] * batch_size)
-        out["data_read"] = np.int32(saved["data_read"] * batch_size)
     ring, window = np.asarray(saved["recent_bad"]), cfg.stability.bad_window
     for s in range(max(0, step - min(window, len(ring))), step):
         out["recent_bad"][s % window] = ring[s % len(ring)]
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class Drills:
-    """Debug drills, indexed by global batch in the data stream."""
-
-    poisoned: frozenset[int]
-    lr_spike: tuple[int, int, float] | None
-
-    @classmethod
-    def from_config(cls, cfg) -> Drills:
-        d = cfg.debug
-        try:
-            poisoned = frozenset(int(i) for i in d.poison_batches.split(",") if i.strip())
-            spike = None
-            if d.lr_spike:
-                first, last, factor = d.lr_spike.split(":")
-                spike = (int(first), int(last), float(factor))
-        except ValueError as e:
-            raise ConfigError(
-                f"debug.poison_batches={d.poison_batches!r} / debug.lr_spike={d.lr_spike!r} do not parse: "
-                "give 'i,j,...' and 'first:last:factor'."
-            ) from e
-        return cls(poisoned, spike)
-
-    def knobs(self, first: int, count: int, batch_size: int) -> dict[str, float]:
-        """Multipliers for a step reading sequences first .. first+count-1 of the data stream."""
-        batches = range(first // batch_size, (first + count - 1) // batch_size + 1)
-        poisoned = any(b in self.poisoned for b in batches)
-        lr = 1.0
-        if self.lr_spike and any(self.lr_spike[0] <= b <= self.lr_spike[1] for b in batches):
-            lr = self.lr_spike[2]
-        return {"loss_multiplier": float("nan") if poisoned else 1.0, "lr_multiplier": lr}
+def drill_multipliers(cfg, data_read: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """(loss multiplier, learning-rate multiplier) for a step that reads `rows` sequences from `data_read` on,
+    from the drills in `config.debug`, counted in global batches of the data stream; computed on the device."""
+    d, batch = cfg.debug, cfg.train.global_batch_size
+    first, last = data_read // batch, (data_read + rows - 1) // batch
+    poisoned = jnp.zeros((), bool)
+    if d.poison_batches:
+        batches = jnp.asarray(d.poison_batches, jnp.int32)
+        poisoned = jnp.any((batches >= first) & (batches <= last))
+    lr = jnp.float32(1.0)
+    if d.lr_spike:
+        low, high, factor = d.lr_spike
+        lr = jnp.where((first <= high) & (last >= low), jnp.float32(factor), lr)
+    return jnp.where(poisoned, jnp.float32(jnp.nan), jnp.float32(1.0)), lr

@@ -3,21 +3,24 @@
 Parameters are plain nested dicts of arrays (NNX's pure state); the model's
 structure lives in a graphdef that the step merges them into. The state is
 created inside `jax.jit` with `out_shardings`, so every array is born in its
-place on the mesh and no host ever holds a full copy.
+place on the mesh and no host ever holds a full copy. Besides parameters and
+optimiser state it holds three small dicts of replicated scalars: the clock
+(where the schedule and the data stream stand), the loss scale
+(trainer/training/precision.py) and the stability statistics
+(trainer/training/stability.py).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from parallelism.rules import LogicalSharding
-from trainer.model.decoder import Decoder, ModelSpec
+from trainer.model.decoder import ModelDef, init_params
+from trainer.model.spec import ModelSpec
+from trainer.training import precision, stability
 
 
 @flax.struct.dataclass
@@ -26,33 +29,22 @@ class TrainState:
     params: dict
     opt_state: optax.OptState
     rng: jax.Array  # raw uint32 key data, so checkpoints hold plain arrays
-    stability: dict  # loss scale, learning-rate scale, clocks and running statistics (trainer/training/stability.py)
+    clock: dict  # sequences trained on (the schedule's clock) and drawn from the data stream
+    loss_scale: dict  # the fp16 loss scale and the good steps since it last changed
+    stability: dict  # learning-rate scale, rollbacks and running statistics
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelDef:
-    """What is known of a model before any parameter exists."""
-
-    graphdef: nnx.GraphDef
-    abstract_params: dict  # ShapeDtypeStructs
-    logical_names: dict  # tuple of logical axis names per parameter
-
-    @classmethod
-    def create(cls, spec: ModelSpec, shard: LogicalSharding) -> ModelDef:
-        abstract = nnx.eval_shape(lambda: Decoder(spec, shard, rngs=nnx.Rngs(0)))
-        graphdef, state = nnx.split(abstract)
-        names = jax.tree.map(
-            lambda v: v.get_metadata()["out_sharding"], state, is_leaf=lambda v: isinstance(v, nnx.Variable)
-        )
-        return cls(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(names))
-
-    def apply(self, params: dict, *args, method: str = "__call__", **kwargs):
-        return getattr(nnx.merge(self.graphdef, params), method)(*args, **kwargs)
+_COUNTERS = ("clock", "loss_scale", "stability")
 
 
-def init_params(spec: ModelSpec, shard: LogicalSharding, seed) -> dict:
-    """Fresh parameters as a pure dict; call it under jit to place them sharded."""
-    return nnx.to_pure_dict(nnx.state(Decoder(spec, shard, rngs=nnx.Rngs(seed))))
+def initial_counters(cfg) -> dict:
+    """The clock, loss scale and stability entries of a fresh state."""
+    return {
+        # Rollbacks skip data: the stream can be ahead of the sequences trained on.
+        "clock": {"sequences": jnp.int32(0), "data_read": jnp.int32(0)},
+        "loss_scale": precision.LossScaling.from_config(cfg).initial_state(),
+        "stability": stability.initial_state(cfg),
+    }
 
 
 def param_shardings(model: ModelDef, shard: LogicalSharding) -> dict:
@@ -69,74 +61,80 @@ def abstract_params(model: ModelDef, shard: LogicalSharding) -> dict:
 
 
 def state_shardings(
-    model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, stability: dict
+    model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, counters: dict
 ) -> TrainState:
-    """Shardings for every array in the state: optimiser moments follow their parameter.
-
-    A state array whose key path ends with a parameter's path and has its shape
-    (Adam's moments, Lion's and Muon's momentum) is placed like that parameter;
-    anything else (counters, Adafactor's row and column statistics) is small
-    and replicated. Matching by path works for any optimiser's state layout.
-    """
-    params = param_shardings(model, shard)
-    by_path = {
-        _keys(path): (array.shape, sharding)
-        for (path, array), sharding in zip(
-            jax.tree_util.tree_leaves_with_path(model.abstract_params), jax.tree.leaves(params), strict=True
-        )
-    }
+    """Shardings for every array in the state: optimiser moments follow their parameter."""
     rep = shard.replicated()
+    params = abstract_params(model, shard)
+    opt = _optimizer_shardings(tx, jax.eval_shape(tx.init, model.abstract_params), params, rep)
+    param_placement = jax.tree.map(lambda p: p.sharding, params)
+    return TrainState(rep, param_placement, opt, rep, *(jax.tree.map(lambda _: rep, counters[k]) for k in _COUNTERS))
+
+
+def _optimizer_shardings(tx, opt_state, params: dict, rep):
+    """Optax says which parts of an optimiser's state stand for the parameters (Adam's moments,
+    Lion's momentum, Adafactor's statistics); those shaped like their parameter are placed like
+    it, the rest (counters, Adafactor's row and column statistics, hyperparameters) replicated.
+
+    optax.tree_map_params cannot see through optax.partition, which Muon's state is made of; there
+    a state array whose key path ends with a parameter's path and has its shape follows it.
+    """
+
+    def follow(leaf, param):
+        return param.sharding if leaf.shape == param.shape else rep
+
+    try:
+        return optax.tree_map_params(tx, follow, opt_state, params, transform_non_params=lambda _: rep)
+    except ValueError:
+        pass
+    by_path = {_keys(path): p for path, p in jax.tree_util.tree_leaves_with_path(params)}
 
     def place(path, leaf):
         keys = _keys(path)
-        for start in range(len(keys)):
-            shape, sharding = by_path.get(keys[start:], (None, None))
-            if shape == leaf.shape:
-                return sharding
-        return rep
+        matches = [by_path[keys[i:]] for i in range(len(keys)) if keys[i:] in by_path]
+        return follow(leaf, matches[0]) if matches else rep
 
-    opt = jax.tree_util.tree_map_with_path(place, jax.eval_shape(tx.init, model.abstract_params))
-    return TrainState(rep, params, opt, rep, jax.tree.map(lambda _: rep, stability))
+    return jax.tree_util.tree_map_with_path(place, opt_state)
 
 
 def _keys(path) -> tuple:
     return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
 
 
-def _new_state(params, tx, key, stability) -> TrainState:
+def _new_state(params, tx, key, counters) -> TrainState:
     rng = jax.random.key_data(jax.random.fold_in(key, 1))
-    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), rng, stability)
+    return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params), rng, **counters)
 
 
 def create_train_state(
     spec: ModelSpec, model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, seed: int,
-    stability: dict,
+    counters: dict,
 ) -> TrainState:  # fmt: skip
     def init(seed):
         key = jax.random.key(seed)
-        return _new_state(init_params(spec, shard, jax.random.fold_in(key, 0)), tx, key, stability)
+        return _new_state(init_params(spec, shard, jax.random.fold_in(key, 0)), tx, key, counters)
 
-    shardings = state_shardings(model, tx, shard, stability)
+    shardings = state_shardings(model, tx, shard, counters)
     return jax.jit(init, out_shardings=shardings)(jnp.asarray(seed, jnp.uint32))
 
 
 def state_from_params(
     params: dict, model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, seed: int,
-    stability: dict,
+    counters: dict,
 ) -> TrainState:  # fmt: skip
     """Step 0 of a run that starts from given (sharded) parameters, e.g. imported ones."""
-    shardings = state_shardings(model, tx, shard, stability)
-    new = jax.jit(lambda p, s: _new_state(p, tx, jax.random.key(s), stability), out_shardings=shardings)
+    shardings = state_shardings(model, tx, shard, counters)
+    new = jax.jit(lambda p, s: _new_state(p, tx, jax.random.key(s), counters), out_shardings=shardings)
     return new(params, jnp.asarray(seed, jnp.uint32))
 
 
 def abstract_train_state(
-    model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, stability: dict
+    model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, counters: dict
 ) -> TrainState:
     """ShapeDtypeStructs carrying their shardings: restore targets and AOT-compile inputs."""
-    shapes = jax.eval_shape(lambda p: _new_state(p, tx, jax.random.key(0), stability), model.abstract_params)
+    shapes = jax.eval_shape(lambda p: _new_state(p, tx, jax.random.key(0), counters), model.abstract_params)
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         shapes,
-        state_shardings(model, tx, shard, stability),
+        state_shardings(model, tx, shard, counters),
     )

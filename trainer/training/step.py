@@ -13,7 +13,8 @@ grow with the batch (trainer/training/precision.py).
 The step then judges itself (trainer/training/stability.py): non-finite or spiking
 gradients leave parameters and optimiser state untouched. The learning rate is
 set here, from the schedule at the current sequence count, times the rollback
-scale and any drill multiplier, so a step's logged rate is the one it used.
+scale and any drill multiplier (computed here from the data clock), so a step's
+logged rate is the one it used.
 """
 
 from __future__ import annotations
@@ -24,16 +25,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from parallelism import microbatches
 from parallelism.rules import LogicalSharding
+from trainer.model.decoder import ModelDef
 from trainer.optim.optimizer import applied_learning_rate, with_hyperparams
 from trainer.optim.schedules import make_schedule
 from trainer.training import stability
 from trainer.training.precision import LossScaling
-from trainer.training.state import ModelDef, TrainState, param_shardings
+from trainer.training.state import TrainState, param_shardings
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions")
 BATCH_NAMES = ("batch", "seq")
-KNOBS = ("loss_multiplier", "lr_multiplier")
 
 
 def _sums(model: ModelDef, params, batch, z_loss: float):
@@ -45,18 +47,8 @@ def _sums(model: ModelDef, params, batch, z_loss: float):
 
 
 def split_microbatches(batch: dict, k: int, shard: LogicalSharding) -> dict:
-    """(k*m, T) -> (k, m, T), microbatch j = rows j, j+k, j+2k, ...
-
-    Strided, so that each device's contiguous block of rows holds a share of
-    every microbatch and each microbatch stays spread over all data-parallel
-    devices; the rows a step trains on are the same for any k.
-    """
-
-    def split(x):
-        x = x.reshape(x.shape[0] // k, k, *x.shape[1:]).swapaxes(0, 1)
-        return shard.constrain(x, (None, *BATCH_NAMES))
-
-    return jax.tree.map(split, batch)
+    """(k*m, T) -> (k, m, T), split as parallelism/microbatches.py says, each still over the data axes."""
+    return jax.tree.map(lambda x: shard.constrain(microbatches.split(x, k), (None, *BATCH_NAMES)), batch)
 
 
 def _over_microbatches(fn, batch: dict, k: int, shard: LogicalSharding, init, combine):
@@ -85,7 +77,7 @@ def _layer_norms(grads: dict) -> dict[str, jax.Array]:
 
 def make_train_step(
     model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, cfg, microbatches: int
-) -> Callable[[TrainState, dict, dict], tuple[TrainState, dict]]:
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     k = microbatches
     scaling = LossScaling.from_config(cfg)
     schedule = make_schedule(cfg.optim, cfg.train.steps)
@@ -99,14 +91,16 @@ def make_train_step(
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
     grad_shardings = param_shardings(model, shard) if shard.mesh is not None else None
 
-    def train_step(state: TrainState, batch: dict, knobs: dict):
-        stats = state.stability
+    def train_step(state: TrainState, batch: dict):
+        stats, clock = state.stability, state.clock
         rows, positions = batch["tokens"].shape[0], batch["tokens"].size
+        loss_multiplier, lr_multiplier = stability.drill_multipliers(cfg, clock["data_read"], rows)
+        scale = state.loss_scale["scale"]
         # The token count comes out of the forward pass, not before it: counting up front adds a
         # collective that depends on nothing, which XLA:CPU may run beside the first weight
         # all-gather, and simulated devices then deadlock (seen resuming past a damaged checkpoint).
         # A poisoned drill batch makes the factor, and so the loss and gradients, non-finite.
-        factor = stats["loss_scale"] * knobs["loss_multiplier"] / positions
+        factor = scale * loss_multiplier / positions
 
         def micro_step(micro):
             (_, (ce, count, largest)), grads = grad_fn(state.params, micro, factor)
@@ -121,12 +115,12 @@ def make_train_step(
         grads, ce, count, max_logit = _over_microbatches(micro_step, batch, k, shard, (zeros, 0.0, 0.0, 0.0), combine)
         count = jnp.maximum(count, 1.0)
         # Unscale in fp32, and turn the sum over positions into the mean over target tokens.
-        grads = jax.tree.map(lambda g: g * (positions / (count * stats["loss_scale"])), grads)
-        loss, grad_norm = ce / count * knobs["loss_multiplier"], optax.global_norm(grads)
+        grads = jax.tree.map(lambda g: g * (positions / (count * scale)), grads)
+        loss, grad_norm = ce / count * loss_multiplier, optax.global_norm(grads)
         ok, finite, spike = stability.judge(cfg, stats, loss, grad_norm)
-        bad = ~ok & ~scaling.overflowed(loss, grad_norm, stats["loss_scale"])
+        bad = ~ok & ~scaling.overflowed(loss, grad_norm, scale)
 
-        lr = schedule(stats["sequences"] / batch_size) * stats["lr_scale"] * knobs["lr_multiplier"]
+        lr = schedule(clock["sequences"] / batch_size) * stats["lr_scale"] * lr_multiplier
         opt_state = with_hyperparams(state.opt_state, learning_rate=lr, weight_decay=jnp.float32(weight_decay))
         updates, new_opt = tx.update(grads, opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
@@ -135,11 +129,9 @@ def make_train_step(
             return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
 
         params, opt_state = keep(new_params, state.params), keep(new_opt, state.opt_state)
-        new_scale, good = scaling.update(stats["loss_scale"], stats["good_steps"], jnp.isfinite(grad_norm))
+        loss_scale = scaling.update(state.loss_scale, jnp.isfinite(grad_norm))
         stats = stability.update_statistics(cfg, stats, state.step, ok, bad, loss, grad_norm)
-        stats = {**stats, "loss_scale": new_scale, "good_steps": good,
-                 "sequences": stats["sequences"] + jnp.where(ok, rows, 0),
-                 "data_read": stats["data_read"] + rows}  # fmt: skip
+        clock = {"sequences": clock["sequences"] + jnp.where(ok, rows, 0), "data_read": clock["data_read"] + rows}
         param_norm = optax.global_norm(params)
         metrics = {
             "loss": loss,
@@ -155,13 +147,14 @@ def make_train_step(
             "skipped_total": stats["skipped"],
             "bad_in_window": jnp.sum(stats["recent_bad"]),
             "diverged_run": stats["diverged_run"],
-            "sequences": stats["sequences"],
-            "loss_scale": stats["loss_scale"],
+            "sequences": clock["sequences"],
+            "loss_scale": loss_scale["scale"],
             "target_tokens": count,
         }
         if cfg.train.layer_grad_norms:
             metrics.update(_layer_norms(grads))
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, stability=stats)
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, clock=clock,
+                                  loss_scale=loss_scale, stability=stats)  # fmt: skip
         return new_state, metrics
 
     return train_step
@@ -182,10 +175,9 @@ def make_eval_step(model: ModelDef, shard: LogicalSharding, microbatches: int) -
 def jit_train_step(step_fn, state_shardings: TrainState, shard: LogicalSharding):
     """Explicit in/out shardings; the old state is donated so its buffers are reused."""
     batch = {k: shard.named(BATCH_NAMES) for k in BATCH_KEYS}
-    knobs = {k: shard.replicated() for k in KNOBS}
     return jax.jit(
         step_fn,
-        in_shardings=(state_shardings, batch, knobs),
+        in_shardings=(state_shardings, batch),
         out_shardings=(state_shardings, shard.replicated()),
         donate_argnums=0,
     )
@@ -201,9 +193,15 @@ def abstract_batch(global_batch: int, seq_len: int, sharding) -> dict:
     return {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sharding) for k in BATCH_KEYS}
 
 
-def abstract_knobs(shard: LogicalSharding) -> dict:
-    return {k: jax.ShapeDtypeStruct((), jnp.float32, sharding=shard.replicated()) for k in KNOBS}
-
-
-def no_knobs() -> dict:
-    return {"loss_multiplier": jnp.float32(1.0), "lr_multiplier": jnp.float32(1.0)}
+def memory_per_device(compiled) -> dict[str, int]:
+    """XLA's bytes per device for a compiled step; `total` counts outputs that reuse donated inputs once."""
+    mem = compiled.memory_analysis()
+    breakdown = {
+        "arguments": mem.argument_size_in_bytes,
+        "outputs": mem.output_size_in_bytes,
+        "aliased": mem.alias_size_in_bytes,
+        "temporaries": mem.temp_size_in_bytes,
+        "code": mem.generated_code_size_in_bytes,
+    }
+    breakdown["total"] = breakdown["arguments"] + breakdown["outputs"] - breakdown["aliased"] + breakdown["temporaries"]
+    return breakdown

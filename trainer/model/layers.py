@@ -1,0 +1,115 @@
+"""The decoder's layers: RMSNorm, rotary embeddings, grouped-query attention, the SwiGLU MLP, a block.
+
+Every parameter is created with its logical axis names (trainer/model/spec.py
+reads them; parallelism/rules.py maps them to mesh axes). Parameters stay in
+fp32; each matmul runs in the execution's compute dtype, while norms, the
+attention softmax and the logits are fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from parallelism.rules import LogicalSharding
+from trainer.model.attention import attend, cached_attention
+from trainer.model.spec import ModelSpec
+
+RESIDUAL = ("batch", "residual_seq", "embed")  # the residual stream between blocks
+
+
+def param(rngs: nnx.Rngs, shape, names, std: float) -> nnx.Param:
+    # eager_sharding=False: placement is decided once, by jit out_shardings, not at creation.
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding_names=("embed",), eager_sharding=False)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...]).astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float):
+    """cos and sin of shape (batch, seq, 1, head_dim/2) for the given positions."""
+    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, tables) -> jax.Array:
+    """Rotate pairs (i, i + head_dim/2), the layout Hugging Face's Llama uses."""
+    cos, sin = tables
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
+        a = spec.arch
+        d, n, k, h = a.d_model, a.n_heads, a.n_kv_heads, a.head_dim
+        std = spec.hidden_init_std
+        out_std = std / (2 * a.n_layers) ** 0.5  # keeps the residual stream's growth depth-independent
+        self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), std)
+        self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std)
+        self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std)
+        self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
+        self.execution, self.shard = spec.execution, shard
+
+    def __call__(self, x, tables, segment_ids, cache=None):
+        """With `cache` = (k_cache, v_cache, positions), writes this call's keys and values at
+        `positions` and attends over the whole cache; returns (output, updated cache)."""
+        dt = self.execution.compute_dtype
+        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
+        q = self.shard.constrain(apply_rope(q, tables), ("batch", "seq", "heads", "head_dim"))
+        k = self.shard.constrain(apply_rope(k, tables), ("batch", "seq", "kv_heads", "head_dim"))
+        v = self.shard.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        if cache is None:
+            out, new_cache = attend(self.execution.attention, q, k, v, segment_ids), None
+        else:
+            k_cache, v_cache, positions = cache
+            start = positions[0, 0]  # all rows decode in step
+            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
+            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
+            out, new_cache = cached_attention(q, k_cache, v_cache, positions), (k_cache, v_cache)
+        return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)), new_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
+        a, std = spec.arch, spec.hidden_init_std
+        out_std = std / (2 * a.n_layers) ** 0.5
+        self.w_gate = param(rngs, (a.d_model, a.d_ff), ("embed", "mlp"), std)
+        self.w_up = param(rngs, (a.d_model, a.d_ff), ("embed", "mlp"), std)
+        self.w_down = param(rngs, (a.d_ff, a.d_model), ("mlp", "embed"), out_std)
+        self.execution, self.shard = spec.execution, shard
+
+    def __call__(self, x):
+        dt = self.execution.compute_dtype
+        gate = x @ self.w_gate[...].astype(dt)
+        up = x @ self.w_up[...].astype(dt)
+        hidden = self.shard.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        return hidden @ self.w_down[...].astype(dt)
+
+
+class Block(nnx.Module):
+    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(spec.arch.d_model, spec.arch.norm_eps)
+        self.attn = Attention(spec, shard, rngs)
+        self.mlp_norm = RMSNorm(spec.arch.d_model, spec.arch.norm_eps)
+        self.mlp = MLP(spec, shard, rngs)
+        self.shard = shard
+
+    def __call__(self, x, tables, segment_ids, cache=None):
+        attended, cache = self.attn(self.attn_norm(x), tables, segment_ids, cache)
+        x = x + attended
+        x = x + self.mlp(self.mlp_norm(x))
+        return self.shard.constrain(x, RESIDUAL), cache

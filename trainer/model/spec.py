@@ -1,0 +1,111 @@
+"""What a model is (its architecture), how it runs (its execution), and how its weights are told apart.
+
+The architecture defines the function: a checkpoint's weights mean the same
+only under the same architecture, so a resume compares it. The execution
+(remat, scan, attention kernel, compute dtype, loss chunking, pipeline stages)
+may change between any two runs of the same weights.
+
+Every weight carries logical axis names (trainer/model/layers.py); whether a
+weight is a matrix, and a hidden one, is read from them here, once, for weight
+decay, muP and Muon.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+# Named rematerialisation policies: what the backward pass may keep from the forward.
+REMAT = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.dots_saveable,
+    "save_dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+LAYERS = "layers"  # the logical axis of the stacked blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """What defines the model's function: the same weights mean the same thing only under the same values.
+
+    A run resumes or evaluates a checkpoint only under the architecture it was
+    trained with. The field names are the `model.*` config keys.
+    """
+
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    mup_base_width: int = 0  # muP: hidden init and learning rate scale with d_model / this; logits divided by it
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def width_multiplier(self) -> float:
+        """muP's m = d_model / base width (1 without muP); see trainer/optim/mup.py."""
+        return self.d_model / self.mup_base_width if self.mup_base_width else 1.0
+
+    @classmethod
+    def from_config(cls, cfg) -> Architecture:
+        return cls(**{f.name: cfg.model[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    """How the function is computed: any of these may change between two runs on the same weights."""
+
+    remat: str = "none"
+    scan_layers: bool = True
+    attention: str = "xla"
+    compute_dtype: str = "float32"
+    loss_chunk: int = 0  # sequence positions per chunk of the loss's logits (0 = all at once)
+    stages: int = 1  # pipeline stages (mesh.stage); see parallelism/pipeline.py
+    pipeline_microbatches: int = 1  # microbatches the pipeline's forward pass is cut into (train.pipeline_microbatches)
+
+    @classmethod
+    def from_config(cls, cfg) -> Execution:
+        m = cfg.model
+        return cls(remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
+                   compute_dtype=cfg.precision.compute_dtype, loss_chunk=m.loss_chunk, stages=cfg.mesh.stage,
+                   pipeline_microbatches=cfg.train.pipeline_microbatches)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A model to build: its architecture, how it runs, and how its weights start."""
+
+    arch: Architecture
+    execution: Execution = Execution()
+    init_std: float = 0.02
+
+    @property
+    def hidden_init_std(self) -> float:
+        return self.init_std / self.arch.width_multiplier**0.5
+
+    @classmethod
+    def from_config(cls, cfg) -> ModelSpec:
+        return cls(Architecture.from_config(cfg), Execution.from_config(cfg), cfg.model.init_std)
+
+
+def is_matrix(names: tuple) -> bool:
+    """A weight matrix (embeddings, head, projections): two or more axes besides the layer stack.
+
+    Norm scales are vectors: decaying a gain towards zero fights the
+    normalisation instead of regularising, so weight decay applies to matrices only.
+    """
+    return len([n for n in names if n != LAYERS]) >= 2
+
+
+def is_hidden(names: tuple) -> bool:
+    """A matrix inside the blocks (stacked over layers): muP scales its init and learning rate,
+    Muon orthogonalises its updates."""
+    return names[0] == LAYERS and is_matrix(names)

@@ -1,0 +1,210 @@
+"""Every check that a config can work, before anything compiles or touches the disk.
+
+`validate` judges the config alone (keys, values, and what the schedule, muP,
+the batch ramp, the drills and the sharding rules need); `check_mesh_fit` the
+config against the mesh it will run on. Training, planning and evaluation all
+pass through both (trainer/training/setup.py), so a bad config fails the same
+way everywhere, with one sentence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_collections
+
+from parallelism.mesh import AXES
+from parallelism.rules import check_rules, parse_rules
+from trainer.config import (
+    ATTENTION_IMPLS,
+    DTYPES,
+    LOSS_SCALING,
+    OPTIMIZERS,
+    REMAT_POLICIES,
+    RENAMED,
+    SCHEDULES,
+    SOURCES,
+    TOKENIZERS,
+    defaults,
+    flatten,
+    microbatch_size,
+)
+from trainer.errors import ConfigError
+from trainer.optim import mup, schedules
+from trainer.training import batch_ramp
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+    """Raise ConfigError naming the first key that cannot work, before any device is asked."""
+    known = flatten(defaults())
+    for path, value in flatten(cfg).items():
+        if path in RENAMED:
+            raise ConfigError(f"config key '{path}' is now '{RENAMED[path]}'; use the new name.")
+        if path not in known:
+            raise ConfigError(f"unknown config key '{path}'; check its spelling against trainer/config.py.")
+        default = known[path]
+        if isinstance(default, (int, float)) and not isinstance(default, bool):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{path}={value!r} must be a number.")
+    missing = set(known) - set(flatten(cfg))
+    if missing:
+        raise ConfigError(
+            f"config key '{sorted(missing)[0]}' is missing; start recipes from trainer.config.defaults()."
+        )
+
+    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    _choice("model.remat", m.remat, REMAT_POLICIES)
+    _choice("model.attention", m.attention, ATTENTION_IMPLS)
+    _choice("optim.schedule", o.schedule, SCHEDULES)
+    _choice("optim.name", o.name, OPTIMIZERS)
+    _choice("precision.loss_scaling", cfg.precision.loss_scaling, LOSS_SCALING)
+    _choice("precision.moments_dtype", cfg.precision.moments_dtype, ("float32", "bfloat16"))
+    _choice("optim.decay_shape", o.decay_shape, ("linear", "cosine"))
+    _choice("precision.param_dtype", cfg.precision.param_dtype, ("float32",))
+    _choice("precision.compute_dtype", cfg.precision.compute_dtype, DTYPES)
+    _choice("data.source", d.source, SOURCES)
+    _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
+    _choice("data.packing", d.packing, ("concat",))
+    for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
+        _positive(f"model.{key}", m[key])
+    for key in ("steps", "global_batch_size", "grad_accum_steps", "pipeline_microbatches", "log_every", "eval_batches"):
+        _positive(f"train.{key}", t[key])
+    _positive("data.seq_len", d.seq_len)
+    _positive("checkpoint.every_steps", cfg.checkpoint.every_steps)
+    _positive("checkpoint.keep", cfg.checkpoint.keep)
+    if m.d_model % m.n_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not a multiple of model.n_heads={m.n_heads}.")
+    if (m.d_model // m.n_heads) % 2:
+        raise ConfigError(f"the head size d_model/n_heads={m.d_model // m.n_heads} must be even for rotary embeddings.")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}; "
+            "each key/value head must serve a whole group of query heads."
+        )
+    if m.loss_chunk < 0 or (m.loss_chunk and d.seq_len % m.loss_chunk):
+        raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be 0 or divide data.seq_len={d.seq_len}.")
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}.")
+    if t.global_batch_size % t.grad_accum_steps:
+        raise ConfigError(
+            f"train.global_batch_size={t.global_batch_size} does not divide into "
+            f"train.grad_accum_steps={t.grad_accum_steps} microbatches."
+        )
+    _check_pipeline(cfg)
+    if not 0 <= o.min_lr_ratio <= 1:
+        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
+    if not 0 < o.decay_fraction <= 1:
+        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must lie in (0, 1].")
+    if o.warmup_steps < 0 or o.decay_steps < 0 or t.eval_every < 0 or cfg.checkpoint.keep_every < 0:
+        raise ConfigError(
+            "optim.warmup_steps, optim.decay_steps, train.eval_every and checkpoint.keep_every cannot be negative."
+        )
+    if o.warmup_steps + o.decay_steps > t.steps:
+        raise ConfigError(
+            f"optim.warmup_steps={o.warmup_steps} + optim.decay_steps={o.decay_steps} exceed "
+            f"train.steps={t.steps}; shorten the schedule or train longer."
+        )
+    if cfg.checkpoint.reset_optimizer and cfg.checkpoint.init_from:
+        raise ConfigError(
+            "checkpoint.reset_optimizer resumes this run and checkpoint.init_from starts a new one from another's "
+            "weights; set one, not both."
+        )
+    if d.tokenizer == "sentencepiece" and not d.tokenizer_path:
+        raise ConfigError(
+            "data.tokenizer='sentencepiece' needs data.tokenizer_path; train one with scripts/train_tokenizer.py."
+        )
+    schedules.check(cfg.optim, t.steps)
+    mup.check(cfg)
+    batch_ramp.check(cfg)
+    _check_lists(cfg)
+    check_rules(parse_rules(cfg.mesh.rules, cfg.mesh.sequence_parallel), AXES)
+
+
+def _check_lists(cfg) -> None:
+    """The config's lists: drills and the profiling window."""
+    dbg, window = cfg.debug, cfg.train.profile_steps
+    if not all(isinstance(b, int) and b >= 0 for b in dbg.poison_batches):
+        raise ConfigError(
+            f"debug.poison_batches={dbg.poison_batches!r} must be data batch numbers, e.g. "
+            "--config.debug.poison_batches=12,13,14."
+        )
+    spike = dbg.lr_spike
+    if spike and not (
+        len(spike) == 3 and all(isinstance(x, (int, float)) for x in spike) and 0 <= spike[0] <= spike[1]
+    ):
+        raise ConfigError(
+            f"debug.lr_spike={spike!r} must be (first batch, last batch, factor), e.g. "
+            "--config.debug.lr_spike=20,27,1000."
+        )
+    if window and not (len(window) == 2 and all(isinstance(x, int) for x in window) and 1 <= window[0] <= window[1]):
+        raise ConfigError(
+            f"train.profile_steps={window!r} must be (first, last) with 1 <= first <= last, e.g. "
+            "--config.train.profile_steps=10,12."
+        )
+
+
+def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
+    stages, m = cfg.mesh.stage, cfg.train.pipeline_microbatches
+    if stages < 1:
+        raise ConfigError(f"mesh.stage={stages} must be a positive number of pipeline stages.")
+    if stages == 1:
+        if m != 1:
+            raise ConfigError(
+                f"train.pipeline_microbatches={m} only applies to a pipeline; set mesh.stage > 1 or leave it 1."
+            )
+        return
+    if cfg.model.n_layers % stages:
+        raise ConfigError(
+            f"model.n_layers={cfg.model.n_layers} does not split into mesh.stage={stages} equal stages; "
+            f"use a stage count that divides {cfg.model.n_layers}."
+        )
+    if m < stages:
+        raise ConfigError(
+            f"train.pipeline_microbatches={m} is fewer than mesh.stage={stages}, so stages would sit idle; "
+            f"use at least {stages} (4 x {stages} = {4 * stages} keeps the bubble under 20%)."
+        )
+    micro = microbatch_size(cfg)
+    if micro % m:
+        raise ConfigError(
+            f"a batch of {micro} sequences (train.global_batch_size / train.grad_accum_steps) does not "
+            f"split into train.pipeline_microbatches={m} pipeline microbatches; make it a multiple of {m}."
+        )
+
+
+def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
+    """Refuse a batch or head count that does not divide over the mesh."""
+    data_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    tensor = mesh.shape["tensor"]
+    micro = microbatch_size(cfg)
+    if micro % data_ways:
+        raise ConfigError(
+            f"each microbatch of {micro} sequences (train.global_batch_size / train.grad_accum_steps) "
+            f"does not divide over data x fsdp = {data_ways} devices; make it a multiple of {data_ways}."
+        )
+    piece = micro // cfg.train.pipeline_microbatches
+    if piece % data_ways:
+        raise ConfigError(
+            f"each pipeline microbatch of {piece} sequences does not divide over data x fsdp = "
+            f"{data_ways} devices; use fewer train.pipeline_microbatches or a larger batch."
+        )
+    for key in ("n_heads", "n_kv_heads"):
+        if cfg.model[key] % tensor:
+            raise ConfigError(
+                f"model.{key}={cfg.model[key]} does not divide over mesh.tensor={tensor}; "
+                f"use a tensor size that divides {cfg.model[key]}."
+            )
+    for key in ("d_ff", "vocab_size"):
+        if cfg.model[key] % tensor:
+            raise ConfigError(f"model.{key}={cfg.model[key]} does not divide over mesh.tensor={tensor}.")
+    if cfg.model.d_model % mesh.shape["fsdp"]:
+        raise ConfigError(f"model.d_model={cfg.model.d_model} does not divide over mesh.fsdp={mesh.shape['fsdp']}.")
+
+
+def _choice(path: str, value, valid) -> None:
+    if value not in valid:
+        raise ConfigError(f"{path}={value!r} is not one of {', '.join(map(str, valid))}.")
+
+
+def _positive(path: str, value) -> None:
+    if value <= 0 or (isinstance(value, float) and not math.isfinite(value)):
+        raise ConfigError(f"{path}={value} must be positive.")
