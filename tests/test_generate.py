@@ -28,7 +28,7 @@ def naive_generate(setup, params, prompt, n, seed=0, temperature=0.0, top_k=0, t
     return np.asarray(tokens[:, prompt.shape[1] :])
 
 
-@pytest.mark.parametrize("mesh,n_devices", [(dict(fsdp=1), 1), (dict(fsdp=4, tensor=2), 8)])
+@pytest.mark.parametrize("mesh,n_devices", [(dict(fsdp=4, tensor=2), 8)])
 def test_cached_greedy_decoding_equals_recomputing_the_prefix(mesh, n_devices):
     setup, params = setup_and_params(mesh, n_devices)
     prompt = np.random.default_rng(0).integers(3, 384, (2, 7)).astype(np.int32)

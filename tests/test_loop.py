@@ -1,9 +1,7 @@
 """The training loop end to end: workdir contents, resume, checkpoints, learning."""
 
 import glob
-import importlib.util
 import json
-import math
 import os
 
 import jax
@@ -68,15 +66,14 @@ def test_a_run_leaves_config_metrics_tensorboard_and_checkpoints(tmp_path, corpu
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "5"]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_stopping_and_rerunning_continues_the_same_run_bit_for_bit(tmp_path, corpus_dir, dtype):
+def test_stopping_and_rerunning_continues_the_same_run_bit_for_bit(tmp_path, corpus_dir):
     """8 steps in one go == 4 steps, stop, the same command to 8: same data, same losses, same weights,
-    exactly; with fp16 the dynamic loss scale (growing every 2 good steps) is restored too."""
+    exactly; in fp16, so that the dynamic loss scale (growing every 2 good steps) is restored too."""
     # A constant schedule, so that train.steps=4 and =8 schedule the same rates.
     sections = dict(
         optim=dict(schedule="constant", warmup_steps=2),
         checkpoint={"every_steps": 4},
-        precision=dict(compute_dtype=dtype, initial_loss_scale=64.0, loss_scale_growth_interval=2),
+        precision=dict(compute_dtype="float16", initial_loss_scale=64.0, loss_scale_growth_interval=2),
     )
     straight = str(tmp_path / "straight")
     train(text_config(corpus_dir, train=dict(steps=8, log_every=1), **sections), straight)
@@ -113,24 +110,6 @@ def test_records_logged_after_the_restored_checkpoint_are_dropped(tmp_path):
             f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
     MetricsWriter(str(tmp_path), resume_step=4).close()
     assert [r["step"] for r in records(tmp_path)] == [2, 4]
-
-
-def test_tiny_config_learns(tmp_path, corpus_dir):
-    spec = importlib.util.spec_from_file_location("tiny", os.path.join(REPO, "configs", "tiny.py"))
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    cfg = tiny.get_config()
-    cfg.data.data_dir = corpus_dir
-    cfg.train.update(steps=24, log_every=6, eval_every=24, global_batch_size=8)
-    cfg.optim.warmup_steps = 6
-    cfg.checkpoint.every_steps = 24
-    result = train(cfg, str(tmp_path / "tiny"))
-    losses = [r["loss"] for r in records(tmp_path / "tiny") if "loss" in r]
-    # An untrained model's loss is ~ln(vocab) = 5.95; 24 steps must take it far below, and keep falling.
-    assert losses[-1] < math.log(cfg.model.vocab_size) - 2.5, losses
-    assert losses[-1] < losses[0] - 0.2, losses
-    # Already better than any context-free model of the held-out text.
-    assert result["eval_loss"] < result["unigram_loss"], result
 
 
 def test_profile_steps_writes_a_trace_of_those_steps(tmp_path, capsys):

@@ -64,10 +64,10 @@ def test_mup_refuses_tied_embeddings_and_other_optimisers():
 def test_the_sweep_script_writes_its_plot_and_table(tmp_path):
     cfg = micro_config(data=dict(source="synthetic"))
     result = subprocess.run(
-        [sys.executable, "scripts/mup_sweep.py", *cli_args(cfg), "--widths=64,128", "--lrs=1e-2",
+        [sys.executable, "scripts/mup_sweep.py", *cli_args(cfg), "--widths=64", "--lrs=1e-2",
          "--steps=3", f"--out={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     table = (tmp_path / "mup_sweep.md").read_text()
-    assert table.count("| muP |") == 2 and table.count("| standard |") == 2
+    assert table.count("| muP |") == 1 and table.count("| standard |") == 1
     assert (tmp_path / "mup_sweep.png").stat().st_size > 10_000

@@ -57,7 +57,6 @@ def test_pipelined_forward_equals_the_plain_layer_scan():
 
 
 PIPELINES = {
-    "stage=2": (dict(stage=2, fsdp=1), 4, 1, "none", 2),
     "stage=4 x data=2, remat": (dict(stage=4, data=2, fsdp=1), 4, 1, "full", 8),
     "stage=2 x fsdp=2 x tensor=2, accumulation": (dict(stage=2, fsdp=2, tensor=2), 2, 2, "save_dots", 8),
 }
@@ -85,7 +84,7 @@ def test_each_stage_holds_its_own_layers_and_passes_activations_to_its_neighbour
     assert "all-gather" not in found and "reduce-scatter" not in found, found
 
 
-@pytest.mark.parametrize("saved,restored", [(2, 1), (1, 2)], ids=["stage2->stage1", "stage1->stage2"])
+@pytest.mark.parametrize("saved,restored", [(2, 1)], ids=["stage2->stage1"])
 def test_a_checkpoint_restores_across_stage_counts(tmp_path, saved, restored):
     def setup_for(stages):
         cfg = config(dict(stage=stages, fsdp=2), microbatches=2 * stages if stages > 1 else 1)

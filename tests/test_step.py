@@ -149,6 +149,29 @@ def test_bf16_compute_keeps_fp32_master_weights_and_tracks_the_fp32_loss():
     assert bf16[0] - bf16[-1] == pytest.approx(fp32[0] - fp32[-1], rel=0.05)
 
 
+def test_per_layer_gradient_norms_equal_an_independent_gradient():
+    """Each `grad_norm/layers.<weight>` entry against jax.grad of the mean loss, layer by layer,
+    with a loss scale and two accumulated microbatches in the way."""
+    cfg = micro_config(train=dict(layer_grad_norms=True, grad_accum_steps=2), optim=dict(clip_norm=1e-3))
+    setup = build(cfg, jax.devices()[:1])
+    state, b = setup.new_state(), batch(cfg)
+    params = jax.device_get(state.params)
+    _, metrics = setup.train_step()(state, b)
+
+    def mean_loss(p):
+        ce, count, _, _ = setup.model.apply(p, b["tokens"], b["positions"], b["segment_ids"], method="loss_sums")
+        return ce / count
+
+    grads = jax.grad(mean_loss)(params)
+    checked = 0
+    for path, g in jax.tree_util.tree_leaves_with_path(grads["layers"]):
+        name = "grad_norm/layers." + ".".join(k.key for k in path)
+        expected = np.sqrt((np.asarray(g, np.float64) ** 2).reshape(g.shape[0], -1).sum(axis=1))
+        np.testing.assert_allclose(np.asarray(metrics[name]), expected, rtol=1e-4)
+        checked += 1
+    assert checked == 9  # every stacked weight
+
+
 def test_a_chunked_loss_gives_the_same_step_in_less_memory():
     """Logits made 8 positions at a time: same loss, gradients and largest logit; the
     (batch, seq, vocab) fp32 logits and their gradient (8 x 64 x 8192 x 4 B = 16 MiB each) never exist whole."""

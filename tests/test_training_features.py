@@ -56,9 +56,8 @@ def test_diagnostic_metrics_are_logged_and_add_up(tmp_path):
         assert key in last and math.isfinite(last[key]), key
     assert 0 < last["update_ratio"] < 1 and last["max_logit"] > 0 and last["loss_scale"] == 1.0
     per_layer = {k: v for k, v in last.items() if k.startswith("grad_norm/layers.")}
-    assert len(per_layer) == 9 * cfg.model.n_layers  # nine stacked weights, one norm per layer each
-    # The layers' gradients are part of the whole: their norms cannot exceed the global one.
-    assert math.sqrt(sum(v * v for v in per_layer.values())) <= last["grad_norm"] * (1 + 1e-6)
+    # Nine stacked weights, one norm per layer each (their values: tests/test_step.py).
+    assert len(per_layer) == 9 * cfg.model.n_layers
 
 
 def test_an_unknown_precision_lists_the_valid_ones(tmp_path):
