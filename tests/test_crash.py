@@ -70,7 +70,7 @@ def uninterrupted(tmp_path_factory, corpus_dir):
 
 
 def test_sigkill_at_random_moments_and_a_sigterm_lose_nothing(tmp_path, corpus_dir, uninterrupted):
-    """Killed at start-up and three times mid-training (an asynchronous save nearly always in flight),
+    """Killed at start-up and twice mid-training (an asynchronous save nearly always in flight),
     then stopped by SIGTERM, which saves the current step and exits 0; the same command resumes and
     ends with the uninterrupted run's weights, bit for bit."""
     rng = random.Random(1234)  # random moments, reproducibly
@@ -80,7 +80,7 @@ def test_sigkill_at_random_moments_and_a_sigterm_lose_nothing(tmp_path, corpus_d
     time.sleep(rng.uniform(0.5, 3.0))
     proc.kill()
     proc.wait()
-    while kills < 3:
+    while kills < 2:
         proc = start(workdir, corpus_dir)
         wait_for_progress(proc, workdir, logged_lines(workdir) + rng.randint(1, 6))
         time.sleep(rng.uniform(0.0, 0.08))
@@ -89,7 +89,7 @@ def test_sigkill_at_random_moments_and_a_sigterm_lose_nothing(tmp_path, corpus_d
         proc.kill()
         proc.wait()
         kills += 1
-    assert kills == 3
+    assert kills == 2
 
     proc = start(workdir, corpus_dir)
     wait_for_progress(proc, workdir, logged_lines(workdir) + 3)
