@@ -67,28 +67,3 @@ def text_batches(corpus_dir):
     cfg = micro_config(data=dict(source="text_files", data_dir=corpus_dir), train=dict(global_batch_size=16))
     stream = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(16), shuffle=True))
     return [next(stream) for _ in range(20)]
-
-
-# The slowest files first, so that the two xdist workers (one file at a time) finish together.
-SLOWEST_FIRST = (
-    "test_precision",
-    "test_multiprocess",
-    "test_crash",
-    "test_resume",
-    "test_loop",
-    "test_pipeline",
-    "test_equivalence",
-    "test_mup",
-    "test_stability",
-    "test_optimizers",
-    "test_generate",
-    "test_step",
-)
-
-
-def pytest_collection_modifyitems(items):
-    def rank(item):
-        name = item.path.stem
-        return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
-
-    items.sort(key=rank)  # stable: each file keeps its own order
