@@ -55,9 +55,9 @@ def changed_keys(saved, cfg, view: Callable) -> list[str]:
     ]
 
 
-def check_architecture(workdir: str, cfg) -> None:
+def check_architecture(workdir: str, cfg, saved=None) -> None:
     """Refuse a config whose model (or tokenizer) would read the saved weights differently."""
-    saved = saved_config(workdir)
+    saved = saved if saved is not None else saved_config(workdir)
     if saved is None:
         return
     differ = changed_keys(saved, cfg, lambda c: (Architecture.from_config(c), tokenizer_identity(c.data)))
@@ -69,10 +69,10 @@ def check_architecture(workdir: str, cfg) -> None:
 
 def check_resume(workdir: str, cfg, setup) -> None:
     """Everything a resume may refuse, judged from the saved config, before anything is read or written."""
-    check_architecture(workdir, cfg)
     saved = saved_config(workdir)
     if saved is None:
         return
+    check_architecture(workdir, cfg, saved)
     differ = changed_keys(saved, cfg, lambda c: Stream.from_config(c).identity())
     if differ:
         raise ConfigError(

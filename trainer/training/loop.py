@@ -137,9 +137,7 @@ class Run:
             self.state, data = setup.new_state(), self._new_data()
         if self.primary:  # once the checkpoint is accepted: a refusal leaves the workdir as it was
             wd.write_config(workdir, cfg)
-        clock = fetch({"step": self.state.step, **self.state.clock, "skipped": self.state.stability["skipped"]})
-        self.step, self.trained, self.data_read = int(clock["step"]), int(clock["sequences"]), int(clock["data_read"])
-        self.skipped_seen = int(clock["skipped"])
+        self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
         self.data = streams.Prefetch(data, self._plan, self.data_read)
         self.writer = MetricsWriter(workdir, resume_step=self.step, enabled=self.primary)
         self.profiler = StepProfiler(t.profile_steps, workdir, enabled=self.primary)
@@ -164,15 +162,14 @@ class Run:
         rows = self.rows if size == self.batch else streams.ramp_rows(self._local_rows(size), size, self.batch)
         return size, rows
 
-    def _read_clocks(self) -> None:
-        """Step, sequences trained on and read, skipped steps: a (small) sync with the device."""
+    def _clocks(self) -> tuple[int, int, int, int]:
+        """(step, sequences trained on, sequences read, skipped steps): a (small) sync with the device."""
         s = fetch({"step": self.state.step, **self.state.clock, "skipped": self.state.stability["skipped"]})
-        self.step, self.trained, self.data_read = int(s["step"]), int(s["sequences"]), int(s["data_read"])
-        self.skipped_seen = int(s["skipped"])
+        return int(s["step"]), int(s["sequences"]), int(s["data_read"]), int(s["skipped"])
 
     def finished(self) -> bool:
         if self.trained >= self.target:  # an estimate between syncs: a skipped step trains on nothing
-            self._read_clocks()
+            self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
         return self.trained >= self.target
 
     def start(self) -> None:
@@ -253,7 +250,7 @@ class Run:
             return resume.restore_state(self.ckpt, step, self.setup, None, self.cfg)[0]
 
         self.state, skipped_batches = roll_back(self.cfg, self.ckpt, restore, self.state, self.data_read)
-        self._read_clocks()
+        self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
         self.dispatched = []
         lr_scale = float(fetch(self.state.stability["lr_scale"]))
         event = {"event": "rollback", "reason": reason, "from_step": from_step, "to_step": self.step,
