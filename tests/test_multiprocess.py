@@ -85,24 +85,6 @@ def test_a_two_process_checkpoint_resumes_in_one_process(runs, corpus_dir):
         assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-4)
 
 
-def test_data_parallel_across_processes_as_slices_trains_like_one_process(runs, corpus_dir, tmp_path):
-    """mesh.dcn_data=2: each process is a slice and only the data axis crosses between them."""
-    single, _, _ = runs
-    workdir = str(tmp_path / "dcn")
-    cfg = run_config(corpus_dir)
-    cfg.mesh.dcn_data = 2  # x fsdp=4 inside each process
-    result = subprocess.run(
-        [sys.executable, "scripts/launch_local.py", "-n", "2", "--devices_per_process", "4", "--",
-         sys.executable, "scripts/train.py", *cli_args(cfg), f"--workdir={workdir}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:]
-    assert "mesh {'stage': 1, 'data': 2, 'fsdp': 4, 'tensor': 1}" in result.stdout
-    a, b = losses(single), losses(workdir)
-    for step in range(1, 11):
-        assert b[step]["loss"] == pytest.approx(a[step]["loss"], rel=1e-5)
-
-
 def test_a_batch_that_does_not_divide_fails_every_process_with_one_sentence(tmp_path, corpus_dir):
     cfg = run_config(corpus_dir)
     cfg.train.global_batch_size = 12

@@ -107,11 +107,14 @@ def test_time_to_train_and_the_budget_follow_their_formulas():
     assert 6 * rule["n_params"] * rule["tokens"] == pytest.approx(1e21) and rule["tokens"] == 20 * rule["n_params"]
     assert 6 * fit["n_params"] * fit["tokens"] == pytest.approx(1e21)
     # The fit's optimum: no other split of the same budget predicts a lower loss.
-    from trainer.planning.scaling import fit_loss
+    from trainer.planning.scaling import CHINCHILLA
 
     for scale in (0.5, 0.8, 1.25, 2.0):
         n = fit["n_params"] * scale
-        assert fit_loss(n, 1e21 / (6 * n)) > fit["loss"]
+        assert CHINCHILLA.loss(n, 1e21 / (6 * n)) > fit["loss"]
+    # The numerical optimum for a token cost of 6 N agrees with the closed form.
+    numeric = CHINCHILLA.best_split(1e21, lambda n: 6 * n)
+    assert numeric["n_params"] == pytest.approx(fit["n_params"], rel=0.01)
 
 
 def test_an_unknown_chip_is_refused_with_the_known_ones():

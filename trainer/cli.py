@@ -20,11 +20,17 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index.")
 
 
-def define_config_flag():
+def define_config_flag(required: bool = True):
     """--config configs/x.py, with --config.section.key=value overrides (locked: unknown keys fail)."""
     flag = config_flags.DEFINE_config_file("config", None, "A configs/*.py recipe.", lock_config=True)
-    flags.mark_flags_as_required(["config"])
+    if required:
+        flags.mark_flags_as_required(["config"])
     return flag
+
+
+def config_args(argv: list[str]) -> list[str]:
+    """The --config flags of a command line, to hand on to another script (scaling.py's --list)."""
+    return [f"--config={config_path()}"] + [a for a in argv if a.startswith("--config.")]
 
 
 def config_path() -> str:

@@ -53,7 +53,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     }
     result["bytes_per_device"] = memory.bytes_per_device(cfg, setup)
     result["chinchilla_tokens"] = scaling.TOKENS_PER_PARAM * counts["total"]
-    result["chinchilla_fit_loss"] = scaling.fit_loss(counts["total"], result["chinchilla_tokens"])
+    result["chinchilla_fit_loss"] = float(scaling.CHINCHILLA.loss(counts["total"], result["chinchilla_tokens"]))
     chips = chips or setup.mesh.size
     run_tokens = tokens or result["chinchilla_tokens"]
     result["training"] = {
@@ -69,7 +69,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         result["budget"] = {
             "flops": budget,
             "rule_of_thumb": scaling.rule_of_thumb_optimum(budget),
-            "fit": scaling.fit_optimum(budget),
+            "fit": scaling.CHINCHILLA.optimum(budget),
             "seconds": scaling.seconds_to_train(budget, chip, chips, mfu),
         }
     if cfg.mesh.stage > 1:

@@ -1,38 +1,60 @@
-"""How big and how long: Chinchilla-optimal sizes and the time a run takes on named chips.
+"""How big and how long: compute-optimal sizes, and the time a run takes on named chips.
 
-Two readings of Hoffmann et al. (2022), "Training Compute-Optimal Large
-Language Models":
+A scaling law in Hoffmann et al.'s (2022, "Training Compute-Optimal Large
+Language Models") parametric form, L(N, D) = E + A / N^alpha + B / D^beta, for
+N parameters trained on D tokens. `CHINCHILLA` is their published fit (their
+eq. 10, Approach 3); trainer/planning/scaling_fit.py fits one to your own runs.
 
-- the rule of thumb, about 20 training tokens per parameter;
-- the parametric fit of their Approach 3, L(N, D) = E + A / N^alpha + B / D^beta
-  with E = 1.69, A = 406.4, B = 410.7, alpha = 0.34, beta = 0.28 (their eq. 10).
-  Minimising it under C = 6 N D gives N_opt = G (C/6)^a and D_opt = (C/6)^b / G
-  with a = beta / (alpha + beta), b = alpha / (alpha + beta) and
-  G = (alpha A / (beta B))^(1 / (alpha + beta)).
+Minimising L under C = 6 N D gives N_opt = G (C/6)^a and D_opt = (C/6)^b / G,
+with a = beta / (alpha + beta), b = alpha / (alpha + beta) and
+G = (alpha A / (beta B))^(1 / (alpha + beta)). When a token costs more than
+6 N FLOPs (attention at long sequences, small models), `Law.best_split` finds
+the optimum for a given FLOPs-per-token function numerically.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
+
+import numpy as np
 
 from trainer.flops import CHIPS
 
 TOKENS_PER_PARAM = 20
-FIT = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
 
 
-def fit_loss(n_params: float, tokens: float) -> float:
-    """The fit's predicted loss (nats per token, on their data) for N parameters and D tokens."""
-    return FIT["E"] + FIT["A"] / n_params ** FIT["alpha"] + FIT["B"] / tokens ** FIT["beta"]
+@dataclasses.dataclass(frozen=True)
+class Law:
+    E: float
+    A: float
+    B: float
+    alpha: float
+    beta: float
+
+    def loss(self, n_params, tokens):
+        """Predicted loss (nats per token) for N parameters trained on D tokens; arrays broadcast."""
+        return self.E + self.A / np.power(n_params, self.alpha) + self.B / np.power(tokens, self.beta)
+
+    def optimum(self, flops: float) -> dict[str, float]:
+        """The compute-optimal N and D for a budget of `flops` under C = 6 N D (closed form)."""
+        alpha, beta = self.alpha, self.beta
+        g = (alpha * self.A / (beta * self.B)) ** (1 / (alpha + beta))
+        n = g * (flops / 6) ** (beta / (alpha + beta))
+        d = (flops / 6) ** (alpha / (alpha + beta)) / g
+        return {"n_params": n, "tokens": d, "loss": float(self.loss(n, d))}
+
+    def best_split(self, flops: float, flops_per_token: Callable, lo: float = 1e3, hi: float = 1e13) -> dict:
+        """The optimum when a token costs `flops_per_token(N)` FLOPs: the least loss over a fine grid of N."""
+        n = np.geomspace(lo, hi, 4001)
+        d = flops / flops_per_token(n)
+        losses = self.loss(n, d)
+        best = int(np.argmin(losses))
+        return {"n_params": float(n[best]), "tokens": float(d[best]), "loss": float(losses[best])}
 
 
-def fit_optimum(flops: float) -> dict[str, float]:
-    """The fit's compute-optimal parameters and tokens for a budget of `flops` (C = 6 N D)."""
-    alpha, beta = FIT["alpha"], FIT["beta"]
-    g = (alpha * FIT["A"] / (beta * FIT["B"])) ** (1 / (alpha + beta))
-    n = g * (flops / 6) ** (beta / (alpha + beta))
-    d = (flops / 6) ** (alpha / (alpha + beta)) / g
-    return {"n_params": n, "tokens": d, "loss": fit_loss(n, d)}
+CHINCHILLA = Law(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
 
 
 def rule_of_thumb_optimum(flops: float) -> dict[str, float]:
