@@ -150,8 +150,8 @@ def bootstrap(n, tokens, flops, loss, flops_per_token, resamples: int = 200, see
     for _ in range(resamples):
         idx = np.concatenate([rng.choice(g, len(g)) for g in groups])
         try:
-            with warnings.catch_warnings():  # a resample may repeat one size: a poorly conditioned parabola
-                warnings.simplefilter("ignore", np.exceptions.RankWarning)
+            with warnings.catch_warnings():  # a resample may repeat one size: a poorly conditioned fit
+                warnings.simplefilter("ignore")
                 fit = approach2(n[idx], flops[idx], loss[idx], flops_per_token)
             a2.append((fit["a"], fit["b"]))
         except ValueError:
