@@ -157,7 +157,9 @@ def read_fit(out: str) -> dict:
 
 
 def predict(out: str, budget: float, train: bool = False, neighbours: int = 1, say=print) -> dict:
-    """Each fit's optimum at `budget`, a config for the ladder's nearest model, and with `train` the check."""
+    """Each fit's optimum at `budget`, a config for the ladder's nearest model, and with `train` the check:
+    that model and `neighbours` rungs either side trained at the budget, and every size trained there so far
+    (under <out>/check/C<budget>/) compared with the prediction, with the measured profile's vertex."""
     fitted, record = read_fit(out), scaling_sweep.read_sweep(out)
     base = record["base"]
     rungs = scaling_sweep.ladder(base, budget)
@@ -177,12 +179,16 @@ def predict(out: str, budget: float, train: bool = False, neighbours: int = 1, s
         return result
     indices = range(max(0, pick - neighbours), min(len(rungs), pick + neighbours + 1))
     points = [scaling_sweep.make_point(base, budget, rungs[i], _check_dir(out, budget, rungs[i])) for i in indices]
-    losses = run_points(points, say)
+    run_points(points, say)
+    # Every size trained at this budget so far (an earlier --train may have trained others) shapes the profile.
+    points = [scaling_sweep.make_point(base, budget, r, _check_dir(out, budget, r)) for r in rungs]
+    points = [p for p in points if scaling_sweep.final_loss(p.workdir) is not None]
+    losses = [scaling_sweep.final_loss(p.workdir) for p in points]
     n = np.array([p.rung.n_params for p in points], float)
     measured = {"points": [{"d_model": p.rung.d_model, "n_params": p.rung.n_params, "tokens": p.tokens,
                             "predicted_loss": float(law.loss(p.rung.n_params, p.tokens)), "loss": loss}
                            for p, loss in zip(points, losses, strict=True)]}  # fmt: skip
-    measured["loss_of_predicted_model"] = losses[list(indices).index(pick)]
+    measured["loss_of_predicted_model"] = scaling_sweep.final_loss(chosen.workdir)
     minima = scaling_fit.isoflop_minima(n, np.full(len(n), budget), np.array(losses), fpt)
     if minima and minima[0].get("n_params"):
         measured["optimum"] = {k: minima[0][k] for k in ("n_params", "tokens", "loss", "inside")}
