@@ -137,12 +137,12 @@ def approach3(n, tokens, loss, weights=None, starts=None) -> tuple[Law, float]:
     return _law(thetas[best]), float(values[best])
 
 
-def bootstrap(n, tokens, flops, loss, flops_per_token, resamples: int = 200, seed: int = 0) -> dict:
+def bootstrap(n, tokens, flops, loss, flops_per_token, full: Law, resamples: int = 200, seed: int = 0) -> dict:
     """90% intervals of a, b (approach 2) and alpha, beta, a, b (approach 3) over resampled points.
 
     Approach 2 resamples within each budget (so every budget keeps its size);
     approach 3 reweights the points by their resampled counts and starts
-    L-BFGS from the full fit and a coarse grid, all resamples in one vmap.
+    L-BFGS from `full` (the fit to all points) and a coarse grid, all resamples in one vmap.
     """
     rng = np.random.default_rng(seed)
     groups = group_by_budget(flops)
@@ -156,7 +156,6 @@ def bootstrap(n, tokens, flops, loss, flops_per_token, resamples: int = 200, see
             a2.append((fit["a"], fit["b"]))
         except ValueError:
             continue  # a resample with no convex profile says nothing about the exponents
-    full, _ = approach3(n, tokens, loss)
     full_theta = [np.log(full.E), np.log(full.A), np.log(full.B), full.alpha, full.beta]
     coarse = [[e, a, b, al, be] for e in (-0.5, 0.5) for a, b in ((5.0, 5.0), (15.0, 15.0)) for al, be in ((0.3, 0.3),)]
     starts = np.array([full_theta, *coarse])

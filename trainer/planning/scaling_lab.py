@@ -105,7 +105,7 @@ def fit(out: str, table: str | None = None, resamples: int = 200, plots: bool = 
     budgets = [float(np.median(flops[idx])) for idx in scaling_fit.group_by_budget(flops)]
     result = {
         "points": len(rows),
-        "approach2": None if a2 is None else {k: v for k, v in a2.items()},
+        "approach2": a2,
         "approach3": {
             "E": law.E,
             "A": law.A,
@@ -116,7 +116,7 @@ def fit(out: str, table: str | None = None, resamples: int = 200, plots: bool = 
             "b": law.alpha / (law.alpha + law.beta),
             "huber_objective": objective,
         },  # fmt: skip
-        "intervals": scaling_fit.bootstrap(n, tokens, flops, loss, fpt, resamples=resamples),
+        "intervals": scaling_fit.bootstrap(n, tokens, flops, loss, fpt, law, resamples=resamples),
         "optimum_at_budgets": [_optima(c, a2, law, fpt) for c in budgets],
         "flops_per_token": "interpolated between the sweep's models" if table is None else "6 N",
     }
