@@ -3,8 +3,8 @@
     python scripts/train.py --config configs/tiny.py
 
 Bytes as tokens, fp32 compute (CPUs are slower in bf16). Prepares the corpus
-on first use (~1 s), then trains 600 steps of 16 x 256 tokens. Expect about
-five minutes on two CPU cores, and a validation loss near 1.5 nats/byte
+on first use (~1 s), then trains 450 steps of 16 x 256 tokens: 17 minutes on a
+two-core VM (2.1 s a step), ending at a validation loss of about 1.84 nats/byte
 against a unigram baseline of about 3.3: the model has learnt real structure.
 Run it again on the same workdir (runs/tiny) and it resumes where it stopped.
 """
