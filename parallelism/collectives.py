@@ -2,7 +2,10 @@
 
 Collectives inside loops (the layer scan, the microbatch scan) run once per
 iteration, so each is counted with the trip counts of the loops around it.
-Bytes are per device and per step: `bytes` is the size of the collective's
+TPU's compiler writes a reduce-scatter as a fusion computation named
+`all-reduce-scatter*` that holds an all-reduce followed by a slice: it runs as
+one reduce-scatter, so it is counted as one, with the fusion's output (the
+shard) as its result. Bytes are per device and per step: `bytes` is the size of the collective's
 result, `sent` what a ring algorithm sends for it over a group of N devices:
 all-gather (N-1)/N x result, reduce-scatter (N-1) x result (the result is one
 shard), all-reduce 2(N-1)/N x result, all-to-all (N-1)/N x result.
@@ -12,35 +15,20 @@ from __future__ import annotations
 
 import math
 import re
-from collections import defaultdict
+
+from parallelism import hlo
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
-DTYPE_BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2,
-               "u16": 2, "s8": 1, "u8": 1, "pred": 1, "f8e4m3fn": 1, "f8e5m2": 1}  # fmt: skip
-
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
-_OP = re.compile(r"=\s*(.+?)\s+(" + "|".join(KINDS) + r")(?:-start)?\(")
-_ARRAY = re.compile(r"([a-z0-9]+)\[([\d,]*)\]")
-_CALLEE = re.compile(r"\b(body|calls|branch_computations)=\{?%([\w.\-]+)")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_FUSED_REDUCE_SCATTER = "all-reduce-scatter"
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 
 
-def _bytes(shape_text: str) -> int:
-    total = 0
-    for dtype, dims in _ARRAY.findall(shape_text):
-        if dtype in DTYPE_BYTES:
-            total += DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-    return total
-
-
-def _result_bytes(op: re.Match, line: str) -> int:
+def _result_bytes(inst: hlo.Instruction, kind: str) -> int:
     """The result's bytes. An async all-gather or permute (`*-start`, as accelerators emit them)
     returns (operand, result, ...): only the second is what arrives."""
-    kind, shape = op.group(2), op.group(1)
-    if f"{kind}-start(" in line and kind in ("all-gather", "collective-permute") and shape.startswith("("):
-        dtype, dims = _ARRAY.findall(shape)[1]
-        return _bytes(f"{dtype}[{dims}]")
-    return _bytes(shape)
+    if inst.opcode == f"{kind}-start" and kind in ("all-gather", "collective-permute") and inst.shape.startswith("("):
+        return hlo.array_bytes(hlo.array_texts(inst.shape)[1])
+    return hlo.array_bytes(inst.shape)
 
 
 def _group_size(line: str) -> int:
@@ -70,56 +58,77 @@ def _sent(kind: str, result: int, n: int) -> float:
 
 
 def parse(hlo_text: str) -> dict[str, dict[str, float]]:
-    """{kind: {"count", "bytes", "sent"}} per device per step, loops unrolled by their trip counts."""
-    ops: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
-    calls: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    entry, current = None, None
-    for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line)
-        if header:
-            current = header.group(1)
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
-        if current is None:
-            continue
-        op = _OP.search(line)
-        if op and "-done(" not in line:
-            ops[current].append((op.group(2), _result_bytes(op, line), _group_size(line)))
-        trips = _TRIP.search(line)
-        for role, callee in _CALLEE.findall(line):
-            calls[current].append((callee, int(trips.group(1)) if role == "body" and trips else 1))
+    """{kind: {"count", "bytes", "sent"}} per device per step, loops unrolled by their trip counts.
+
+    One collective can appear several times: TPU's compiler splits an async one
+    into a start fusion, pieces overlapped with compute and a done fusion, each
+    holding a copy of it with the same channel_id. Within one execution of a
+    computation and everything it calls outside loops, a channel counts in the
+    first computation that holds it only.
+    """
+    module = hlo.read(hlo_text)
+    ops: dict[str, list[tuple[str, str, int, int]]] = {}  # computation -> (channel, kind, bytes, group size)
+    for name, instructions in module.instructions.items():
+        reduce_scatter = name.startswith(_FUSED_REDUCE_SCATTER)
+        shard = hlo.array_bytes(module.headers[name].rsplit("->", 1)[1]) if reduce_scatter else 0
+        for number, inst in enumerate(instructions):
+            kind = inst.opcode.removesuffix("-start")
+            if kind not in KINDS:
+                continue
+            channel = _CHANNEL.search(inst.rest)
+            key = channel.group(1) if channel else f"{name}:{number}"
+            if reduce_scatter and kind == "all-reduce":
+                ops.setdefault(name, []).append((key, "reduce-scatter", shard, _group_size(inst.line)))
+            else:
+                ops.setdefault(name, []).append((key, kind, _result_bytes(inst, kind), _group_size(inst.line)))
+
+    def gather(name: str, found: dict, counted: list, loops: list, depth: int = 0) -> None:
+        """Collectives of one execution of `name` and its non-loop callees, by channel; loops aside."""
+        if depth > hlo.MAX_DEPTH:
+            return
+        for key, kind, size, n in ops.get(name, []):
+            if found.setdefault(key, name) == name:  # XLA:CPU reuses one channel within a computation
+                counted.append((kind, size, n))
+        for callee, trip in module.calls[name]:
+            if trip is None:
+                gather(callee, found, counted, loops, depth + 1)
+            else:
+                loops.append((callee, trip))
 
     totals = {k: {"count": 0, "bytes": 0.0, "sent": 0.0} for k in KINDS}
 
     def visit(name: str, times: int, depth: int = 0) -> None:
-        if depth > 50:
-            return
-        for kind, size, n in ops[name]:
+        counted, loops = [], []
+        gather(name, {}, counted, loops)
+        for kind, size, n in counted:
             if n > 1:
                 totals[kind]["count"] += times
                 totals[kind]["bytes"] += times * size
                 totals[kind]["sent"] += times * _sent(kind, size, n)
-        for callee, trip in calls[name]:
-            visit(callee, times * trip, depth + 1)
+        for body, trips in loops:
+            if depth < hlo.MAX_DEPTH:
+                visit(body, times * trips, depth + 1)
 
-    if entry is not None:
-        visit(entry, 1)
+    if module.entry is not None:
+        visit(module.entry, 1)
     return {k: v for k, v in totals.items() if v["count"]}
 
 
 def textbook(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_model: int, seq_len: int,
              micro_rows: int, microbatches: int, act_bytes: int) -> dict[str, float]:  # fmt: skip
-    """Bytes each device sends per step in the standard schemes, fp32 weights and gradients.
+    """Bytes each device sends per step in the standard schemes, at `act_bytes` per value.
 
-    FSDP (ZeRO-3): all-gather the weights for the forward and again for the
-    backward, reduce-scatter the gradients: 3 (F-1)/F x weight bytes, once per
+    Weights travel in the compute dtype: XLA casts them before it gathers, and
+    the gradient of a cast weight is in the compute dtype until it has been
+    reduced (the cast back to fp32 moves after the collective). FSDP (ZeRO-3):
+    all-gather the weights for the forward and again for the backward,
+    reduce-scatter the gradients: 3 (F-1)/F x weight bytes, once per
     microbatch. Data parallelism: all-reduce the (FSDP-sharded) gradients,
     2 (D-1)/D x their bytes. Tensor parallelism (Megatron): two activation
     all-reduces per layer forward and two backward, 4 L x 2 (T-1)/T x b s d.
     """
     d, f, t = mesh_shape["data"], mesh_shape["fsdp"], mesh_shape["tensor"]
-    weights = 4 * n_params / t  # what one tensor shard's fsdp group holds, in fp32
+    weights = act_bytes * n_params / t  # what one tensor shard's fsdp group holds
     out = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0}
     if f > 1:
         out["all-gather"] += microbatches * 2 * (f - 1) / f * weights

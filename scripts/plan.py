@@ -6,6 +6,13 @@ compiled ahead of time without allocating any parameters), the
 Chinchilla-optimal token count and how long training takes on a named chip.
 --simulate_devices N plans for N devices on this host's CPU; --tokens T asks
 "how long for T tokens", --budget C "how big a model for C FLOPs".
+
+--target v5e-4 (any Cloud TPU type: v4-8 ... v4-4096, v5litepod-N or v5e-N,
+v5p-8 ... v5p-12288, v6e-N) compiles the step with the TPU compiler for that
+slice, on this machine, with no TPU (needs libtpu: pip install -e ".[tpu]"),
+and says whether it fits the chip's HBM, what it costs and how fast it could
+run at best; --slices N plans N such slices joined by the data-centre network
+(the mesh's dcn_data / dcn_fsdp axes).
 """
 
 import json
@@ -26,6 +33,8 @@ _CHIP = flags.DEFINE_string(
 )
 _CHIPS = flags.DEFINE_integer("chips", 0, "How many chips (default: the mesh's device count).")
 _MFU = flags.DEFINE_float("mfu", 0.4, "Model FLOPs utilisation assumed for the time estimate.")
+_TARGET = flags.DEFINE_string("target", "", "A Cloud TPU slice to compile for, e.g. v5e-4, v5p-128, v4-8, v6e-256.")
+_SLICES = flags.DEFINE_integer("slices", 1, "With --target: how many such slices (multi-slice, over DCN).")
 _SHARDING = flags.DEFINE_bool(
     "sharding", False, "Also print where each parameter lives and the step's collectives (from its HLO)."
 )
@@ -41,11 +50,27 @@ def print_sharding(result):
         print("  ".join(x.ljust(w) if i < 4 else x.rjust(w) for i, (x, w) in enumerate(zip(row, widths, strict=True))))
     state = result["state_bytes_per_device"]
     print(f"per device: parameters {state['params'] / mib:.1f} MiB, optimiser state {state['optimizer'] / mib:.1f} MiB")
+
+
+def print_target(result):
+    gib, c = 2**30, result["cost"]
+    used, hbm = result["compiled_bytes_per_device"], result["hbm_bytes_per_device"]
+    verdict = "fits" if result["fits"] else f"does NOT fit: {(used - hbm) / gib:.2f} GiB over"
+    print(f"target            {result['target']} x {result['slices']} ({result['topology']}, "
+          f"{result['devices']} x {result['device_kind']}): {used / gib:.2f} of {hbm / gib:.0f} GiB HBM "
+          f"per device, {verdict}")  # fmt: skip
+    print(f"cost per device   {c['flops']:.4g} FLOPs, {c['bytes_accessed'] / 1e9:.4g} GB of HBM traffic (from the TPU "
+          f"HLO, loops counted); roofline {c['roofline_seconds']:.3g} s a step ({c['bound']}-bound), "
+          f"so MFU at most {c['mfu_ceiling']:.0%}")  # fmt: skip
+
+
+def print_collectives(result):
+    mib = 2**20
     measured, textbook = result["collectives"]["measured"], result["collectives"]["textbook"]
-    print(f"\n{'collective':<16} {'count':>7} {'result MiB':>12} {'sent MiB':>10} {'textbook sent MiB':>18}")
+    print(f"\n{'collective':<18} {'count':>7} {'result MiB':>12} {'sent MiB':>10} {'textbook sent MiB':>18}")
     for kind in sorted(set(measured) | set(textbook)):
         m = measured.get(kind, {"count": 0, "bytes": 0, "sent": 0})
-        print(f"{kind:<16} {m['count']:>7} {m['bytes'] / mib:>12.1f} {m['sent'] / mib:>10.1f} "
+        print(f"{kind:<18} {m['count']:>7} {m['bytes'] / mib:>12.1f} {m['sent'] / mib:>10.1f} "
               f"{textbook.get(kind, 0) / mib:>18.1f}")  # fmt: skip
 
 
@@ -71,7 +96,9 @@ def _duration(seconds: float) -> str:
 
 
 def main():
-    if _SIMULATE.value:
+    if _TARGET.value:
+        os.environ["JAX_PLATFORMS"] = "cpu"  # compile for the target; never take this machine's own TPU
+    elif _SIMULATE.value:
         # Must happen before JAX initialises its backends, hence the late import of the planner.
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = (
@@ -80,7 +107,8 @@ def main():
     from trainer.planning.plan import plan
 
     result = plan(_CONFIG.value, compile_step=not _NO_COMPILE.value, sharding=_SHARDING.value, tokens=_TOKENS.value,
-                  budget=_BUDGET.value, chip=_CHIP.value, chips=_CHIPS.value, mfu=_MFU.value)  # fmt: skip
+                  budget=_BUDGET.value, chip=_CHIP.value, chips=_CHIPS.value, mfu=_MFU.value, target=_TARGET.value,
+                  slices=_SLICES.value)  # fmt: skip
     if _JSON.value:
         print(json.dumps(result))
         return
@@ -112,9 +140,13 @@ def main():
             f"outputs not aliased {(b['outputs'] - b['aliased']) / gib:.2f}); "
             f"compiled in {result['compile_seconds']:.1f}s"
         )
+    if "target" in result:
+        print_target(result)
     print_scaling(result)
     if "sharding" in result:
         print_sharding(result)
+    if "collectives" in result:
+        print_collectives(result)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ at full length: the causal half that a kernel may skip is NOT subtracted, so
 MFU figures compare directly with PaLM's and MaxText's.
 
 MFU = FLOPs per token * tokens per second / peak FLOP/s of all devices. The
-peak is the chip's dense bf16 figure from `CHIPS`; on a CPU it is measured
+peak is the chip's dense bf16 figure from trainer/chips.py; on a CPU it is measured
 with a large fp32 matmul, once, for the whole host (simulated devices share its
 cores).
 """
@@ -25,20 +25,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from trainer.chips import CHIPS, chip_of
 from trainer.model.spec import Architecture
-
-# Each chip's planner name: (what jax's device_kind contains, dense bf16 peak FLOP/s
-# per chip from the vendor's data sheet). Matched in this order: v5p reports itself
-# as "TPU v5", so it must come after v5e's "TPU v5 lite".
-CHIPS = {
-    "tpu-v6e": ("TPU v6", 918e12),
-    "tpu-v5e": ("TPU v5 lite", 197e12),
-    "tpu-v5p": ("TPU v5", 459e12),
-    "tpu-v4": ("TPU v4", 275e12),
-    "h200": ("H200", 989e12),
-    "h100": ("H100", 989e12),  # SXM
-    "a100": ("A100", 312e12),
-}
 
 
 def count_params(abstract_params: dict) -> dict[str, int]:
@@ -74,6 +62,5 @@ def peak_flops(devices: list[jax.Device]) -> float | None:
     """Peak FLOP/s of all the devices together; None for an unknown accelerator."""
     if devices[0].platform == "cpu":
         return measured_cpu_peak()
-    kind = devices[0].device_kind
-    per_chip = next((peak for pattern, peak in CHIPS.values() if pattern in kind), None)
-    return None if per_chip is None else per_chip * len(devices)
+    chip = chip_of(devices[0].device_kind)
+    return None if chip is None else CHIPS[chip].peak_flops * len(devices)

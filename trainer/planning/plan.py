@@ -15,26 +15,36 @@ import time
 import jax
 import jax.numpy as jnp
 
-from parallelism import collectives, pipeline
+from parallelism import collectives, hlo, pipeline
+from trainer.chips import CHIPS
 from trainer.config import microbatch_size
 from trainer.errors import ConfigError
-from trainer.flops import CHIPS, count_params, flops_per_token
+from trainer.flops import count_params, flops_per_token
 from trainer.planning import memory, scaling
+from trainer.planning.targets import Target, parse_target, target_devices
 from trainer.training.setup import build
 from trainer.training.state import param_shardings
 from trainer.training.step import abstract_batch, memory_per_device
 
 
 def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False, tokens: float = 0,
-         budget: float = 0, chip: str = "h100", chips: int = 0, mfu: float = 0.4) -> dict:  # fmt: skip
+         budget: float = 0, chip: str = "h100", chips: int = 0, mfu: float = 0.4, target: str = "",
+         slices: int = 1) -> dict:  # fmt: skip
     """Counts, FLOPs, memory per device from arithmetic and, with `compile_step`, from XLA; the
     Chinchilla-optimal tokens and the time to train `tokens` (default: those) on `chips` x `chip`
     at `mfu`; with `budget` (FLOPs), the compute-optimal model for it; with `sharding`, where
-    every parameter lives and what the compiled step communicates, beside the textbook volumes."""
+    every parameter lives and what the compiled step communicates, beside the textbook volumes.
+    With `target` (a Cloud TPU type, e.g. 'v5e-4') and `slices`, the step is compiled by the TPU
+    compiler for that slice's devices: memory against the chip's HBM, cost and roofline too."""
+    tpu = parse_target(target) if target else None
+    if tpu is not None:
+        chip = tpu.chip_name
     if chip not in CHIPS:
         raise ConfigError(f"unknown chip '{chip}'; the peak table knows {', '.join(CHIPS)}.")
     if not 0 < mfu <= 1 or tokens < 0 or budget < 0:
         raise ConfigError(f"--mfu must lie in (0, 1] (got {mfu}); --tokens and --budget cannot be negative.")
+    if tpu is not None:
+        devices = target_devices(tpu, slices)
     setup = build(cfg, devices)
     t, seq = cfg.train, cfg.data.seq_len
     counts = count_params(setup.model.abstract_params)
@@ -86,8 +96,11 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     result["compiled_bytes_per_device"] = breakdown.pop("total")
     result["compiled_breakdown"] = breakdown
     result["compile_seconds"] = time.perf_counter() - start
-    if sharding:
-        result["sharding"] = sharding_table(setup)
+    if tpu is not None:
+        result.update(on_target(tpu, slices, compiled, result))
+    if sharding or tpu is not None:
+        if sharding:
+            result["sharding"] = sharding_table(setup)
         result["state_bytes_per_device"] = state_bytes_per_device(setup)
         result["collectives"] = {
             "measured": collectives.parse(compiled.as_text()),
@@ -103,6 +116,36 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
             ),  # fmt: skip
         }
     return result
+
+
+def on_target(tpu: Target, slices: int, compiled, result: dict) -> dict:
+    """The verdict against the chip's HBM, and the cost read from the TPU HLO with its roofline.
+
+    XLA's cost_analysis() counts a loop body once (a 71x under-count for
+    llm_1b's scans), so FLOPs and HBM bytes come from the HLO with loops counted
+    by their trips (parallelism/hlo.py). The roofline is the larger of FLOPs /
+    peak and bytes / bandwidth: no step can be faster; the MFU ceiling is the
+    model FLOPs per device over what the chip can do in that time.
+    """
+    module = hlo.read(compiled.as_text())
+    chip, used = tpu.chip, result["compiled_bytes_per_device"]
+    flops, traffic = hlo.matmul_flops(module), hlo.bytes_accessed(module)
+    roofline = max(flops / chip.peak_flops, traffic / chip.hbm_bytes_per_second)
+    model_flops = result["flops_per_step"] / result["devices"]
+    return {
+        "target": tpu.name,
+        "topology": tpu.topology,
+        "slices": slices,
+        "hbm_bytes_per_device": chip.hbm_bytes,
+        "fits": used <= chip.hbm_bytes,
+        "cost": {
+            "flops": flops,
+            "bytes_accessed": traffic,
+            "roofline_seconds": roofline,
+            "bound": "compute" if flops / chip.peak_flops >= traffic / chip.hbm_bytes_per_second else "memory",
+            "mfu_ceiling": model_flops / (chip.peak_flops * roofline) if roofline else 0.0,
+        },
+    }
 
 
 def pipeline_plan(cfg, setup) -> dict:

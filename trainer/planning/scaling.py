@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from trainer.flops import CHIPS
+from trainer.chips import CHIPS
 
 TOKENS_PER_PARAM = 20
 
@@ -64,4 +64,4 @@ def rule_of_thumb_optimum(flops: float) -> dict[str, float]:
 
 
 def seconds_to_train(flops: float, chip: str, chips: int, mfu: float) -> float:
-    return flops / (CHIPS[chip][1] * chips * mfu)
+    return flops / (CHIPS[chip].peak_flops * chips * mfu)

@@ -1,0 +1,114 @@
+"""Cloud TPU slices by the names users type (v5e-4, v5litepod-16, v5p-128, v4-8, v6e-256), as devices
+the TPU compiler can compile for on any machine, with no TPU present.
+
+libtpu (the `tpu` extra) describes a slice from its topology name ("v5e:2x2",
+"v5p:4x4x4"); JAX then lowers and compiles for its devices exactly as it would
+on the pod. The accelerator type counts chips for v5e and v6e, TensorCores for
+v4 and v5p, whose two cores per chip run as one device (megacore).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+
+from trainer.chips import CHIPS, Chip
+from trainer.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    chip: str  # key of trainer.chips.CHIPS
+    topology_prefix: str  # libtpu's name for the generation
+    cores_per_chip: int  # what one unit of the accelerator type's number counts
+    dims: int  # the torus: 2-D (v5e, v6e) or 3-D (v4, v5p)
+    chip_counts: tuple[int, ...]  # the slice sizes Cloud TPU offers, in chips
+
+
+_POWERS = tuple(2**k for k in range(13))
+GENERATIONS = {
+    "v4": Generation("tpu-v4", "v4", 2, 3, tuple(c for c in _POWERS if 4 <= c <= 2048)),
+    "v5p": Generation("tpu-v5p", "v5p", 2, 3, tuple(c for c in _POWERS if 4 <= c <= 4096) + (6144,)),
+    "v5e": Generation("tpu-v5e", "v5e", 1, 2, (1, 4, 8, 16, 32, 64, 128, 256)),
+    "v6e": Generation("tpu-v6e", "v6e", 1, 2, (1, 4, 8, 16, 32, 64, 128, 256)),
+}
+ALIASES = {"v5litepod": "v5e"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str  # as the user typed it
+    generation: str
+    chips: int
+    topology: str  # libtpu's topology name, e.g. "v5e:2x2"
+
+    @property
+    def chip(self) -> Chip:
+        return CHIPS[GENERATIONS[self.generation].chip]
+
+    @property
+    def chip_name(self) -> str:
+        return GENERATIONS[self.generation].chip
+
+
+def known_targets() -> str:
+    """One line per generation: the accelerator types it accepts."""
+    lines = []
+    for name, g in GENERATIONS.items():
+        sizes = [c * g.cores_per_chip for c in g.chip_counts]
+        alias = next((a for a, target in ALIASES.items() if target == name), None)
+        spelt = f"{name}-N" + (f" (or {alias}-N)" if alias else "")
+        lines.append(f"{spelt} for N in {', '.join(map(str, sizes))}")
+    return "; ".join(lines)
+
+
+def topology_shape(chips: int, dims: int) -> tuple[int, ...]:
+    """The slice's torus as Cloud TPU lays it out: 2x2, 4x8, 16x16; 2x2x1, 2x2x4, 4x4x8, 16x16x24."""
+    if chips == 6144:
+        return (16, 16, 24)
+    if dims == 3 and chips == 4:
+        return (2, 2, 1)
+    k = int(math.log2(chips))
+    exponents = [k // dims + (1 if i >= dims - k % dims else 0) for i in range(dims)]
+    return tuple(2**e for e in exponents)
+
+
+def parse_target(text: str) -> Target:
+    """'v5e-4' -> Target(generation 'v5e', 4 chips, topology 'v5e:2x2'); a clear error otherwise."""
+    match = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", text.strip().lower())
+    generation = match and ALIASES.get(match.group(1), match.group(1))
+    if not match or generation not in GENERATIONS:
+        raise ConfigError(f"unknown target '{text}'; the known TPU slices are: {known_targets()}.")
+    g = GENERATIONS[generation]
+    number = int(match.group(2))
+    chips, left = divmod(number, g.cores_per_chip)
+    if left or chips not in g.chip_counts:
+        raise ConfigError(f"'{text}' is not a {generation} slice Cloud TPU offers; the known TPU slices are: "
+                          f"{known_targets()}.")  # fmt: skip
+    shape = topology_shape(chips, g.dims)
+    return Target(text, generation, chips, f"{g.topology_prefix}:{'x'.join(map(str, shape))}")
+
+
+def target_devices(target: Target, slices: int = 1) -> list:
+    """The devices of `slices` such slices, for ahead-of-time compilation (no TPU needed)."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise ConfigError(
+            f"--target {target.name} compiles with the TPU compiler, which comes with libtpu; "
+            f"install it with: pip install -e \".[tpu]\""
+        )  # fmt: skip
+    if slices < 1:
+        raise ConfigError(f"--slices must be at least 1, not {slices}.")
+    # libtpu takes a machine-wide lock file for the chips it drives; compiling drives none, and
+    # without this a second planner (or a test beside one) fails to start.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    options = {"num_slices": slices}
+    if target.chips == 1:
+        options["chips_per_host_bounds"] = (1, 1, 1)  # a one-chip VM: the default host is 2x2x1
+    if target.generation == "v4":
+        options["chip_config_name"] = "megacore"  # one device per chip, as v4 VMs run
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=target.topology, **options).devices)
