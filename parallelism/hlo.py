@@ -8,6 +8,11 @@ condition `counter < N` with the counter from 0, as JAX's scans lower.
 
 `executions` walks from the entry: a computation called by a fusion, call or
 branch runs as often as its caller, a loop body as often times its trip count.
+On that walk, `matmul_flops` counts every dot and convolution (TPU writes
+batched matmuls as padded, dilated convolutions: only taps that land on input
+count) and `bytes_accessed` what each unfused instruction reads and writes in
+HBM, a fusion reading only the slices it takes of an operand. Checked against
+XLA's own counts on a loop-free step (tests/test_targets.py).
 """
 
 from __future__ import annotations
