@@ -29,7 +29,7 @@ def get_config():
         d_ff=8192,
         max_seq_len=2048,
         remat="full",
-        attention="dot_product",
+        attention="auto",  # splash on a TPU, cuDNN on a GPU, the xla reference on a CPU
     )
     c.mesh.update(data=1, fsdp=-1, tensor=1)
     c.data.update(seq_len=2048, tokenizer="sentencepiece", tokenizer_path="tokenizers/python_stdlib_32k.model")

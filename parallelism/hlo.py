@@ -289,3 +289,10 @@ def bytes_accessed(module: Module) -> float:
                 total += times * (array_bytes(inst.shape) + sum(array_bytes(shapes.get(o, ""))
                                                                 for o in _operand_names(inst.rest)))  # fmt: skip
     return total
+
+
+def kernel_calls(module: Module) -> int:
+    """Executions of hand-written (Pallas/Mosaic) kernels: their FLOPs are not in the HLO."""
+    return sum(times * sum(1 for i in module.instructions[name]
+                           if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.rest)
+               for name, times in executions(module).items())  # fmt: skip

@@ -67,3 +67,18 @@ def text_batches(corpus_dir):
     cfg = micro_config(data=dict(source="text_files", data_dir=corpus_dir), train=dict(global_batch_size=16))
     stream = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(16), shuffle=True))
     return [next(stream) for _ in range(20)]
+
+
+# The three workers take whole files in collection order, so a long file collected last sets how
+# long the suite takes. The longest files (by the CI log's slowest tests) go first.
+LONGEST_FIRST = ("test_pipeline", "test_precision", "test_scaling", "test_step", "test_resume", "test_equivalence",
+                 "test_optimizers", "test_crash", "test_multiprocess", "test_mup", "test_huggingface",
+                 "test_loop", "test_training_features", "test_mesh")  # fmt: skip
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        name = item.path.stem
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: tests keep their order within a file

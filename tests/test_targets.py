@@ -94,3 +94,16 @@ def test_hbm_traffic_read_from_the_hlo_matches_xla_on_a_step_without_loops():
     # XLA also counts elementwise FLOPs (norms, softmax, the optimiser): a few percent here.
     assert 0.9 < hlo.matmul_flops(module) / xla["flops"] < 1.0
     assert jax.devices()[0].platform == "cpu"  # nothing here needed or took a TPU
+
+
+@needs_libtpu
+def test_splash_attention_compiles_for_a_tpu_as_a_mosaic_kernel_per_shard():
+    cfg = bf16_model(tensor=2)
+    cfg.model.update(attention="auto", max_seq_len=256)  # 'auto' on a TPU: splash
+    cfg.data.seq_len = 256
+    result = plan(cfg, target="v5e-4")
+    # The Pallas kernel runs once per layer forward and in the backward (a custom call the HLO
+    # cannot look into: its FLOPs are the formula's attention term, so the total is the formula's).
+    assert result["cost"]["kernel_calls"] >= 2 * cfg.model.n_layers * cfg.train.grad_accum_steps
+    assert result["cost"]["flops"] == pytest.approx(result["flops_per_step"] / result["devices"], rel=0.02)
+    assert result["fits"]

@@ -22,7 +22,7 @@ from parallelism.rules import DEFAULT_RULES
 REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 OPTIMIZERS = ("adamw", "lion", "adafactor", "sgd", "muon")
 LOSS_SCALING = ("auto", "dynamic", "none")
-ATTENTION_IMPLS = ("xla", "dot_product", "cudnn")
+ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash", "auto")
 SCHEDULES = ("cosine", "wsd", "linear", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("text_files", "tfds", "synthetic")

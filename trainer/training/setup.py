@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding, parse_rules
+from trainer.model.attention import resolve
 from trainer.model.decoder import ModelDef
 from trainer.model.spec import ModelSpec
 from trainer.optim.optimizer import make_optimizer
@@ -59,6 +60,10 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     check_mesh_fit(cfg, mesh)
     shard = LogicalSharding.create(mesh, parse_rules(cfg.mesh.rules, cfg.mesh.sequence_parallel))
     spec = ModelSpec.from_config(cfg)
+    # 'auto' attention becomes the kernel for these devices here, so the planner's arithmetic and
+    # every report name the kernel that runs.
+    kernel = resolve(spec.execution.attention, mesh.devices.flat[0].platform)
+    spec = dataclasses.replace(spec, execution=dataclasses.replace(spec.execution, attention=kernel))
     model = ModelDef.create(spec, shard)
     tx = make_optimizer(cfg, model.logical_names)
     counters = initial_counters(cfg)
