@@ -2,6 +2,7 @@
 
     python scripts/train_tokenizer.py --config configs/llm_1b.py   # once
     python scripts/plan.py --config configs/llm_1b.py --simulate_devices 8   # memory, before paying for a pod
+    python scripts/plan.py --config configs/llm_1b.py --target v5e-4   # the TPU compiler on a slice (the tpu extra)
     python scripts/train.py --config configs/llm_1b.py
 
 16 layers, d_model 2048, 32 query / 8 key-value heads (GQA), SwiGLU 8192,
