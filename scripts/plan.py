@@ -12,7 +12,8 @@ v5p-8 ... v5p-12288, v6e-N) compiles the step with the TPU compiler for that
 slice, on this machine, with no TPU (needs libtpu: pip install -e ".[tpu]"),
 and says whether it fits the chip's HBM, what it costs and how fast it could
 run at best; --slices N plans N such slices joined by the data-centre network
-(the mesh's dcn_data / dcn_fsdp axes).
+(the mesh's dcn_data / dcn_fsdp axes). --target h100-8 (h100-N, h200-N; 8 GPUs a
+host) does the same with XLA's GPU compiler, no GPU needed (pip install -e ".[gpu]").
 """
 
 import json
@@ -33,7 +34,7 @@ _CHIP = flags.DEFINE_string(
 )
 _CHIPS = flags.DEFINE_integer("chips", 0, "How many chips (default: the mesh's device count).")
 _MFU = flags.DEFINE_float("mfu", 0.4, "Model FLOPs utilisation assumed for the time estimate.")
-_TARGET = flags.DEFINE_string("target", "", "A Cloud TPU slice to compile for, e.g. v5e-4, v5p-128, v4-8, v6e-256.")
+_TARGET = flags.DEFINE_string("target", "", "TPU slice or GPU hosts to compile for: v5e-4, v5p-128, h100-8, ...")
 _SLICES = flags.DEFINE_integer("slices", 1, "With --target: how many such slices (multi-slice, over DCN).")
 _SHARDING = flags.DEFINE_bool(
     "sharding", False, "Also print where each parameter lives and the step's collectives (from its HLO)."
@@ -59,8 +60,8 @@ def print_target(result):
     print(f"target            {result['target']} x {result['slices']} ({result['topology']}, "
           f"{result['devices']} x {result['device_kind']}): {used / gib:.2f} of {hbm / gib:.0f} GiB HBM "
           f"per device, {verdict}")  # fmt: skip
-    print(f"cost per device   {c['flops']:.4g} FLOPs, {c['bytes_accessed'] / 1e9:.4g} GB of HBM traffic (from the TPU "
-          f"HLO, loops counted); roofline {c['roofline_seconds']:.3g} s a step ({c['bound']}-bound), "
+    print(f"cost per device   {c['flops']:.4g} FLOPs, {c['bytes_accessed'] / 1e9:.4g} GB of HBM traffic (from the "
+          f"compiled HLO, loops counted); roofline {c['roofline_seconds']:.3g} s a step ({c['bound']}-bound), "
           f"so MFU at most {c['mfu_ceiling']:.0%}")  # fmt: skip
 
 

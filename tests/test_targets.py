@@ -15,6 +15,9 @@ from trainer.training.setup import build
 from trainer.training.step import abstract_batch
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='pip install -e ".[tpu]"')
+# Not in CI (the plugin is 1.1 GB and CI's time is spent): run where the gpu extra is installed.
+needs_cuda_plugin = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
+                                       reason='pip install -e ".[gpu]"')  # fmt: skip
 
 
 def bf16_model(**mesh):
@@ -36,8 +39,8 @@ def test_accelerator_types_name_their_slices():
         for chips in g.chip_counts:
             target = parse_target(f"{name}-{chips * g.cores_per_chip}")
             assert math.prod(int(d) for d in target.topology.split(":")[1].split("x")) == chips
-    with pytest.raises(ConfigError, match=r"unknown target 'h100-8'; the known TPU slices are: v4-N for N in 8, 16"):
-        parse_target("h100-8")
+    with pytest.raises(ConfigError, match=r"unknown target 'a100-8'; the known targets are: h100-N for N in 1, 2"):
+        parse_target("a100-8")
     with pytest.raises(ConfigError, match="'v5p-6' is not a v5p slice Cloud TPU offers"):
         parse_target("v5p-6")
 
@@ -107,3 +110,14 @@ def test_splash_attention_compiles_for_a_tpu_as_a_mosaic_kernel_per_shard():
     assert result["cost"]["kernel_calls"] >= 2 * cfg.model.n_layers * cfg.train.grad_accum_steps
     assert result["cost"]["flops"] == pytest.approx(result["flops_per_step"] / result["devices"], rel=0.02)
     assert result["fits"]
+
+
+@needs_cuda_plugin
+def test_h100_hosts_compile_without_a_gpu():
+    assert parse_target("h100-16").topology == "1x2x8" and parse_target("h200-4").topology == "1x1x4"
+    two_hosts = target_devices(parse_target("h100-16"))
+    assert len(two_hosts) == 16 and {d.process_index for d in two_hosts} == {0, 1}
+    result = plan(bf16_model(), target="h100-8")
+    assert result["device_kind"].startswith("NVIDIA H100") and result["fits"]
+    assert result["hbm_bytes_per_device"] == 80 * 10**9
+    assert result["cost"]["flops"] == pytest.approx(result["flops_per_step"] / result["devices"], rel=0.02)

@@ -1,10 +1,14 @@
-"""Cloud TPU slices by the names users type (v5e-4, v5litepod-16, v5p-128, v4-8, v6e-256), as devices
-the TPU compiler can compile for on any machine, with no TPU present.
+"""Cloud TPU slices by the names users type (v5e-4, v5litepod-16, v5p-128, v4-8, v6e-256), and NVIDIA
+GPU hosts (h100-8, h200-16), as devices their compilers can compile for on any machine, none present.
 
 libtpu (the `tpu` extra) describes a slice from its topology name ("v5e:2x2",
 "v5p:4x4x4"); JAX then lowers and compiles for its devices exactly as it would
 on the pod. The accelerator type counts chips for v5e and v6e, TensorCores for
 v4 and v5p, whose two cores per chip run as one device (megacore).
+
+JAX's CUDA plugin (the `gpu` extra) compiles without a GPU or a driver when it
+is given the topology (slices x hosts x GPUs per host) and a GpuTargetConfig:
+the device's description, which `_gpu_target_config` writes from the data sheet.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ GENERATIONS = {
     "v6e": Generation("tpu-v6e", "v6e", 1, 2, (1, 4, 8, 16, 32, 64, 128, 256)),
 }
 ALIASES = {"v5litepod": "v5e"}
+# GPUs per host: 8 (an HGX board); N GPUs = N / 8 hosts, or one host of N < 8.
+GPUS = {"h100": "h100", "h200": "h200"}
+_GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,16 +54,20 @@ class Target:
 
     @property
     def chip(self) -> Chip:
-        return CHIPS[GENERATIONS[self.generation].chip]
+        return CHIPS[self.chip_name]
 
     @property
     def chip_name(self) -> str:
-        return GENERATIONS[self.generation].chip
+        return GPUS[self.generation] if self.generation in GPUS else GENERATIONS[self.generation].chip
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.generation in GPUS
 
 
 def known_targets() -> str:
     """One line per generation: the accelerator types it accepts."""
-    lines = []
+    lines = [f"{gpu}-N for N in {', '.join(map(str, _GPU_COUNTS))}" for gpu in GPUS]
     for name, g in GENERATIONS.items():
         sizes = [c * g.cores_per_chip for c in g.chip_counts]
         alias = next((a for a, target in ALIASES.items() if target == name), None)
@@ -78,29 +89,71 @@ def topology_shape(chips: int, dims: int) -> tuple[int, ...]:
 
 def parse_target(text: str) -> Target:
     """'v5e-4' -> Target(generation 'v5e', 4 chips, topology 'v5e:2x2'); a clear error otherwise."""
-    match = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", text.strip().lower())
+    match = re.fullmatch(r"([a-z]?\d+[a-z]*)-(\d+)", text.strip().lower())
+    if match and match.group(1) in GPUS and int(match.group(2)) in _GPU_COUNTS:
+        gpus = int(match.group(2))
+        hosts, per_host = max(1, gpus // 8), min(gpus, 8)
+        return Target(text, match.group(1), gpus, f"1x{hosts}x{per_host}")
     generation = match and ALIASES.get(match.group(1), match.group(1))
     if not match or generation not in GENERATIONS:
-        raise ConfigError(f"unknown target '{text}'; the known TPU slices are: {known_targets()}.")
+        raise ConfigError(f"unknown target '{text}'; the known targets are: {known_targets()}.")
     g = GENERATIONS[generation]
     number = int(match.group(2))
     chips, left = divmod(number, g.cores_per_chip)
     if left or chips not in g.chip_counts:
-        raise ConfigError(f"'{text}' is not a {generation} slice Cloud TPU offers; the known TPU slices are: "
+        raise ConfigError(f"'{text}' is not a {generation} slice Cloud TPU offers; the known targets are: "
                           f"{known_targets()}.")  # fmt: skip
     shape = topology_shape(chips, g.dims)
     return Target(text, generation, chips, f"{g.topology_prefix}:{'x'.join(map(str, shape))}")
 
 
+def _gpu_target_config(chip: Chip) -> str:
+    """A GpuTargetConfig (protobuf text) for a Hopper GPU: what XLA's GPU compiler asks of the device.
+    H100 SXM and H200 share the die (132 SMs, compute capability 9.0); memory and bandwidth differ."""
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024 threads_per_warp: 32 threads_per_core_limit: 2048
+  shared_memory_per_block: 49152 shared_memory_per_block_optin: 232448 shared_memory_per_core: 233472
+  core_count: 132 fpus_per_core: 128 registers_per_core_limit: 65536 registers_per_block_limit: 65536
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: {int(chip.hbm_bytes_per_second)} device_memory_size: {chip.hbm_bytes}
+  l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  cuda_compute_capability {{ major: 9 minor: 0 }}
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+device_description_str: "NVIDIA {chip.device_kind}"
+"""
+
+
+def _gpu_devices(target: Target, slices: int) -> list:
+    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        raise ConfigError(
+            f"--target {target.name} compiles with XLA's GPU compiler, which comes with JAX's CUDA plugin; "
+            f"install it with: pip install -e \".[gpu]\""
+        )  # fmt: skip
+    # The plugin checks the CUDA runtime's version when it loads; compiling needs no runtime, and a
+    # planning machine has none.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    from jax.experimental import topologies
+
+    shape = target.topology.split("x")
+    topology = "x".join([str(slices), *shape[1:]])
+    found = topologies.get_topology_desc(platform="cuda", topology_name="", topology=topology,
+                                         target_config=_gpu_target_config(target.chip))  # fmt: skip
+    return list(found.devices)
+
+
 def target_devices(target: Target, slices: int = 1) -> list:
-    """The devices of `slices` such slices, for ahead-of-time compilation (no TPU needed)."""
+    """The devices of `slices` such slices, for ahead-of-time compilation (no TPU or GPU needed)."""
+    if slices < 1:
+        raise ConfigError(f"--slices must be at least 1, not {slices}.")
+    if target.is_gpu:
+        return _gpu_devices(target, slices)
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError(
             f"--target {target.name} compiles with the TPU compiler, which comes with libtpu; "
             f"install it with: pip install -e \".[tpu]\""
         )  # fmt: skip
-    if slices < 1:
-        raise ConfigError(f"--slices must be at least 1, not {slices}.")
     # libtpu takes a machine-wide lock file for the chips it drives; compiling drives none, and
     # without this a second planner (or a test beside one) fails to start.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
