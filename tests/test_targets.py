@@ -10,14 +10,13 @@ from conftest import micro_config
 from parallelism import hlo
 from trainer.errors import ConfigError
 from trainer.planning.plan import plan
-from trainer.planning.targets import GENERATIONS, parse_target, target_devices
+from trainer.planning.targets import GENERATIONS, installed, parse_target, target_devices
 from trainer.training.setup import build
 from trainer.training.step import abstract_batch
 
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason='pip install -e ".[tpu]"')
+needs_libtpu = pytest.mark.skipif(not installed("libtpu"), reason='pip install -e ".[tpu]"')
 # Not in CI (the plugin is 1.1 GB and CI's time is spent): run where the gpu extra is installed.
-needs_cuda_plugin = pytest.mark.skipif(importlib.util.find_spec("jax_plugins.xla_cuda12") is None,
-                                       reason='pip install -e ".[gpu]"')  # fmt: skip
+needs_cuda_plugin = pytest.mark.skipif(not installed("jax_plugins.xla_cuda12"), reason='pip install -e ".[gpu]"')
 
 
 def bf16_model(**mesh):
@@ -50,6 +49,15 @@ def test_a_target_without_libtpu_says_how_to_install_it(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libtpu" else real(name, *a))
     with pytest.raises(ConfigError, match=r'install it with: pip install -e "\.\[tpu\]"'):
         target_devices(parse_target("v5e-4"))
+
+    def no_plugins(name, *a):  # as find_spec behaves when the jax_plugins package is absent
+        if name.startswith("jax_plugins."):
+            raise ModuleNotFoundError(name)
+        return real(name, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", no_plugins)
+    with pytest.raises(ConfigError, match=r'install it with: pip install -e "\.\[gpu\]"'):
+        target_devices(parse_target("h100-8"))
 
 
 @needs_libtpu

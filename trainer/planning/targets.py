@@ -40,8 +40,8 @@ GENERATIONS = {
     "v6e": Generation("tpu-v6e", "v6e", 1, 2, (1, 4, 8, 16, 32, 64, 128, 256)),
 }
 ALIASES = {"v5litepod": "v5e"}
-# GPUs per host: 8 (an HGX board); N GPUs = N / 8 hosts, or one host of N < 8.
-GPUS = {"h100": "h100", "h200": "h200"}
+# GPU targets name their chip (trainer/chips.py); 8 GPUs a host (an HGX board), or one host of N < 8.
+GPUS = ("h100", "h200")
 _GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
@@ -50,7 +50,7 @@ class Target:
     name: str  # as the user typed it
     generation: str
     chips: int
-    topology: str  # libtpu's topology name, e.g. "v5e:2x2"
+    topology: str  # libtpu's topology name, e.g. "v5e:2x2"; for GPUs slices x hosts x GPUs a host, "1x2x8"
 
     @property
     def chip(self) -> Chip:
@@ -58,7 +58,7 @@ class Target:
 
     @property
     def chip_name(self) -> str:
-        return GPUS[self.generation] if self.generation in GPUS else GENERATIONS[self.generation].chip
+        return self.generation if self.is_gpu else GENERATIONS[self.generation].chip
 
     @property
     def is_gpu(self) -> bool:
@@ -107,6 +107,14 @@ def parse_target(text: str) -> Target:
     return Target(text, generation, chips, f"{g.topology_prefix}:{'x'.join(map(str, shape))}")
 
 
+def installed(module: str) -> bool:
+    """Whether a module can be imported; False too when its parent package is absent (find_spec raises)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def _gpu_target_config(chip: Chip) -> str:
     """A GpuTargetConfig (protobuf text) for a Hopper GPU: what XLA's GPU compiler asks of the device.
     H100 SXM and H200 share the die (132 SMs, compute capability 9.0); memory and bandwidth differ."""
@@ -126,7 +134,7 @@ device_description_str: "NVIDIA {chip.device_kind}"
 
 
 def _gpu_devices(target: Target, slices: int) -> list:
-    if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+    if not installed("jax_plugins.xla_cuda12"):
         raise ConfigError(
             f"--target {target.name} compiles with XLA's GPU compiler, which comes with JAX's CUDA plugin; "
             f"install it with: pip install -e \".[gpu]\""
@@ -149,7 +157,7 @@ def target_devices(target: Target, slices: int = 1) -> list:
         raise ConfigError(f"--slices must be at least 1, not {slices}.")
     if target.is_gpu:
         return _gpu_devices(target, slices)
-    if importlib.util.find_spec("libtpu") is None:
+    if not installed("libtpu"):
         raise ConfigError(
             f"--target {target.name} compiles with the TPU compiler, which comes with libtpu; "
             f"install it with: pip install -e \".[tpu]\""
