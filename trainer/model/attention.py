@@ -93,7 +93,7 @@ def splash_attention(q, k, v, segment_ids=None, shard=None, block: int | None = 
     """The Pallas kernel on each device's shard: a Mosaic kernel cannot be partitioned by XLA, so it
     runs under shard_map, batch split over the batch axes and heads over `tensor`, each device
     holding whole sequences (sequence-parallel layouts are gathered first)."""
-    b, t, n, h = q.shape
+    _, t, n, h = q.shape
     kv_heads = k.shape[2]
     mesh = None if shard is None else shard.mesh
     platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform

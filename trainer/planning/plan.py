@@ -34,17 +34,18 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     Chinchilla-optimal tokens and the time to train `tokens` (default: those) on `chips` x `chip`
     at `mfu`; with `budget` (FLOPs), the compute-optimal model for it; with `sharding`, where
     every parameter lives and what the compiled step communicates, beside the textbook volumes.
-    With `target` (a Cloud TPU type, e.g. 'v5e-4') and `slices`, the step is compiled by the TPU
-    compiler for that slice's devices: memory against the chip's HBM, cost and roofline too."""
-    tpu = parse_target(target) if target else None
-    if tpu is not None:
-        chip = tpu.chip_name
+    With `target` (a Cloud TPU type, e.g. 'v5e-4', or GPU hosts, 'h100-8') and `slices`, the step is
+    compiled by that hardware's compiler for its devices: memory against the chip's HBM, cost and roofline
+    too."""
+    hardware = parse_target(target) if target else None
+    if hardware is not None:
+        chip = hardware.chip_name
     if chip not in CHIPS:
         raise ConfigError(f"unknown chip '{chip}'; the peak table knows {', '.join(CHIPS)}.")
     if not 0 < mfu <= 1 or tokens < 0 or budget < 0:
         raise ConfigError(f"--mfu must lie in (0, 1] (got {mfu}); --tokens and --budget cannot be negative.")
-    if tpu is not None:
-        devices = target_devices(tpu, slices)
+    if hardware is not None:
+        devices = target_devices(hardware, slices)
     setup = build(cfg, devices)
     t, seq = cfg.train, cfg.data.seq_len
     counts = count_params(setup.model.abstract_params)
@@ -96,13 +97,13 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     result["compiled_bytes_per_device"] = breakdown.pop("total")
     result["compiled_breakdown"] = breakdown
     result["compile_seconds"] = time.perf_counter() - start
-    if tpu is not None:
-        result.update(on_target(tpu, slices, compiled, result, setup.spec.arch, seq))
+    if hardware is not None:
+        result.update(on_target(hardware, slices, compiled, result, setup.spec.arch, seq))
+    if sharding:
+        result["sharding"] = sharding_table(setup)
     # GPU HLO's collectives are not read right yet (tiny on h100-8: 0.1 MiB of all-gather against 22 in
-    # the textbook); they are printed only when asked for, with --sharding.
-    if sharding or (tpu is not None and not tpu.is_gpu):
-        if sharding:
-            result["sharding"] = sharding_table(setup)
+    # the textbook); for GPUs they are printed only when asked for, with --sharding.
+    if sharding or (hardware is not None and not hardware.is_gpu):
         result["state_bytes_per_device"] = state_bytes_per_device(setup)
         result["collectives"] = {
             "measured": collectives.parse(compiled.as_text()),
@@ -120,7 +121,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     return result
 
 
-def on_target(tpu: Target, slices: int, compiled, result: dict, arch, seq_len: int) -> dict:
+def on_target(hardware: Target, slices: int, compiled, result: dict, arch, seq_len: int) -> dict:
     """The verdict against the chip's HBM, and the cost read from the compiled HLO with its roofline.
 
     XLA's cost_analysis() counts a loop body once (a 71x under-count for
@@ -130,7 +131,7 @@ def on_target(tpu: Target, slices: int, compiled, result: dict, arch, seq_len: i
     model FLOPs per device over what the chip can do in that time.
     """
     module = hlo.read(compiled.as_text())
-    chip, used = tpu.chip, result["compiled_bytes_per_device"]
+    chip, used = hardware.chip, result["compiled_bytes_per_device"]
     flops, traffic = hlo.matmul_flops(module), hlo.bytes_accessed(module)
     kernels = hlo.kernel_calls(module)
     if kernels:
@@ -138,11 +139,12 @@ def on_target(tpu: Target, slices: int, compiled, result: dict, arch, seq_len: i
         # the attention term of the FLOPs formula (full, not causal, QK^T and AV, forward and backward).
         tokens_here = result["tokens_per_step"] / result["devices"]
         flops += 12 * arch.n_layers * arch.n_heads * arch.head_dim * seq_len * tokens_here
-    roofline = max(flops / chip.peak_flops, traffic / chip.hbm_bytes_per_second)
+    compute_seconds, memory_seconds = flops / chip.peak_flops, traffic / chip.hbm_bytes_per_second
+    roofline = max(compute_seconds, memory_seconds)
     model_flops = result["flops_per_step"] / result["devices"]
     return {
-        "target": tpu.name,
-        "topology": tpu.topology,
+        "target": hardware.name,
+        "topology": hardware.topology,
         "slices": slices,
         "hbm_bytes_per_device": chip.hbm_bytes,
         "fits": used <= chip.hbm_bytes,
@@ -151,7 +153,7 @@ def on_target(tpu: Target, slices: int, compiled, result: dict, arch, seq_len: i
             "bytes_accessed": traffic,
             "kernel_calls": kernels,
             "roofline_seconds": roofline,
-            "bound": "compute" if flops / chip.peak_flops >= traffic / chip.hbm_bytes_per_second else "memory",
+            "bound": "compute" if compute_seconds >= memory_seconds else "memory",
             "mfu_ceiling": model_flops / (chip.peak_flops * roofline) if roofline else 0.0,
         },
     }

@@ -181,9 +181,9 @@ def predict(out: str, budget: float, train: bool = False, neighbours: int = 1, s
     points = [scaling_sweep.make_point(base, budget, rungs[i], _check_dir(out, budget, rungs[i])) for i in indices]
     run_points(points, say)
     # Every size trained at this budget so far (an earlier --train may have trained others) shapes the profile.
-    points = [scaling_sweep.make_point(base, budget, r, _check_dir(out, budget, r)) for r in rungs]
-    points = [p for p in points if scaling_sweep.final_loss(p.workdir) is not None]
-    losses = [scaling_sweep.final_loss(p.workdir) for p in points]
+    every = [scaling_sweep.make_point(base, budget, r, _check_dir(out, budget, r)) for r in rungs]
+    trained = [(p, scaling_sweep.final_loss(p.workdir)) for p in every]
+    points, losses = [p for p, loss in trained if loss is not None], [loss for _, loss in trained if loss is not None]
     n = np.array([p.rung.n_params for p in points], float)
     measured = {"points": [{"d_model": p.rung.d_model, "n_params": p.rung.n_params, "tokens": p.tokens,
                             "predicted_loss": float(law.loss(p.rung.n_params, p.tokens)), "loss": loss}

@@ -133,12 +133,14 @@ device_description_str: "NVIDIA {chip.device_kind}"
 """
 
 
+def _require(module: str, target: Target, compiler: str, extra: str) -> None:
+    if not installed(module):
+        raise ConfigError(f"--target {target.name} compiles with {compiler}; install it with: "
+                          f"pip install -e \".[{extra}]\"")  # fmt: skip
+
+
 def _gpu_devices(target: Target, slices: int) -> list:
-    if not installed("jax_plugins.xla_cuda12"):
-        raise ConfigError(
-            f"--target {target.name} compiles with XLA's GPU compiler, which comes with JAX's CUDA plugin; "
-            f"install it with: pip install -e \".[gpu]\""
-        )  # fmt: skip
+    _require("jax_plugins.xla_cuda12", target, "XLA's GPU compiler, which comes with JAX's CUDA plugin", "gpu")
     # The plugin checks the CUDA runtime's version when it loads; compiling needs no runtime, and a
     # planning machine has none.
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
@@ -157,11 +159,7 @@ def target_devices(target: Target, slices: int = 1) -> list:
         raise ConfigError(f"--slices must be at least 1, not {slices}.")
     if target.is_gpu:
         return _gpu_devices(target, slices)
-    if not installed("libtpu"):
-        raise ConfigError(
-            f"--target {target.name} compiles with the TPU compiler, which comes with libtpu; "
-            f"install it with: pip install -e \".[tpu]\""
-        )  # fmt: skip
+    _require("libtpu", target, "the TPU compiler, which comes with libtpu", "tpu")
     # libtpu takes a machine-wide lock file for the chips it drives; compiling drives none, and
     # without this a second planner (or a test beside one) fails to start.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
