@@ -11,13 +11,17 @@ Chinchilla-optimal token count and how long training takes on a named chip.
 v5p-8 ... v5p-12288, v6e-N) compiles the step with the TPU compiler for that
 slice, on this machine, with no TPU (needs libtpu: pip install -e ".[tpu]"),
 and says whether it fits the chip's HBM, what it costs and how fast it could
-run at best; --slices N plans N such slices joined by the data-centre network
+run at best; --fit, when it does not fit, screens variants (remat, accumulation,
+loss chunk, bf16 moments, data/fsdp/tensor split) by arithmetic, compiles the
+most promising and prints the fastest that fits as the train.py command to run;
+--slices N plans N such slices joined by the data-centre network
 (the mesh's dcn_data / dcn_fsdp axes). --target h100-8 (h100-N, h200-N; 8 GPUs a
 host) does the same with XLA's GPU compiler, no GPU needed (pip install -e ".[gpu]").
 """
 
 import json
 import os
+import sys
 
 from absl import flags
 
@@ -36,6 +40,8 @@ _CHIPS = flags.DEFINE_integer("chips", 0, "How many chips (default: the mesh's d
 _MFU = flags.DEFINE_float("mfu", 0.4, "Model FLOPs utilisation assumed for the time estimate.")
 _TARGET = flags.DEFINE_string("target", "", "TPU slice or GPU hosts to compile for: v5e-4, v5p-128, h100-8, ...")
 _SLICES = flags.DEFINE_integer("slices", 1, "With --target: how many such slices (multi-slice, over DCN).")
+_FIT = flags.DEFINE_bool("fit", False, "With --target: if the config does not fit, find the fastest variant that does.")
+_FIT_COMPILES = flags.DEFINE_integer("fit_compiles", 3, "With --fit: how many screened variants to compile.")
 _SHARDING = flags.DEFINE_bool(
     "sharding", False, "Also print where each parameter lives and the step's collectives (from its HLO)."
 )
@@ -54,8 +60,12 @@ def print_sharding(result):
 
 
 def print_target(result):
-    gib, c = 2**30, result["cost"]
-    used, hbm = result["compiled_bytes_per_device"], result["hbm_bytes_per_device"]
+    gib, hbm = 2**30, result["hbm_bytes_per_device"]
+    if result["compiled_bytes_per_device"] is None:
+        print(f"target            {result['target']} x {result['slices']} ({result['topology']}, {hbm / gib:.0f} GiB "
+              f"HBM per device): does NOT fit; the compiler refused: {result['out_of_memory']}")  # fmt: skip
+        return
+    c, used = result["cost"], result["compiled_bytes_per_device"]
     verdict = "fits" if result["fits"] else f"does NOT fit: {(used - hbm) / gib:.2f} GiB over"
     print(f"target            {result['target']} x {result['slices']} ({result['topology']}, "
           f"{result['devices']} x {result['device_kind']}): {used / gib:.2f} of {hbm / gib:.0f} GiB HBM "
@@ -73,6 +83,36 @@ def print_collectives(result):
         m = measured.get(kind, {"count": 0, "bytes": 0, "sent": 0})
         print(f"{kind:<18} {m['count']:>7} {m['bytes'] / mib:>12.1f} {m['sent'] / mib:>10.1f} "
               f"{textbook.get(kind, 0) / mib:>18.1f}")  # fmt: skip
+
+
+def print_fit(search):
+    gib = 2**30
+    print(
+        f"\nfit: {search['considered']} variants, {search['valid']} valid, {search['pass_arithmetic']} fit "
+        f"by arithmetic (screened in {search['screen_seconds']:.1f}s); compiled on the target, cheapest first:"
+    )
+    for c in search["compiled"]:
+        changes = " ".join(f"{k}={v}" for k, v in c["changes"].items()) or "(as configured)"
+        head = f"  {changes}\n      arithmetic {c['arithmetic_bytes'] / gib:.2f} GiB, "
+        if c["compiled_bytes_per_device"] is None:
+            print(f"{head}the compiler refused ({c['out_of_memory']})")
+            continue
+        verdict = "fits" if c["fits"] else "does NOT fit"
+        print(f"{head}XLA {c['compiled_bytes_per_device'] / gib:.2f} GiB {verdict}; roofline "
+              f"{c['roofline_seconds']:.3g} s ({c['bound']}-bound), recompute +{c['recompute']:.0%}; "
+              f"compiled in {c['compile_seconds']:.0f}s")  # fmt: skip
+    best = search["best"]
+    if best is None:
+        print("none of the compiled variants fits; try --fit_compiles with a larger number, or more chips.")
+        return
+    print(f"fastest that fits: roofline {best['roofline_seconds']:.3g} s a step, MFU at most "
+          f"{best['mfu_ceiling']:.0%}. Run:\n  {search['command']}")  # fmt: skip
+
+
+def command_args(changes: dict) -> list[str]:
+    """This command's --config flags with `changes` applied, for train.py."""
+    kept = [a for a in cli.config_args(sys.argv[1:]) if a.split("=")[0].removeprefix("--config.") not in changes]
+    return kept + [f"--config.{k}={v}" for k, v in changes.items()]
 
 
 def print_scaling(result):
@@ -109,7 +149,9 @@ def main():
 
     result = plan(_CONFIG.value, compile_step=not _NO_COMPILE.value, sharding=_SHARDING.value, tokens=_TOKENS.value,
                   budget=_BUDGET.value, chip=_CHIP.value, chips=_CHIPS.value, mfu=_MFU.value, target=_TARGET.value,
-                  slices=_SLICES.value)  # fmt: skip
+                  slices=_SLICES.value, fit=_FIT.value, fit_compiles=_FIT_COMPILES.value)  # fmt: skip
+    if "fit" in result and result["fit"]["best"]:
+        result["fit"]["command"] = "python scripts/train.py " + " ".join(command_args(result["fit"]["best"]["changes"]))
     if _JSON.value:
         print(json.dumps(result))
         return
@@ -133,7 +175,7 @@ def main():
     m = result["bytes_per_device"]
     print(f"memory per device {m['total'] / gib:.2f} GiB by arithmetic: " + ", ".join(
         f"{k.replace('_', ' ')} {v / gib:.2f}" for k, v in m.items() if k != "total"))  # fmt: skip
-    if "compiled_bytes_per_device" in result:
+    if result.get("compiled_bytes_per_device") is not None:
         b = result["compiled_breakdown"]
         print(
             f"                  {result['compiled_bytes_per_device'] / gib:.2f} GiB compiled by XLA "
@@ -148,6 +190,8 @@ def main():
         print_sharding(result)
     if "collectives" in result:
         print_collectives(result)
+    if "fit" in result:
+        print_fit(result["fit"])
 
 
 if __name__ == "__main__":

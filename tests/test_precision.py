@@ -92,21 +92,21 @@ def script_losses(args, workdir):
 
 
 def test_tiny_learns_and_fp16_as_shipped_finishes_it_and_tracks_fp32(tmp_path, corpus_dir):
-    """configs/tiny.py through the script, 24 steps: it learns; and with its precision settings
+    """configs/tiny.py through the script, 16 steps: it learns; and with its precision settings
     untouched but the dtype, the fp16 loss scale falls from 2^15 by itself without the run counting
     those overflows as trouble."""
-    args = ["--config", "configs/tiny.py", f"--config.data.data_dir={corpus_dir}", "--config.train.steps=24",
+    args = ["--config", "configs/tiny.py", f"--config.data.data_dir={corpus_dir}", "--config.train.steps=16",
             "--config.train.global_batch_size=8", "--config.optim.warmup_steps=5", "--config.train.eval_every=0",
             "--config.train.log_every=1"]  # fmt: skip
-    fp32 = script_losses([*args, "--config.train.eval_every=24"], str(tmp_path / "fp32"))
+    fp32 = script_losses([*args, "--config.train.eval_every=16"], str(tmp_path / "fp32"))
     losses = [r["loss"] for r in fp32]
-    # An untrained model's loss is ~ln(vocab) = 5.95; 24 steps must take it far below, and keep falling.
+    # An untrained model's loss is ~ln(vocab) = 5.95; 16 steps must take it far below (measured: 3.2).
     assert losses[-1] < math.log(384) - 2.5 and losses[-1] < losses[0] - 0.2, losses
     with open(tmp_path / "fp32" / "metrics.jsonl") as f:
         (evaluation,) = [r for r in map(json.loads, f) if "eval_loss" in r]
     assert evaluation["eval_loss"] < evaluation["unigram_loss"]  # better than any context-free model
     fp16 = script_losses([*args, "--config.precision.compute_dtype=float16"], str(tmp_path / "fp16"))
-    assert fp16[-1]["step"] >= 24 and fp16[0]["loss_scale"] <= 2.0**15
+    assert fp16[-1]["step"] >= 16 and fp16[0]["loss_scale"] <= 2.0**15
     assert tail_mean(fp16) == pytest.approx(tail_mean(fp32), rel=0.03)
 
 

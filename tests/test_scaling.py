@@ -111,7 +111,7 @@ def run_script(*args, timeout=900):
 
 
 def test_a_micro_sweep_fits_and_checks_its_prediction(corpus_dir, tmp_path):
-    """One budget of three sizes, through the script: sweep, resume, fit, predict and train the prediction.
+    """One budget of three sizes, through the script: sweep, resume, fit, predict and check the prediction.
     (Two budgets would fit Approach 2 as well, at twice the CI time; the synthetic test covers it.)"""
     base, out, budget = micro_base(corpus_dir), str(tmp_path / "sweep"), 4e10
     flags = ["--config", "configs/tiny.py", *MICRO_FLAGS, f"--config.data.data_dir={corpus_dir}", "--out", out]
@@ -140,8 +140,11 @@ def test_a_micro_sweep_fits_and_checks_its_prediction(corpus_dir, tmp_path):
     assert fitted["approach2"] is None and "two budgets" in fitted["approach2_error"]
     assert len(list(csv.DictReader(open(os.path.join(out, "points.csv"))))) == 3
 
+    # At a budget the sweep covered, the check takes the sweep's own points: nothing is trained again.
     output = run_script("predict", "--out", out, "--budget", "4e10", "--train", "--neighbours", "0", "--json")
+    assert "compiled" not in output and not os.path.exists(os.path.join(out, "check"))
     result = json.loads(output.strip().splitlines()[-1])
+    assert len(result["measured"]["points"]) == 3
     m = result["model"]
     spec = importlib.util.spec_from_file_location("predicted", result["config_file"])
     module = importlib.util.module_from_spec(spec)

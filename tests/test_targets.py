@@ -1,13 +1,17 @@
 """Planning for a Cloud TPU slice with the real TPU compiler (libtpu, the `tpu` extra), no TPU present."""
 
 import importlib.util
+import json
 import math
+import subprocess
+import sys
 
 import jax
 import pytest
-from conftest import micro_config
+from conftest import REPO, micro_config
 
 from parallelism import hlo
+from trainer.config import with_changes
 from trainer.errors import ConfigError
 from trainer.planning.plan import plan
 from trainer.planning.targets import GENERATIONS, installed, parse_target, target_devices
@@ -118,6 +122,45 @@ def test_splash_attention_compiles_for_a_tpu_as_a_mosaic_kernel_per_shard():
     assert result["cost"]["kernel_calls"] >= 2 * cfg.model.n_layers * cfg.train.grad_accum_steps
     assert result["cost"]["flops"] == pytest.approx(result["flops_per_step"] / result["devices"], rel=0.02)
     assert result["fits"]
+
+
+@needs_libtpu
+def test_fit_finds_a_variant_that_fits_a_v5e_chip_and_prints_its_command():
+    """tiny in bf16 with 512 sequences of 256 a step overflows a v5e chip's 16 GiB. The search's answer,
+    taken from the printed command and planned on its own, fits: the same model, batch and data, only
+    computed differently. (One chip and one compile of the search: TPU compiles of this batch take
+    ~40 s here.)"""
+    overrides = ["--config.precision.compute_dtype=bfloat16", "--config.train.global_batch_size=512",
+                 "--config.model.attention=dot_product"]  # fmt: skip
+    out = subprocess.run([sys.executable, "scripts/plan.py", "--config", "configs/tiny.py", *overrides, "--target",
+                          "v5e-1", "--fit", "--fit_compiles", "1", "--json"],
+                         cwd=REPO, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not result["fits"] and result["bytes_per_device"]["total"] > result["hbm_bytes_per_device"]
+    search, best = result["fit"], result["fit"]["best"]
+    assert best is not None and best["fits"] and search["considered"] > search["pass_arithmetic"] > 0
+    assert "precision.moments_dtype" not in best["changes"]  # fp32 moments fit: no precision given up
+
+    command = search["command"].split()
+    assert command[:3] == ["python", "scripts/train.py", "--config=configs/tiny.py"]
+    assert all(flag in command for flag in overrides if flag.split("=")[0][9:] not in best["changes"])
+    # tiny's own values, then the command's flags, as train.py applies them.
+    spec = importlib.util.spec_from_file_location("tiny", f"{REPO}/configs/tiny.py")
+    tiny = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiny)
+    cfg = tiny.get_config()
+    flags = dict(f.removeprefix("--config.").split("=", 1) for f in command[3:])
+    for key, text in flags.items():
+        *parents, name = key.split(".")
+        current = cfg
+        for part in parents:
+            current = current[part]
+        flags[key] = type(current[name])(text)
+    cfg = with_changes(cfg, flags)
+    again = plan(cfg, target="v5e-1")
+    assert again["fits"] and again["compiled_bytes_per_device"] == best["compiled_bytes_per_device"]
+    assert cfg.train.global_batch_size == 512 and cfg.model.d_model == 256  # the same model and batch
 
 
 @needs_cuda_plugin

@@ -32,19 +32,20 @@ def shard_bytes(tree, itemsize: int | None = None) -> int:
     )
 
 
-def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int) -> dict[str, float]:
+def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, platform: str) -> dict[str, float]:
     """Elements per token one layer keeps for the backward pass, under each remat policy.
 
     Head and MLP-width tensors are split over `tensor`; the residual-width ones
-    are not. With the 'xla' attention three fp32 arrays of heads x seq per token
-    are kept (the scores, the masked scores and the softmax: what XLA's compiler
-    was seen to keep), counted in compute-dtype elements of `act_bytes`; fused kernels
-    keep only their output and statistics.
+    are not. Where attention materialises its scores (on `platform`, see
+    materialises_scores) three fp32 arrays of heads x seq per token are kept (the
+    scores, the masked scores and the softmax: what XLA's compiler was seen to
+    keep), counted in compute-dtype elements of `act_bytes`; fused kernels keep
+    only their output and statistics.
     """
     a = spec.arch
     d, f = a.d_model, a.d_ff / tensor
     q, kv = a.n_heads * a.head_dim / tensor, a.n_kv_heads * a.head_dim / tensor
-    scores = 3 * (4 / act_bytes) * a.n_heads * seq_len / tensor if spec.execution.attention == "xla" else 0
+    scores = 3 * (4 / act_bytes) * a.n_heads * seq_len / tensor if materialises_scores(spec, platform) else 0
     projections = q + 2 * kv + d + 2 * f + d  # q, k, v; attention out projection; gate, up; down
     everything = (
         4 * d  # layer input, two norm outputs, the residual after attention
@@ -62,13 +63,20 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int) -
     }
 
 
-def activation_bytes(cfg, spec, mesh_shape: dict[str, int]) -> int:
+def materialises_scores(spec, platform: str) -> bool:
+    """Whether attention writes its (heads, seq, seq) scores to memory: XLA's attention does, and so does
+    `dot_product` wherever JAX has no fused kernel for it (it picks cuDNN's on a GPU only)."""
+    kind = spec.execution.attention
+    return kind == "xla" or (kind == "dot_product" and platform not in ("gpu", "cuda", "rocm"))
+
+
+def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str) -> int:
     """Bytes one device keeps for the backward pass of one microbatch."""
     t = cfg.train
     rows = microbatch_size(cfg) / (mesh_shape["data"] * mesh_shape["fsdp"])
     tokens, tensor = rows * cfg.data.seq_len, mesh_shape["tensor"]
     act = jnp.dtype(cfg.precision.compute_dtype).itemsize
-    per_layer = layer_activation_elements(spec, cfg.data.seq_len, tensor, act)
+    per_layer = layer_activation_elements(spec, cfg.data.seq_len, tensor, act, platform)
     layers_here = spec.arch.n_layers // mesh_shape["stage"]
     kept = layers_here * per_layer[spec.execution.remat]
     if spec.execution.remat != "none":
@@ -83,17 +91,24 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int]) -> int:
     return int(tokens * kept * act + logit_positions * 2 * 4 * spec.arch.vocab_size / tensor)
 
 
-def bytes_per_device(cfg, setup) -> dict[str, int]:
-    """The analytic breakdown, per device, with its total."""
+def state_bytes(setup) -> dict[str, int]:
+    """Bytes of the parameters (as stored, fp32) and the optimiser state on one device, from the shardings."""
     state = setup.abstract_state()
-    fp32 = shard_bytes(state.params, 4)
+    return {"params": shard_bytes(state.params), "optimizer": shard_bytes(state.opt_state)}
+
+
+def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None) -> dict[str, int]:
+    """The analytic breakdown, per device, with its total. `spec` and `state` (from state_bytes) let a
+    search vary remat, loss chunk and accumulation over one built setup."""
+    spec, state = spec or setup.spec, state or state_bytes(setup)
     compute = jnp.dtype(cfg.precision.compute_dtype).itemsize
+    fp32 = state["params"]  # the stored parameters are fp32
     out = {
-        "params": shard_bytes(state.params, compute),
+        "params": fp32 * compute // 4,
         "master_weights": fp32 if compute != 4 else 0,
         "grads": fp32 * (2 if cfg.train.grad_accum_steps > 1 else 1),
-        "optimizer": shard_bytes(state.opt_state),
-        "activations": activation_bytes(cfg, setup.spec, dict(setup.mesh.shape)),
+        "optimizer": state["optimizer"],
+        "activations": activation_bytes(cfg, spec, dict(setup.mesh.shape), setup.mesh.devices.flat[0].platform),
     }
     out["total"] = sum(out.values())
     return out

@@ -10,6 +10,7 @@ in flight).
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import jax
@@ -20,6 +21,7 @@ from trainer.chips import CHIPS
 from trainer.config import microbatch_size
 from trainer.errors import ConfigError
 from trainer.flops import count_params, flops_per_token
+from trainer.planning import fit as fitting
 from trainer.planning import memory, scaling
 from trainer.planning.targets import Target, parse_target, target_devices
 from trainer.training.setup import build
@@ -29,14 +31,14 @@ from trainer.training.step import abstract_batch, memory_per_device
 
 def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False, tokens: float = 0,
          budget: float = 0, chip: str = "h100", chips: int = 0, mfu: float = 0.4, target: str = "",
-         slices: int = 1) -> dict:  # fmt: skip
+         slices: int = 1, fit: bool = False, fit_compiles: int = 3) -> dict:  # fmt: skip
     """Counts, FLOPs, memory per device from arithmetic and, with `compile_step`, from XLA; the
     Chinchilla-optimal tokens and the time to train `tokens` (default: those) on `chips` x `chip`
     at `mfu`; with `budget` (FLOPs), the compute-optimal model for it; with `sharding`, where
     every parameter lives and what the compiled step communicates, beside the textbook volumes.
     With `target` (a Cloud TPU type, e.g. 'v5e-4', or GPU hosts, 'h100-8') and `slices`, the step is
     compiled by that hardware's compiler for its devices: memory against the chip's HBM, cost and roofline
-    too."""
+    too; with `fit`, when it does not fit, the fastest variant that does (trainer/planning/fit.py)."""
     hardware = parse_target(target) if target else None
     if hardware is not None:
         chip = hardware.chip_name
@@ -44,7 +46,11 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         raise ConfigError(f"unknown chip '{chip}'; the peak table knows {', '.join(CHIPS)}.")
     if not 0 < mfu <= 1 or tokens < 0 or budget < 0:
         raise ConfigError(f"--mfu must lie in (0, 1] (got {mfu}); --tokens and --budget cannot be negative.")
-    if hardware is not None:
+    if fit and hardware is None:
+        raise ConfigError("--fit searches for what fits a target's memory; name the hardware with --target.")
+    if fit:
+        fitting.check(cfg, fit_compiles)
+    if hardware is not None and devices is None:
         devices = target_devices(hardware, slices)
     setup = build(cfg, devices)
     t, seq = cfg.train, cfg.data.seq_len
@@ -88,23 +94,42 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     if not compile_step:
         return result
     start = time.perf_counter()
-    compiled = (
-        setup.train_step()
-        .lower(setup.abstract_state(), abstract_batch(t.global_batch_size, seq, setup.batch_sharding))
-        .compile()
-    )  # fmt: skip
-    breakdown = memory_per_device(compiled)
-    result["compiled_bytes_per_device"] = breakdown.pop("total")
-    result["compiled_breakdown"] = breakdown
+    lowered = setup.train_step().lower(setup.abstract_state(),
+                                       abstract_batch(t.global_batch_size, seq, setup.batch_sharding))  # fmt: skip
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        # XLA:TPU refuses to compile a step whose temporaries alone exceed the chip's HBM: for a plan
+        # that is the verdict, not a failure.
+        if hardware is None or "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        compiled = None
+        found = re.search(r"Ran out of memory[^\n]*", str(e))
+        result.update(target_fields(hardware, slices), fits=False, compiled_bytes_per_device=None,
+                      out_of_memory=found.group(0) if found else str(e).splitlines()[0])  # fmt: skip
     result["compile_seconds"] = time.perf_counter() - start
-    if hardware is not None:
-        result.update(on_target(hardware, slices, compiled, result, setup.spec.arch, seq))
+    if compiled is not None:
+        breakdown = memory_per_device(compiled)
+        result["compiled_bytes_per_device"] = breakdown.pop("total")
+        result["compiled_breakdown"] = breakdown
+        if hardware is not None:
+            result.update(on_target(hardware, slices, compiled, result, setup.spec.arch, seq))
+    if fit and not result["fits"]:
+        matmul_params = counts["total"] - (0 if setup.spec.arch.tie_embeddings else counts["embedding"])
+
+        def compile_variant(variant_cfg):
+            return plan(variant_cfg, devices=devices, target=target, slices=slices)
+
+        result["fit"] = fitting.search(cfg, devices, hardware.chip.hbm_bytes, matmul_params, compile_variant,
+                                       fit_compiles)  # fmt: skip
+    if compiled is None:
+        return result
     if sharding:
         result["sharding"] = sharding_table(setup)
     # GPU HLO's collectives are not read right yet (tiny on h100-8: 0.1 MiB of all-gather against 22 in
     # the textbook); for GPUs they are printed only when asked for, with --sharding.
     if sharding or (hardware is not None and not hardware.is_gpu):
-        result["state_bytes_per_device"] = state_bytes_per_device(setup)
+        result["state_bytes_per_device"] = memory.state_bytes(setup)
         result["collectives"] = {
             "measured": collectives.parse(compiled.as_text()),
             "textbook": collectives.textbook(
@@ -143,10 +168,7 @@ def on_target(hardware: Target, slices: int, compiled, result: dict, arch, seq_l
     roofline = max(compute_seconds, memory_seconds)
     model_flops = result["flops_per_step"] / result["devices"]
     return {
-        "target": hardware.name,
-        "topology": hardware.topology,
-        "slices": slices,
-        "hbm_bytes_per_device": chip.hbm_bytes,
+        **target_fields(hardware, slices),
         "fits": used <= chip.hbm_bytes,
         "cost": {
             "flops": flops,
@@ -159,6 +181,11 @@ def on_target(hardware: Target, slices: int, compiled, result: dict, arch, seq_l
     }
 
 
+def target_fields(hardware: Target, slices: int) -> dict:
+    return {"target": hardware.name, "topology": hardware.topology, "slices": slices,
+            "hbm_bytes_per_device": hardware.chip.hbm_bytes}  # fmt: skip
+
+
 def pipeline_plan(cfg, setup) -> dict:
     """The GPipe bubble and what each stage holds (every device of a stage holds the same)."""
     stages, m = cfg.mesh.stage, cfg.train.pipeline_microbatches
@@ -168,7 +195,7 @@ def pipeline_plan(cfg, setup) -> dict:
         "layers_per_stage": cfg.model.n_layers // stages,
         "bubble_fraction": pipeline.bubble_fraction(stages, m),
         "bubble_formula": "(stages - 1) / (pipeline_microbatches + stages - 1)",
-        "state_bytes_per_device": state_bytes_per_device(setup),
+        "state_bytes_per_device": memory.state_bytes(setup),
     }
 
 
@@ -189,9 +216,3 @@ def sharding_table(setup) -> list[dict]:
             "bytes_per_device": math.prod(shard) * array.dtype.itemsize,
         })  # fmt: skip
     return rows
-
-
-def state_bytes_per_device(setup) -> dict[str, int]:
-    """Bytes of parameters and optimiser state on one device, from the shardings alone."""
-    state = setup.abstract_state()
-    return {"params": memory.shard_bytes(state.params), "optimizer": memory.shard_bytes(state.opt_state)}

@@ -201,6 +201,11 @@ def predict(out: str, budget: float, train: bool = False, neighbours: int = 1, s
 
 
 def _check_dir(out: str, budget: float, rung) -> str:
+    """Where the check's point for `rung` lives: the sweep's own workdir when the sweep finished that
+    very point (same model, budget and steps: training it again would only repeat it), else check/."""
+    swept = scaling_sweep.point_dir(out, budget, rung)
+    if scaling_sweep.final_loss(swept) is not None:
+        return swept
     return os.path.join(out, "check", scaling_sweep.point_name(budget), f"d{rung.d_model}")
 
 

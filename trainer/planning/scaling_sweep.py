@@ -124,8 +124,13 @@ def plan_points(base, budgets: list[float], sizes: int, out: str, tokens_per_par
         centre = min(range(len(usable)), key=lambda i: abs(math.log(usable[i].n_params / guess)))
         first = min(max(0, centre - sizes // 2), len(usable) - sizes)
         for rung in usable[first : first + sizes]:
-            points.append(make_point(base, budget, rung, os.path.join(out, point_name(budget), f"d{rung.d_model}")))
+            points.append(make_point(base, budget, rung, point_dir(out, budget, rung)))
     return points
+
+
+def point_dir(out: str, budget: float, rung) -> str:
+    """A sweep point's workdir: <out>/C<budget>/d<d_model>."""
+    return os.path.join(out, point_name(budget), f"d{rung.d_model}")
 
 
 def make_point(base, budget: float, rung: Rung, workdir: str) -> Point:
