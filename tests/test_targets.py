@@ -124,6 +124,7 @@ def test_splash_attention_compiles_for_a_tpu_as_a_mosaic_kernel_per_shard():
     assert result["fits"]
 
 
+@pytest.mark.slow  # four TPU compiles of ~40 s (450 s in CI beside the rest): pytest -m slow
 @needs_libtpu
 def test_fit_finds_a_variant_that_fits_a_v5e_chip_and_prints_its_command():
     """tiny in bf16 with 512 sequences of 256 a step overflows a v5e chip's 16 GiB. The search's answer,
