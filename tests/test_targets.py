@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, micro_config
 
 from parallelism import hlo
-from trainer.config import with_changes
+from trainer.config import flatten, with_changes
 from trainer.errors import ConfigError
 from trainer.planning.plan import plan
 from trainer.planning.targets import GENERATIONS, installed, parse_target, target_devices
@@ -152,13 +152,8 @@ def test_fit_finds_a_variant_that_fits_a_v5e_chip_and_prints_its_command():
     spec.loader.exec_module(tiny)
     cfg = tiny.get_config()
     flags = dict(f.removeprefix("--config.").split("=", 1) for f in command[3:])
-    for key, text in flags.items():
-        *parents, name = key.split(".")
-        current = cfg
-        for part in parents:
-            current = current[part]
-        flags[key] = type(current[name])(text)
-    cfg = with_changes(cfg, flags)
+    values = flatten(cfg)
+    cfg = with_changes(cfg, {key: type(values[key])(text) for key, text in flags.items()})
     again = plan(cfg, target="v5e-1")
     assert again["fits"] and again["compiled_bytes_per_device"] == best["compiled_bytes_per_device"]
     assert cfg.train.global_batch_size == 512 and cfg.model.d_model == 256  # the same model and batch

@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import time
 
-from trainer.config import REMAT_POLICIES, with_changes
+from trainer.config import REMAT_POLICIES, flatten, with_changes
 from trainer.errors import ConfigError
 from trainer.planning import memory
 from trainer.training.setup import build
@@ -89,7 +89,7 @@ def variants(cfg, devices, n_matmul_params: int) -> tuple[list[Variant], int]:
     found, considered = [], 0
     moments = sorted({cfg.precision.moments_dtype, "bfloat16"})
     # Compared with the mesh as built, so that fsdp=-1 resolved to 4 is no change.
-    configured = {f"mesh.{a}": shape[a] for a in ("data", "fsdp", "tensor")}
+    configured = {**flatten(cfg), **{f"mesh.{a}": shape[a] for a in ("data", "fsdp", "tensor")}}
     for (data, fsdp, tensor), dtype in itertools.product(_meshes(base), moments):
         layout = {"mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor, "precision.moments_dtype": dtype}
         try:
@@ -109,7 +109,7 @@ def variants(cfg, devices, n_matmul_params: int) -> tuple[list[Variant], int]:
             execution = dataclasses.replace(setup.spec.execution, remat=remat, loss_chunk=chunk)
             spec = dataclasses.replace(setup.spec, execution=execution)
             total = memory.bytes_per_device(variant_cfg, setup, spec, state)["total"]
-            differ = {k: v for k, v in changes.items() if configured.get(k, _get(cfg, k)) != v}
+            differ = {k: v for k, v in changes.items() if configured[k] != v}
             found.append(Variant(differ, variant_cfg, total, recompute_fraction(variant_cfg, spec, n_matmul_params)))
     return found, considered
 
@@ -146,17 +146,13 @@ def search(cfg, devices, hbm_bytes: int, n_matmul_params: int, compile_variant, 
             "compile_seconds": report["compile_seconds"], "out_of_memory": report.get("out_of_memory"),
             **{k: cost.get(k) for k in ("roofline_seconds", "bound", "mfu_ceiling")},
         })  # fmt: skip
-    fitting = [c for c in compiled if c["fits"]]
     return {
         "considered": considered,
         "valid": len(found),
         "pass_arithmetic": sum(v.arithmetic_bytes <= hbm_bytes for v in found),
         "screen_seconds": screened_seconds,
         "compiled": compiled,
-        # Rooflines within 1% are a tie, won by the earlier (the less intrusive) variant.
-        "best": min(fitting, key=lambda c: round(c["roofline_seconds"] / fitting[0]["roofline_seconds"], 2))
-        if fitting
-        else None,
+        "best": _best(compiled),
     }
 
 
@@ -164,8 +160,10 @@ def _without_moments(changes: dict) -> dict:
     return {k: v for k, v in changes.items() if k != "precision.moments_dtype"}
 
 
-def _get(cfg, key: str):
-    node = cfg
-    for part in key.split("."):
-        node = node[part]
-    return node
+def _best(compiled: list[dict]) -> dict | None:
+    """The fastest that fits; a roofline within 1% of it is a tie, won by the earlier (less intrusive) variant."""
+    fitting = [c for c in compiled if c["fits"]]
+    if not fitting:
+        return None
+    fastest = min(c["roofline_seconds"] for c in fitting)
+    return next(c for c in fitting if c["roofline_seconds"] <= 1.01 * fastest)
