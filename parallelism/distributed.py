@@ -8,17 +8,33 @@ Where the processes come from, in order:
    several tasks, where jax.distributed.initialize() needs no arguments.
 A single process does nothing. On CPUs, collectives between processes go
 through gloo.
+
+A process that dies must not leave the others waiting in a collective or a
+checkpoint barrier. JAX's runtime notices by its heartbeat and then aborts the
+survivors from C++ with a trace (a Python callback for that cannot be given in
+jax 0.10.2: the runtime fails to pass it the status). So each process runs a
+Watchdog that notices first, names the lost process and exits. If process 0
+(the coordinator) dies, the runtime ends the others at once with its own
+"another task died" message: the coordinator held the service they report to.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 
 import jax
 import numpy as np
 
 from parallelism.errors import ConfigError
 
+BEAT_SECONDS = 1  # how often a process says it is alive
+LOST_SECONDS = 20  # a process silent this long is dead (a compile or a pause never silences the beating thread)
+# The runtime's own heartbeat, and how long a finishing process waits for the others to finish too: the
+# runtime must not rule a process dead before the watchdog has (it would abort the survivors first).
+TIMEOUTS = dict(heartbeat_timeout_seconds=3 * LOST_SECONDS, shutdown_timeout_seconds=60)
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
     "TRAINER_COORDINATOR",
     "TRAINER_NUM_PROCESSES",
@@ -49,9 +65,75 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if not 0 <= process_id < num_processes:
             raise ConfigError(f"process id {process_id} is outside 0..{num_processes - 1}.")
         if num_processes > 1:
-            jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+            jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id, **TIMEOUTS)
     elif _cluster_detected():
-        jax.distributed.initialize()
+        jax.distributed.initialize(**TIMEOUTS)
+    if jax.process_count() > 1:
+        Watchdog().start()
+
+
+class Watchdog(threading.Thread):
+    """Ends this process, naming the lost one, when another process of the run stops beating.
+
+    Every process counts up a key of its own in the runtime's key-value store
+    each BEAT_SECONDS, and watches the others' keys move: a count that has not
+    moved for LOST_SECONDS (by this host's clock: hosts' clocks never meet) is a
+    dead process.
+    """
+
+    def __init__(self):
+        super().__init__(name="trainer-watchdog", daemon=True)
+        from jax._src import distributed  # the runtime's client; jax exposes no public handle to it
+
+        self.client, self.me, self.count = distributed.global_state.client, jax.process_index(), jax.process_count()
+
+    def run(self):
+        last = {p: (None, time.monotonic()) for p in range(self.count) if p != self.me}
+        while True:
+            self.client.key_value_increment(f"trainer/alive/{self.me}", 1)
+            now = time.monotonic()
+            for p, (count, _) in list(last.items()):
+                try:
+                    seen = self.client.key_value_try_get(f"trainer/alive/{p}")
+                except Exception:  # not there yet: that process has not begun to beat
+                    seen = None
+                if seen != count:
+                    last[p] = (seen, now)
+            lost = [p for p, (_, since) in last.items() if now - since > LOST_SECONDS]
+            if lost:
+                print(
+                    f"error: process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of {self.count} "
+                    f"stopped responding ({LOST_SECONDS} s without a sign of life); relaunch every process with the "
+                    "same command to resume from the newest complete checkpoint.",
+                    file=sys.stderr, flush=True,
+                )  # fmt: skip
+                sys.stdout.flush()
+                os._exit(1)  # not sys.exit: the runtime's shutdown at exit would wait for the lost process
+            time.sleep(BEAT_SECONDS)
+
+
+def wait_if_a_process_died(error: BaseException) -> None:
+    """A failed collective in a multi-process run may be a dead peer (gloo fails as soon as its connection
+    closes): give the watchdog the time to rule on it, which ends this process if so."""
+    if jax.process_count() > 1 and isinstance(error, jax.errors.JaxRuntimeError):
+        time.sleep(LOST_SECONDS + 5 * BEAT_SECONDS)
+
+
+def any_process(flag: bool) -> bool:
+    """Whether `flag` is true on any process (a collective: every process must ask)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+
+
+def barrier(name: str) -> None:
+    """Every process waits here until all have arrived."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def fetch(tree):

@@ -11,9 +11,11 @@ so that evaluation and export read nothing else.
 Saves are asynchronous: the arrays are copied off the devices, then written
 while training goes on. Orbax writes into a temporary directory and renames it
 when complete, so a crash mid-save leaves no checkpoint that looks whole; its
-leftovers are removed at the next start. A checkpoint whose files cannot be
-read (a truncated or missing file) is moved to `damaged_checkpoints/` beside
-the checkpoint directory, never deleted, and the next older one is tried.
+leftovers are removed at the next start (by Orbax, on process 0 alone). A
+checkpoint that any process cannot read (a truncated or missing file) is
+moved to `damaged_checkpoints/` beside the checkpoint directory, never
+deleted, by process 0 while the others wait, and all of them try the next
+older one.
 Whether a readable checkpoint fits the config is decided before that, from its
 metadata (trainer/storage/resume.py), so a changed config never sets one aside.
 """
@@ -31,6 +33,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from parallelism.distributed import any_process, barrier
 from trainer.errors import ConfigError
 from trainer.training.state import TrainState
 
@@ -205,13 +208,17 @@ class Checkpointer:
         steps = self.steps()
         for step in reversed(steps):
             try:
-                return step, restore(step)
+                result, reason = restore(step), None
             except (ConfigError, *CODE_FAULTS):
                 raise
             except Exception as e:  # the files cannot be read
-                reason = " ".join(str(e).split())[:200]
-                moved = self.set_aside(step, "damaged_checkpoints")
-                say(f"checkpoint at step {step} cannot be read ({reason}); moved to {moved}, trying an older one")
+                result, reason = None, " ".join(str(e).split())[:200]
+            # A damaged shard may fail one process only: all of them go on to an older step, or none.
+            if not any_process(reason is not None):
+                return step, result
+            reason = reason or "another process could not read its part"
+            moved = self.set_aside(step, "damaged_checkpoints")
+            say(f"checkpoint at step {step} cannot be read ({reason}); moved to {moved}, trying an older one")
         if steps:
             raise ConfigError(
                 f"none of the checkpoints {steps} in {self.directory} can be read (moved to damaged_checkpoints/); "
@@ -220,15 +227,20 @@ class Checkpointer:
         return None
 
     def set_aside(self, step: int, folder: str) -> str:
-        """Move a checkpoint out of the way (into <workdir>/<folder>/), never deleting it."""
+        """Move a checkpoint out of the way (into <workdir>/<folder>/), never deleting it.
+
+        Every process calls it; process 0 alone moves (the storage is shared) and the others wait."""
         target_dir = os.path.join(os.path.dirname(self.directory), folder)
-        os.makedirs(target_dir, exist_ok=True)
         target = os.path.join(target_dir, str(step))
         suffix = 0
         while os.path.exists(target):
             suffix += 1
             target = os.path.join(target_dir, f"{step}.{suffix}")
-        shutil.move(os.path.join(self.directory, str(step)), target)
+        barrier(f"set aside {step}: named")  # no process looks once process 0 has moved it
+        if jax.process_index() == 0:
+            os.makedirs(target_dir, exist_ok=True)
+            shutil.move(os.path.join(self.directory, str(step)), target)
+        barrier(f"set aside {step}: moved")
         self._manager.reload()
         return target
 

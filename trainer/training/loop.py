@@ -11,7 +11,9 @@ back (trainer/training/stability.py, trainer/training/rollback.py).
 The run ends when `train.steps` full batches have been trained on: skipped
 steps and a batch-size ramp make that more steps than `train.steps`.
 SIGTERM (preemption) finishes the step in flight, saves a checkpoint at it and
-returns; the same command later resumes from there.
+returns; the same command later resumes from there. With several processes
+they stop together, at a step the runtime agrees (trainer/training/preemption.py);
+a process that dies ends the others, naming it (parallelism/distributed.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 import jax
 import numpy as np
 
-from parallelism.distributed import fetch
+from parallelism.distributed import barrier, fetch, wait_if_a_process_died
 from trainer.config import microbatch_size
 from trainer.data import streams
 from trainer.evaluate import Evaluator
@@ -49,10 +51,7 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
     if cfg.data.source != "synthetic":
         if jax.process_index() == 0:
             streams.prepare(cfg.data)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("dataset prepared")
+        barrier("dataset prepared")
         streams.open_split(cfg.data, cfg.data.train_split)
         if cfg.train.eval_every:
             streams.open_split(cfg.data, cfg.data.eval_split)
@@ -75,7 +74,7 @@ def train(cfg, workdir: str) -> dict:
         run.start()
         with watch_for_sigterm() as stop:
             pending = None  # a log point's metrics, fetched once the next step is dispatched
-            while not stop.requested and (pending or not run.finished()):
+            while not stop.poll() and (pending or not run.finished()):
                 metrics = None if run.finished() else run.take_step()
                 if pending:
                     trouble, pending = run.log(*pending), None
@@ -90,8 +89,13 @@ def train(cfg, workdir: str) -> dict:
                 run.log(*pending)
             if stop.requested:
                 run.save_now()
-                run.say(f"stopping on signal {stop.signal}: checkpoint saved at step {run.step}; rerun to resume")
+                # Every process says it: on a pod each host's log is read on its own.
+                who = f"signal {stop.signal}" if not stop.together else f"a preemption notice (process {run.process})"
+                print(f"stopping on {who}: checkpoint saved at step {run.step}; rerun to resume", flush=True)
                 run.last["preempted"] = True
+    except Exception as e:
+        wait_if_a_process_died(e)  # with a process gone, closing would wait on it (the last save's commit)
+        raise
     finally:
         run.close()
     return {"step": run.step, **run.last}
@@ -102,7 +106,8 @@ class Run:
 
     def __init__(self, cfg, workdir: str, setup: Setup, init: tuple | None = None):
         self.cfg, self.setup = cfg, setup
-        self.primary = jax.process_index() == 0
+        self.process = jax.process_index()
+        self.primary = self.process == 0
         self.say = print if self.primary else (lambda *a, **k: None)
         saved_cfg = resume.saved_config(workdir)
         t = cfg.train
@@ -255,9 +260,11 @@ class Run:
         lr_scale = float(fetch(self.state.stability["lr_scale"]))
         event = {"event": "rollback", "reason": reason, "from_step": from_step, "to_step": self.step,
                  "lr_scale": lr_scale, "data_batches_skipped": skipped_batches}  # fmt: skip
-        self.writer.write(self.step, event, console=(
-            f"step {from_step:>6}  ROLLBACK to step {self.step}: {reason}; learning rate now x{lr_scale:g}, "
-            f"the {skipped_batches:g} data batches read since the checkpoint skipped"))  # fmt: skip
+        line = (f"step {from_step:>6}  ROLLBACK to step {self.step}: {reason}; learning rate now x{lr_scale:g}, "
+                f"the {skipped_batches:g} data batches read since the checkpoint skipped")  # fmt: skip
+        self.writer.write(self.step, event, console=line)
+        if not self.primary:  # every host's log shows where it went back to
+            print(f"process {self.process}: {line.strip()}", flush=True)
         self._mark()
 
     def evaluate_and_save(self, force_save: bool) -> None:
