@@ -4,8 +4,9 @@ Where the processes come from, in order:
 1. explicit values (the scripts' --coordinator/--num_processes/--process_id flags);
 2. the environment our launcher sets: TRAINER_COORDINATOR (host:port),
    TRAINER_NUM_PROCESSES, TRAINER_PROCESS_ID (scripts/launch_local.py does this);
-3. a cluster JAX detects by itself: a multi-host TPU slice or a SLURM job of
-   several tasks, where jax.distributed.initialize() needs no arguments.
+3. a cluster JAX detects by itself: a SLURM job of several tasks or a GKE TPU
+   slice (seen from their environment variables), or any cluster JAX knows
+   when the scripts are given --multihost (a Cloud TPU VM slice).
 A single process does nothing. On CPUs, collectives between processes go
 through gloo.
 
@@ -48,8 +49,13 @@ def _cluster_detected() -> bool:
     return slurm_tasks > 1 or "," in tpu_hosts
 
 
-def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None):
-    """Start jax.distributed if this run has several processes; must precede any JAX computation."""
+def initialize(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None, detect=False
+):
+    """Start jax.distributed if this run has several processes; must precede any JAX computation.
+
+    `detect`: let JAX find the cluster itself (a Cloud TPU VM slice, whose workers it reads from the
+    VM's metadata server, which is not worth asking on every machine)."""
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR)
     num_processes = num_processes or int(os.environ.get(ENV_NUM_PROCESSES, "0")) or None
     if process_id is None and ENV_PROCESS_ID in os.environ:
@@ -66,10 +72,28 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             raise ConfigError(f"process id {process_id} is outside 0..{num_processes - 1}.")
         if num_processes > 1:
             jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id, **TIMEOUTS)
-    elif _cluster_detected():
-        jax.distributed.initialize(**TIMEOUTS)
-    if jax.process_count() > 1:
+    elif detect or _cluster_detected():
+        try:
+            jax.distributed.initialize(**TIMEOUTS)
+        except ValueError as e:  # nothing detected: JAX names the first value it lacks
+            raise ConfigError(
+                f"--multihost found no cluster to join ({e}); it finds Cloud TPU VM slices, SLURM and Open MPI "
+                "jobs; elsewhere pass --coordinator, --num_processes and --process_id."
+            ) from e
+    if runtime_started():
         Watchdog().start()
+
+
+def _client():
+    from jax._src import distributed  # the runtime's client: jax exposes no public handle to it
+
+    return distributed.global_state.client
+
+
+def runtime_started() -> bool:
+    """Whether this process joined a multi-process run through JAX's distributed runtime (without it,
+    as on a TPU slice launched without --multihost, there is neither watchdog nor a common stop)."""
+    return _client() is not None
 
 
 class Watchdog(threading.Thread):
@@ -83,9 +107,7 @@ class Watchdog(threading.Thread):
 
     def __init__(self):
         super().__init__(name="trainer-watchdog", daemon=True)
-        from jax._src import distributed  # the runtime's client; jax exposes no public handle to it
-
-        self.client, self.me, self.count = distributed.global_state.client, jax.process_index(), jax.process_count()
+        self.client, self.me, self.count = _client(), jax.process_index(), jax.process_count()
 
     def run(self):
         last = {p: (None, time.monotonic()) for p in range(self.count) if p != self.me}

@@ -107,8 +107,9 @@ def test_resuming_with_another_data_stream_names_the_keys(tmp_path):
         (["--config", "configs/tiny.py", "--config.optim.lrr=1"], "lrr"),
         (["--config", "configs/nope.py"], "configs/nope.py could not be read"),
         (["--config", "configs/tiny.py", "--config.train.microbatches=2"], "now --config.train.pipeline_microbatches"),
+        (["--config", "configs/tiny.py", "--multihost"], "--multihost found no cluster to join"),
     ],
-    ids=["misspelt key", "missing config file", "renamed key"],
+    ids=["misspelt key", "missing config file", "renamed key", "no cluster"],
 )
 def test_the_script_prints_one_line_and_fails(tmp_path, args, named):
     result = subprocess.run(

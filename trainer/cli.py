@@ -18,6 +18,7 @@ from trainer.errors import ConfigError, TrainingError
 _COORDINATOR = flags.DEFINE_string("coordinator", None, "Multi-process runs: host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this process's index.")
+_MULTIHOST = flags.DEFINE_bool("multihost", False, "Join a multi-host run JAX finds by itself (a Cloud TPU VM slice).")
 
 
 def define_config_flag(required: bool = True):
@@ -77,7 +78,7 @@ def run(main: Callable[..., None], *, takes_args: bool = False, uses_devices: bo
             if uses_devices:
                 from parallelism import distributed
 
-                distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+                distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MULTIHOST.value)
             main(argv[1:]) if takes_args else main()
         except (ConfigError, TrainingError) as e:
             sys.exit(f"error: {e}")

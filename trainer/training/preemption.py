@@ -15,7 +15,7 @@ import contextlib
 import signal
 import threading
 
-import jax
+from parallelism.distributed import runtime_started
 
 
 class StopRequest:
@@ -43,7 +43,7 @@ class StopRequest:
 @contextlib.contextmanager
 def watch_for_sigterm():
     """Within the block, SIGTERM asks the loop to stop (`.poll()`) instead of killing the process."""
-    request = StopRequest(together=jax.process_count() > 1)
+    request = StopRequest(together=runtime_started())
     if request.together or threading.current_thread() is not threading.main_thread():
         yield request  # the runtime's notifier listens; or no handler can be set off the main thread
         return
