@@ -112,7 +112,10 @@ class Watchdog(threading.Thread):
     def run(self):
         last = {p: (None, time.monotonic()) for p in range(self.count) if p != self.me}
         while True:
-            self.client.key_value_increment(f"trainer/alive/{self.me}", 1)
+            try:
+                self.client.key_value_increment(f"trainer/alive/{self.me}", 1)
+            except Exception:  # the runtime is shutting down (the run ended) or its coordinator is gone
+                return
             now = time.monotonic()
             for p, (count, _) in list(last.items()):
                 try:
