@@ -28,7 +28,7 @@ def main():
         raise ConfigError(f"{path} exists already; delete it or choose another data.tokenizer_path.")
     streams.prepare(cfg.data)
     source = streams.open_split(cfg.data, cfg.data.train_split)
-    key = cfg.data.text_key
+    key = streams.text_feature(cfg.data)
     texts = (source[i][key].decode("utf-8", errors="replace") for i in range(len(source)))
     train_sentencepiece(texts, _VOCAB.value or cfg.model.vocab_size, path)
     print(f"wrote {path}")

@@ -78,6 +78,44 @@ def test_text_files_builder_prepares_splits_by_file(tmp_path):
     assert os.path.getmtime(os.path.join(tmp_path, "tfds", "text_files", "mine")) == stamp
 
 
+def test_parquet_and_compressed_json_lines_are_read_by_their_text_column(tmp_path):
+    """FineWeb-style shards: Parquet with the text in `content`, and JSON lines gzip- and zstd-compressed;
+    every row comes back as one document, whatever the file's format."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    written = set()
+    for shard in range(40):  # enough files for ~2% of them to be held out
+        rows = [f"parquet shard {shard} row {i} \u00e9" for i in range(3)]
+        pq.write_table(pa.table({"id": list(range(3)), "content": rows}), corpus / f"part-{shard:03d}.parquet")
+        written.update(rows)
+    for shard, (suffix, opener) in enumerate([(".jsonl.gz", gzip.open), (".jsonl.zst", zstandard.open)] * 5):
+        lines = [f"{suffix} {shard} line {i}" for i in range(4)]
+        with opener(corpus / f"lines-{shard}{suffix}", "wt") as f:
+            f.writelines(json.dumps({"content": t, "url": "x"}) + "\n" for t in lines)
+        written.update(lines)
+    cfg = micro_config(data=dict(source="text_files", name="shards", paths=f"{corpus}/*", text_key="content",
+                                 data_dir=str(tmp_path / "tfds")))  # fmt: skip
+    streams.prepare(cfg.data)
+    read = set()
+    for split in ("train", "validation"):
+        source = streams.open_split(cfg.data, split)
+        read.update(source[i]["text"].decode() for i in range(len(source)))
+    assert read == written
+
+    pq.write_table(pa.table({"body": ["x"]}), corpus / "other.parquet")
+    other = micro_config(data=dict(source="text_files", name="other", paths=f"{corpus}/*", text_key="content",
+                                   data_dir=str(tmp_path / "tfds")))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"other.parquet has no field 'content' \(it has body\); set data.text_key"):
+        streams.prepare(other.data)
+    assert not os.path.exists(tmp_path / "tfds" / "text_files" / "other")
+
+
 def test_text_files_errors(tmp_path):
     nothing = micro_config(data=dict(source="text_files", paths=f"{tmp_path}/none/*.txt", data_dir=str(tmp_path)))
     with pytest.raises(ConfigError, match="matches no files"):

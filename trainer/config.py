@@ -69,7 +69,7 @@ def defaults() -> ml_collections.ConfigDict:
         name="python_stdlib",  # TFDS dataset name (text_files: the corpus name)
         paths="",  # text_files: comma-separated globs; "" = this Python's standard library
         data_dir="",  # where prepared datasets live; "" = ~/tensorflow_datasets
-        text_key="text",  # tfds: the feature holding the text
+        text_key="text",  # the text's feature (tfds), field (JSON lines) or column (Parquet)
         train_split="train",
         eval_split="validation",
         tokenizer="byte",  # one of TOKENIZERS

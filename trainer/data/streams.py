@@ -80,7 +80,13 @@ def data_dir(data_cfg) -> str:
 def prepare(data_cfg) -> None:
     """Build a text_files corpus if it is not on disk yet; other sources need nothing."""
     if data_cfg.source == "text_files":
-        text_files.prepare(data_cfg.name, data_cfg.paths, data_dir(data_cfg))
+        text_files.prepare(data_cfg.name, data_cfg.paths, data_dir(data_cfg), data_cfg.text_key)
+
+
+def text_feature(data_cfg) -> str:
+    """The prepared examples' text feature: a text_files corpus stores `text`, whichever field of its
+    files held it (data.text_key); a TFDS dataset has its own."""
+    return "text" if data_cfg.source == "text_files" else data_cfg.text_key
 
 
 def open_split(data_cfg, split: str):
@@ -124,7 +130,7 @@ def _documents(stream: Stream, split: str, shuffle: bool, endless: bool = True) 
     docs = grain.MapDataset.source(open_split(stream, split))
     if shuffle:
         docs = docs.shuffle(seed=seed)
-    tokenizer, key = load_tokenizer(stream), stream.text_key
+    tokenizer, key = load_tokenizer(stream), text_feature(stream)
 
     def tokenize(example):
         ids = tokenizer.encode(example[key])
