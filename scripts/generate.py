@@ -14,7 +14,7 @@ import numpy as np
 from absl import flags
 
 from trainer import cli
-from trainer.data.tokenizers import BOS_ID, EOS_ID, load_tokenizer
+from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.sampling import make_generate
 from trainer.storage.resume import load_params
@@ -37,14 +37,14 @@ def main():
         raise ConfigError("need --max_new_tokens >= 1, --temperature >= 0, 0 < --top_p <= 1 and --top_k >= 0.")
     tokenizer = load_tokenizer(cfg.data)
     setup, step, params = load_params(cfg, _WORKDIR.value or cli.default_workdir(), _STEP.value)
-    prompt = np.concatenate([[BOS_ID], tokenizer.encode(_PROMPT.value)]).astype(np.int32)[None]
+    prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode(_PROMPT.value)]).astype(np.int32)[None]
     generate = make_generate(
         setup.spec, setup.shard, max_new_tokens=_MAX_NEW.value,
         temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
     )  # fmt: skip
     ids = np.asarray(generate(params, prompt, _SEED.value))[0].tolist()
-    if EOS_ID in ids:
-        ids = ids[: ids.index(EOS_ID)]
+    if tokenizer.eos_id in ids:
+        ids = ids[: ids.index(tokenizer.eos_id)]
     completion = tokenizer.decode(ids)
     print(_PROMPT.value + completion)
     if _JSON.value:

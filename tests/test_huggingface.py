@@ -99,3 +99,58 @@ def test_sentencepiece_tokenizer_exports_with_identical_encodings(tmp_path):
         ids = theirs(text)["input_ids"]
         assert ids == [BOS_ID, *ours.encode(text).tolist()], text[:40]
         assert theirs.decode(ids, skip_special_tokens=True) == text
+
+
+def llama3_style_tokenizer(directory):
+    """A small byte-level BPE with Llama 3's document marks, trained here on the standard library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    marks = ["<|begin_of_text|>", "<|end_of_text|>"]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=marks,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    stdlib = sysconfig.get_paths()["stdlib"]
+    tok.train([os.path.join(stdlib, name) for name in ("os.py", "json/__init__.py")], trainer)
+    os.makedirs(directory)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    return tok
+
+
+def test_a_hugging_face_tokenizer_json_trains_exports_and_marks_documents_with_its_own_tokens(tmp_path):
+    hf_tok = llama3_style_tokenizer(tmp_path / "tok")
+    (tmp_path / "corpus").mkdir()
+    for i in range(60):  # short documents: the stream tokenises on the fly, and this BPE is tiny
+        (tmp_path / "corpus" / f"{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}  # ünïcode ✓\n")
+    data = dict(source="text_files", name="short", paths=f"{tmp_path}/corpus/*.txt", data_dir=str(tmp_path / "tfds"),
+                tokenizer="hf", tokenizer_path=str(tmp_path / "tok"))  # fmt: skip
+    cfg = micro_config(data=data, train=dict(steps=3))
+    from trainer.data import streams
+    from trainer.data.tokenizers import load_tokenizer
+
+    ours = load_tokenizer(cfg.data)
+    bos, eos = hf_tok.token_to_id("<|begin_of_text|>"), hf_tok.token_to_id("<|end_of_text|>")
+    assert (ours.bos_id, ours.eos_id, ours.vocab_size) == (bos, eos, hf_tok.get_vocab_size())
+    text = "def f(x):\n\treturn  x  # ünïcode ✓"
+    ids = ours.encode(text)
+    assert ids.tolist() == hf_tok.encode(text).ids and ours.decode(ids) == text
+    assert ours.token_bytes()[ids].sum() == len(text.encode())  # bits per byte count every byte once
+    streams.prepare(cfg.data)
+    stream = streams.Stream.from_config(cfg)
+    source = streams.open_split(cfg.data, "train")
+    (doc,) = streams._documents(stream, "train", shuffle=False, endless=False)[:1]
+    expected = hf_tok.encode(source[0]["text"].decode()).ids
+    assert doc["tokens"].tolist() == [bos, *expected, eos]
+
+    workdir, out = str(tmp_path / "run"), str(tmp_path / "hf")
+    train(cfg, workdir)
+    export_checkpoint(cfg, workdir, None, out)
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    assert exported(text, add_special_tokens=False)["input_ids"] == ids.tolist()
+    config = transformers.AutoConfig.from_pretrained(out)
+    assert (config.bos_token_id, config.eos_token_id) == (bos, eos)
+
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"does not load as a Hugging Face tokenizer.json"):
+        load_tokenizer(micro_config(data=dict(tokenizer="hf", tokenizer_path=str(tmp_path / "bad.json"))).data)

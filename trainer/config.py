@@ -26,7 +26,7 @@ ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash", "auto")
 SCHEDULES = ("cosine", "wsd", "linear", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("text_files", "tfds", "synthetic")
-TOKENIZERS = ("byte", "sentencepiece")
+TOKENIZERS = ("byte", "sentencepiece", "hf")
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -73,7 +73,7 @@ def defaults() -> ml_collections.ConfigDict:
         train_split="train",
         eval_split="validation",
         tokenizer="byte",  # one of TOKENIZERS
-        tokenizer_path="",  # sentencepiece model file (scripts/train_tokenizer.py writes one)
+        tokenizer_path="",  # sentencepiece: a .model file (scripts/train_tokenizer.py); hf: a tokenizer.json or its dir
         seq_len=256,
         packing="concat",  # documents concatenated and split into seq_len windows
     )

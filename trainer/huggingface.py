@@ -16,14 +16,15 @@ import os
 
 import numpy as np
 
-from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
+from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.spec import Architecture
 
 WEIGHTS_FILE = "model.safetensors"
 
 
-def hf_config(spec: Architecture, max_seq_len: int) -> dict:
+def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int] = (BOS_ID, EOS_ID, PAD_ID)) -> dict:
+    """`special`: the tokenizer's (begin, end, padding) ids."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -42,9 +43,9 @@ def hf_config(spec: Architecture, max_seq_len: int) -> dict:
         "tie_word_embeddings": spec.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
-        "pad_token_id": PAD_ID,
+        "bos_token_id": special[0],
+        "eos_token_id": special[1],
+        "pad_token_id": special[2],
         "dtype": "float32",
         "torch_dtype": "float32",
     }
@@ -177,6 +178,14 @@ def write_tokenizer(data_cfg, out_dir: str) -> None:
     from tokenizers import Tokenizer, decoders, models, normalizers, processors
     from transformers import PreTrainedTokenizerFast
 
+    if data_cfg.tokenizer == "hf":  # the user's own file, with its own marks
+        ours = load_tokenizer(data_cfg)
+        tok = Tokenizer.from_file(ours.file)
+        bos, eos = tok.id_to_token(ours.bos_id), tok.id_to_token(ours.eos_id)
+        pad = tok.id_to_token(ours.pad_id)
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad)
+        fast.save_pretrained(out_dir)
+        return
     if data_cfg.tokenizer == "byte":
         tok = _byte_level_tokenizer(Tokenizer, models, decoders)
     else:
@@ -251,7 +260,9 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
     os.makedirs(out_dir, exist_ok=True)
     write_weights(tensors, out_dir)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config(setup.spec.arch, cfg.model.max_seq_len), f, indent=2)
+        tok = load_tokenizer(cfg.data)
+        special = (tok.bos_id, tok.eos_id, tok.pad_id)
+        json.dump(hf_config(setup.spec.arch, cfg.model.max_seq_len, special), f, indent=2)
     write_tokenizer(cfg.data, out_dir)
     return step
 

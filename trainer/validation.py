@@ -113,6 +113,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             "data.tokenizer='sentencepiece' needs data.tokenizer_path; train one with scripts/train_tokenizer.py."
         )
+    if d.tokenizer == "hf" and not d.tokenizer_path:
+        raise ConfigError("data.tokenizer='hf' needs data.tokenizer_path: a tokenizer.json or a directory holding one.")
     schedules.check(cfg.optim, t.steps)
     mup.check(cfg)
     batch_ramp.check(cfg)

@@ -34,7 +34,7 @@ from grain.experimental import ConcatThenSplitIterDataset
 from jax.sharding import NamedSharding
 
 from trainer.data import text_files
-from trainer.data.tokenizers import BOS_ID, EOS_ID, load_tokenizer
+from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 
 SYNTHETIC_DOCUMENTS = 2**62  # "infinite", yet a valid MapDataset length
@@ -134,7 +134,7 @@ def _documents(stream: Stream, split: str, shuffle: bool, endless: bool = True) 
 
     def tokenize(example):
         ids = tokenizer.encode(example[key])
-        return {"tokens": np.concatenate([[BOS_ID], ids, [EOS_ID]]).astype(np.int32)}
+        return {"tokens": np.concatenate([[tokenizer.bos_id], ids, [tokenizer.eos_id]]).astype(np.int32)}
 
     if endless:
         docs = docs.repeat()  # repeat() reshuffles each epoch

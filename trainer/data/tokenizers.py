@@ -1,11 +1,16 @@
-"""Byte-level and SentencePiece tokenizers sharing one small interface.
+"""Byte-level, SentencePiece and Hugging Face tokenizers sharing one small interface.
 
-Both reserve id 0 for padding, 1 for beginning- and 2 for end-of-document.
+Ours (byte, sentencepiece) reserve id 0 for padding, 1 for beginning- and 2 for
+end-of-document. A Hugging Face `tokenizer.json` keeps its own ids: its
+begin/end-of-text tokens become our begin/end of document.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import re
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -18,6 +23,9 @@ PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 class Tokenizer(Protocol):
     vocab_size: int
+    bos_id: int  # begins each document
+    eos_id: int  # ends each document
+    pad_id: int  # what an exported model pads with
 
     def encode(self, text: str | bytes) -> np.ndarray: ...
 
@@ -32,6 +40,7 @@ class ByteTokenizer:
 
     offset = 3
     vocab_size = 256 + offset
+    bos_id, eos_id, pad_id = BOS_ID, EOS_ID, PAD_ID
 
     def encode(self, text: str | bytes) -> np.ndarray:
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
@@ -46,6 +55,8 @@ class ByteTokenizer:
 
 
 class SentencePieceTokenizer:
+    bos_id, eos_id, pad_id = BOS_ID, EOS_ID, PAD_ID
+
     def __init__(self, path: str):
         import sentencepiece as spm
 
@@ -105,10 +116,91 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, path: str) -> Non
     )
 
 
+# Begin- and end-of-text token names, tried in this order where no tokenizer_config.json says (Llama 3,
+# Llama 2 / Mistral, Gemma, GPT-2, whose one token does both).
+BOS_NAMES = ("<|begin_of_text|>", "<s>", "<bos>", "<|endoftext|>")
+EOS_NAMES = ("<|end_of_text|>", "</s>", "<eos>", "<|endoftext|>")
+
+
+class HuggingFaceTokenizer:
+    """A `tokenizer.json` through the `tokenizers` library; its special tokens are the document marks.
+
+    The begin/end tokens come from a tokenizer_config.json beside the file
+    (`bos_token`, `eos_token`), else from the first of BOS_NAMES / EOS_NAMES in
+    its vocabulary. Documents are encoded without the tokenizer's own
+    template: the stream adds the marks itself, once per document.
+    """
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self.file = file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        try:
+            self._tok = Tokenizer.from_file(file)
+        except Exception as e:  # the library reports a bad file with a bare Exception
+            raise ConfigError(
+                f"data.tokenizer_path={path!r}: {file} does not load as a Hugging Face tokenizer.json ({e}); "
+                "point it at a tokenizer.json or a directory holding one."
+            ) from e
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        named = _config_tokens(os.path.dirname(file))
+        self.bos_id = self._special(named.get("bos_token"), BOS_NAMES, "begin", path)
+        self.eos_id = self._special(named.get("eos_token"), EOS_NAMES, "end", path)
+        self.pad_id = self.eos_id  # such files seldom have a padding token; nothing we train reads it
+        pieces = [self._tok.id_to_token(i) or "" for i in range(self.vocab_size)]
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        # Byte-level vocabularies (GPT-2, Llama 3) spell each byte as one character; others spell text.
+        byte_level = json.loads(self._tok.to_str()).get("decoder", {}).get("type") == "ByteLevel"
+        self._bytes = np.array([
+            0 if p in special else 1 if _BYTE_PIECE.fullmatch(p) else len(p) if byte_level
+            else len(p.replace("\u2581", " ").encode("utf-8")) for p in pieces
+        ])  # fmt: skip
+
+    def _special(self, configured, names, which: str, path: str) -> int:
+        for name in (configured, *names):
+            if name is not None and self._tok.token_to_id(name) is not None:
+                return self._tok.token_to_id(name)
+        raise ConfigError(
+            f"the tokenizer at data.tokenizer_path={path!r} has no {which}-of-text token (looked for "
+            f"{configured or ', '.join(names)}); add one, or name it in a tokenizer_config.json beside it."
+        )
+
+    def encode(self, text: str | bytes) -> np.ndarray:
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, np.int32)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def token_bytes(self) -> np.ndarray:
+        return self._bytes
+
+
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # byte fallback pieces (Llama 2, Mistral)
+
+
+def _config_tokens(directory: str) -> dict:
+    """bos_token / eos_token from a tokenizer_config.json, as plain strings; {} without one."""
+    path = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        config = json.load(f)
+    out = {}
+    for key in ("bos_token", "eos_token"):
+        value = config.get(key)
+        out[key] = value.get("content") if isinstance(value, dict) else value
+    return out
+
+
 def load_tokenizer(data_cfg) -> Tokenizer:
     if data_cfg.tokenizer == "byte":
         return ByteTokenizer()
     path = os.path.expanduser(data_cfg.tokenizer_path)
+    if data_cfg.tokenizer == "hf":
+        if importlib.util.find_spec("tokenizers") is None:
+            raise ConfigError('data.tokenizer=hf needs the tokenizers library: pip install -e ".[hf]".')
+        return HuggingFaceTokenizer(path)
     if not os.path.exists(path):
         raise ConfigError(
             f"no SentencePiece model at data.tokenizer_path={path!r}; "
