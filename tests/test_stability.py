@@ -7,6 +7,7 @@ import os
 import pytest
 from conftest import micro_config
 
+from trainer import report
 from trainer.errors import ConfigError, TrainingError
 from trainer.training.loop import train
 
@@ -53,6 +54,20 @@ def test_a_poisoned_window_longer_than_the_budget_rolls_back_and_the_run_finishe
     assert rollback["to_step"] == 10 and rollback["lr_scale"] == 0.5 and rollback["data_batches_skipped"] == 7
     assert (tmp_path / "run" / "rolled_back_checkpoints" / "15").is_dir()
     assert math.isfinite(result["loss"]) and result["loss"] < 4.0
+
+    # scripts/report.py's picture of it: the logged losses in order (the abandoned stretch included), the
+    # rollback on every panel, the skipped steps crossed.
+    fig = report.figure([workdir])
+    logged = [r for r in records(workdir) if r.get("loss") is not None]  # non-finite losses are logged as null
+    loss_line = fig.axes[0].lines[0]
+    assert list(loss_line.get_xdata()) == [r["step"] for r in logged]
+    assert list(loss_line.get_ydata()) == [r["loss"] for r in logged]
+    for ax in fig.axes:
+        assert [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == ":"] == [rollback["from_step"]]
+    crosses = next(line for line in fig.axes[0].lines if line.get_label() == "skipped steps")
+    skipped = [r["step"] for r in records(workdir) if r.get("event") == "skipped"]
+    assert skipped and list(crosses.get_xdata()) == skipped
+    assert os.path.getsize(report.write([workdir, workdir], str(tmp_path / "report.png"))) > 20_000
 
 
 def test_a_stretch_of_far_too_high_learning_rate_is_survived(tmp_path, corpus_dir):

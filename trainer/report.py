@@ -1,0 +1,91 @@
+"""One picture of a run, or of several overlaid, from their metrics.jsonl (scripts/report.py).
+
+Panels: training and evaluation loss, learning rate, gradient norm, update
+ratio (|update| / |params|), tokens per second and MFU. Skipped steps are
+crosses along the foot of the loss panel (a non-finite loss is not drawn). A
+rollback is a vertical line on every panel at the step it left, and the
+history after it starts again from the step it went back to, so the abandoned
+stretch stays visible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from trainer.errors import ConfigError
+from trainer.storage.metrics import METRICS_FILE
+
+PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
+          ("update_ratio", "update ratio"), ("tokens_per_sec", "tokens/s"), ("mfu", "MFU"))  # fmt: skip
+
+
+def read(workdir: str) -> dict:
+    """{"train": records with a loss, "eval": with an eval_loss, "skipped": steps, "rollbacks": events}."""
+    path = os.path.join(workdir, METRICS_FILE)
+    if not os.path.exists(path):
+        raise ConfigError(f"{workdir} has no {METRICS_FILE}; give the --workdir of a run that has logged.")
+    run = {"train": [], "eval": [], "skipped": [], "rollbacks": []}
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a killed run
+                continue
+            if record.get("event") == "rollback":
+                run["rollbacks"].append(record)
+            elif record.get("event") == "skipped":
+                run["skipped"].append(record["step"])
+            elif "eval_loss" in record:
+                run["eval"].append(record)
+            elif "loss" in record:
+                run["train"].append(record)
+    return run
+
+
+def figure(workdirs: list[str]):
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError('the report draws with matplotlib: pip install -e ".[dev]" (or pip install matplotlib).')
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 2, figsize=(12, 10), sharex=True)
+    axes = axes.flatten()
+    for n, workdir in enumerate(workdirs):
+        run, color, label = read(workdir), f"C{n}", _label(workdir, workdirs)
+        for ax, (key, title) in zip(axes, PANELS, strict=True):
+            steps = [r["step"] for r in run["train"] if r.get(key) is not None]
+            ax.plot(steps, [r[key] for r in run["train"] if r.get(key) is not None], color=color, label=label)
+            ax.set_title(title)
+            for event in run["rollbacks"]:
+                ax.axvline(event["from_step"], color=color, linestyle=":", alpha=0.8)
+        loss = axes[0]
+        if run["eval"]:
+            loss.plot([r["step"] for r in run["eval"]], [r["eval_loss"] for r in run["eval"]], color=color,
+                      linestyle="--", marker="o", label=f"{label} (eval)")  # fmt: skip
+        # At the foot of the panel: a skipped step's loss is often not a number.
+        loss.plot(run["skipped"], [0.02] * len(run["skipped"]), "x", color="red", transform=loss.get_xaxis_transform(),
+                  label="skipped steps" if n == 0 else None)  # fmt: skip
+    axes[0].legend(fontsize=8)
+    for ax in axes[-2:]:
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    return fig
+
+
+def write(workdirs: list[str], out: str) -> str:
+    fig = figure(workdirs)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out
+
+
+def _label(workdir: str, workdirs: list[str]) -> str:
+    """The run's directory name, with its parent's where two runs share a name."""
+    name = os.path.basename(os.path.normpath(workdir))
+    same = [w for w in workdirs if os.path.basename(os.path.normpath(w)) == name]
+    return name if len(same) == 1 else os.path.join(*os.path.normpath(workdir).split(os.sep)[-2:])
