@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 
 import jax
 import numpy as np
@@ -41,11 +42,17 @@ def restore_params(cfg, workdir, step):
     return jax.device_get(params)
 
 
-def test_a_run_leaves_config_metrics_tensorboard_and_checkpoints(tmp_path, corpus_dir):
+def test_a_run_leaves_config_metrics_tensorboard_and_checkpoints(tmp_path, corpus_dir, capsys):
     cfg = text_config(corpus_dir, train=dict(steps=10, log_every=2, eval_every=5), checkpoint={"every_steps": 5})
     workdir = str(tmp_path / "run")
     result = train(cfg, workdir)
     assert result["step"] == 10
+    # The console line's ETA: the batches left times that line's step time.
+    etas = re.findall(r"step +(\d+) \(\d+/10\).* eta (\d+)m(\d+)s", capsys.readouterr().out)
+    step_times = {r["step"]: r["step_time"] for r in records(workdir) if "loss" in r}
+    assert [int(s) for s, _, _ in etas] == [2, 4, 6, 8, 10]
+    for step, minutes, seconds in etas:
+        assert 60 * int(minutes) + int(seconds) == round((10 - int(step)) * step_times[int(step)])
 
     with open(os.path.join(workdir, "config.json")) as f:
         assert config.from_dict(json.load(f)).to_dict() == cfg.to_dict()

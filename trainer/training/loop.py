@@ -313,8 +313,16 @@ def _floats(values: dict) -> dict[str, float]:
 def _console_line(step: int, batches: float, total: int, m: dict) -> str:
     mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
     scale = f"  scale {m['loss_scale']:.0f}" if m["loss_scale"] != 1.0 else ""
+    # Training time left at the latest step time (evaluations and checkpoints not counted).
+    eta = _duration(max(total - batches, 0) * m["step_time"])
     return (
         f"step {step:>6} ({batches:g}/{total})  loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
         f"grad_norm {m['grad_norm']:.3f}{scale}  tok/s {m['tokens_per_sec']:,.0f}  mfu {mfu}  "
-        f"step {m['step_time']:.3f}s"
+        f"step {m['step_time']:.3f}s  eta {eta}"
     )
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
