@@ -31,11 +31,7 @@ import numpy as np
 
 from parallelism.errors import ConfigError
 
-BEAT_SECONDS = 1  # how often a process says it is alive
 LOST_SECONDS = 20  # a process silent this long is dead (a compile or a pause never silences the beating thread)
-# The runtime's own heartbeat, and how long a finishing process waits for the others to finish too: the
-# runtime must not rule a process dead before the watchdog has (it would abort the survivors first).
-TIMEOUTS = dict(heartbeat_timeout_seconds=3 * LOST_SECONDS, shutdown_timeout_seconds=60)
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
     "TRAINER_COORDINATOR",
     "TRAINER_NUM_PROCESSES",
@@ -71,10 +67,12 @@ def initialize(
         if not 0 <= process_id < num_processes:
             raise ConfigError(f"process id {process_id} is outside 0..{num_processes - 1}.")
         if num_processes > 1:
-            jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id, **TIMEOUTS)
+            jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                                       **timeouts(num_processes))  # fmt: skip
     elif detect or _cluster_detected():
         try:
-            jax.distributed.initialize(**TIMEOUTS)
+            # The size is known only once joined: assume a large pod, so the runtime's heartbeat stays the later.
+            jax.distributed.initialize(**timeouts(int(os.environ.get("SLURM_NTASKS", "1024"))))
         except ValueError as e:  # nothing detected: JAX names the first value it lacks
             raise ConfigError(
                 f"--multihost found no cluster to join ({e}); it finds Cloud TPU VM slices, SLURM and Open MPI "
@@ -96,52 +94,82 @@ def runtime_started() -> bool:
     return _client() is not None
 
 
+def beat_seconds(processes: int) -> float:
+    """How often each process says it is alive: every second up to 64 processes, then slower, so that the
+    coordinator answers about 128 small requests a second however large the pod."""
+    return max(1.0, processes / 64)
+
+
+def lost_seconds(processes: int) -> float:
+    return max(LOST_SECONDS, 5 * beat_seconds(processes))
+
+
+def timeouts(processes: int) -> dict:
+    """The runtime's own heartbeat, 3x the watchdog's verdict: the runtime must not rule a process dead
+    first (it would abort the survivors with a trace); and how long a finishing process waits for the others."""
+    return dict(heartbeat_timeout_seconds=round(3 * lost_seconds(processes)), shutdown_timeout_seconds=60)
+
+
 class Watchdog(threading.Thread):
     """Ends this process, naming the lost one, when another process of the run stops beating.
 
     Every process counts up a key of its own in the runtime's key-value store
-    each BEAT_SECONDS, and watches the others' keys move: a count that has not
-    moved for LOST_SECONDS (by this host's clock: hosts' clocks never meet) is a
-    dead process.
+    each beat. Process 0 reads them all in one request per beat: a count that
+    has not moved for `lost_seconds` (by its clock: hosts' clocks never meet)
+    is a dead process, and it posts the verdict under one key that the others
+    read each beat. Everyone then says which process was lost and exits;
+    process 0 last, since the runtime's coordinator lives in it.
     """
 
     def __init__(self):
         super().__init__(name="trainer-watchdog", daemon=True)
         self.client, self.me, self.count = _client(), jax.process_index(), jax.process_count()
+        self.beat, self.limit = beat_seconds(self.count), lost_seconds(self.count)
 
     def run(self):
-        last = {p: (None, time.monotonic()) for p in range(self.count) if p != self.me}
+        last = {p: (None, time.monotonic()) for p in range(1, self.count)}  # process 0's view of the others
         while True:
             try:
                 self.client.key_value_increment(f"trainer/alive/{self.me}", 1)
+                lost = self._judge(last) if self.me == 0 else self._verdict()
             except Exception:  # the runtime is shutting down (the run ended) or its coordinator is gone
                 return
-            now = time.monotonic()
-            for p, (count, _) in list(last.items()):
-                try:
-                    seen = self.client.key_value_try_get(f"trainer/alive/{p}")
-                except Exception:  # not there yet: that process has not begun to beat
-                    seen = None
-                if seen != count:
-                    last[p] = (seen, now)
-            lost = [p for p, (_, since) in last.items() if now - since > LOST_SECONDS]
             if lost:
                 print(
                     f"error: process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of {self.count} "
-                    f"stopped responding ({LOST_SECONDS} s without a sign of life); relaunch every process with the "
-                    "same command to resume from the newest complete checkpoint.",
+                    f"stopped responding ({self.limit:g} s without a sign of life); relaunch every process with "
+                    "the same command to resume from the newest complete checkpoint.",
                     file=sys.stderr, flush=True,
                 )  # fmt: skip
                 sys.stdout.flush()
+                if self.me == 0:
+                    time.sleep(3 * self.beat)  # the others read the verdict before the coordinator goes
                 os._exit(1)  # not sys.exit: the runtime's shutdown at exit would wait for the lost process
-            time.sleep(BEAT_SECONDS)
+            time.sleep(self.beat)
+
+    def _judge(self, last: dict) -> list[int]:
+        now = time.monotonic()
+        counts = {int(key.rsplit("/", 1)[1]): value for key, value in self.client.key_value_dir_get("trainer/alive/")}
+        for p, (count, _) in list(last.items()):
+            if counts.get(p) != count:
+                last[p] = (counts.get(p), now)
+        lost = [p for p, (_, since) in last.items() if now - since > self.limit]
+        if lost:
+            self.client.key_value_set("trainer/lost", ",".join(map(str, lost)))
+        return lost
+
+    def _verdict(self) -> list[int]:
+        try:
+            return [int(p) for p in self.client.key_value_try_get("trainer/lost").split(",")]
+        except Exception:  # no verdict (the key is absent)
+            return []
 
 
 def wait_if_a_process_died(error: BaseException) -> None:
     """A failed collective in a multi-process run may be a dead peer (gloo fails as soon as its connection
     closes): give the watchdog the time to rule on it, which ends this process if so."""
     if jax.process_count() > 1 and isinstance(error, jax.errors.JaxRuntimeError):
-        time.sleep(LOST_SECONDS + 5 * BEAT_SECONDS)
+        time.sleep(lost_seconds(jax.process_count()) + 5 * beat_seconds(jax.process_count()))
 
 
 def any_process(flag: bool) -> bool:
