@@ -106,3 +106,90 @@ def test_sigkill_at_random_moments_and_a_sigterm_lose_nothing(tmp_path, corpus_d
     assert f"resumed from the checkpoint at step {stopped_at}" in final.stdout
     for a, b in zip(jax.tree.leaves(final_params(workdir, corpus_dir)), jax.tree.leaves(uninterrupted), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def bucket(monkeypatch_module):
+    """A GCS emulator on localhost holding the bucket `runs`, and this process pointed at it."""
+    import socket
+
+    from gcs_emulator import environment
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "tests/gcs_emulator.py", str(port), "runs"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    assert server.stdout.readline().strip() == "ready"
+    for name, value in environment(port).items():
+        monkeypatch_module.setenv(name, value)
+    yield "gs://runs"
+    server.kill()
+    server.wait()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as m:
+        yield m
+
+
+def test_a_bucket_workdir_survives_a_kill_and_a_damaged_checkpoint(bucket, corpus_dir, uninterrupted, tmp_path):
+    """train / kill / resume / eval / generate / export on gs://: checkpoints through TensorStore's GCS driver,
+    every other file through etils.epath; a killed run resumes, a damaged checkpoint is set aside in the bucket,
+    and the run ends with the uninterrupted local run's weights, bit for bit."""
+    import json
+
+    import fsspec
+
+    from trainer.storage import workdir as wd
+
+    workdir = f"{bucket}/crash"
+    # Every 5 steps, not every step: the emulator serves one request at a time. The weights do not change.
+    train = [*command(workdir, corpus_dir), "--config.checkpoint.every_steps=5"]
+    listing = fsspec.filesystem("gs", use_listings_cache=False, skip_instance_cache=True)
+    committed = "runs/crash/checkpoints/*/commit_success.txt"
+    complete = lambda: sorted(int(p.split("/")[-2]) for p in listing.glob(committed))
+    proc = subprocess.Popen(train, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while proc.poll() is None and len(complete()) < 2 and time.time() < deadline:
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    newest = complete()[-1]
+    assert wd.saved_steps(workdir) == complete() and newest < STEPS
+    listing.rm(f"runs/crash/checkpoints/{newest}/params/manifest.ocdbt")
+
+    final = subprocess.run(train, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stdout[-3000:] + final.stderr[-3000:]
+    assert f"checkpoint at step {newest} cannot be read" in final.stdout
+    assert listing.exists(f"runs/crash/damaged_checkpoints/{newest}/params/_METADATA")
+    resumed = int(final.stdout.split("resumed from the checkpoint at step ")[1].split()[0])
+    assert resumed < newest
+    wd.forget_listings(workdir)  # this process listed the checkpoints before the run above wrote more
+    for a, b in zip(jax.tree.leaves(final_params(workdir, corpus_dir)), jax.tree.leaves(uninterrupted), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+    steps = [json.loads(line)["step"] for line in listing.cat("runs/crash/metrics.jsonl").decode().splitlines()]
+    train_steps = [s for s in steps if s > resumed]
+    assert steps == sorted(steps) and train_steps[-1] == STEPS and set(range(resumed + 1, STEPS + 1)) <= set(steps)
+    events = listing.glob("runs/crash/events.out.tfevents.*")
+    assert len(events) == 2  # one per launch that logged: the killed one and the one that finished
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    local = tmp_path / "events"
+    local.write_bytes(listing.cat(sorted(events, key=lambda e: int(e.split(".")[3]))[-1]))
+    logged = {e.step for e in EventFileLoader(str(local)).Load() if any(v.tag == "loss" for v in e.summary.value)}
+    assert set(range(resumed + 1, STEPS + 1)) <= logged
+
+    args = cli_args(run_config(corpus_dir))
+    evaluated = subprocess.run([sys.executable, "scripts/eval.py", *args, f"--workdir={workdir}", "--max_batches=2"],
+                               cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    result = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    assert result["step"] == STEPS
+    assert json.loads(listing.cat(f"runs/crash/eval/validation_step{STEPS}.json")) == result
+    flags = [f"--workdir={workdir}", "--prompt=def", "--json", "--max_new_tokens=4"]
+    generate = [sys.executable, "scripts/generate.py", *args, *flags]
+    generated = subprocess.run(generate, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert generated.returncode == 0 and json.loads(generated.stdout.splitlines()[-1])["step"] == STEPS

@@ -16,6 +16,7 @@ from trainer import config
 from trainer.errors import ConfigError
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.metrics import MetricsWriter
+from trainer.storage.workdir import GrowingFiles
 from trainer.training.loop import train
 from trainer.training.setup import build
 
@@ -115,7 +116,7 @@ def test_records_logged_after_the_restored_checkpoint_are_dropped(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for step in (2, 4, 6):
             f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
-    MetricsWriter(str(tmp_path), resume_step=4).close()
+    MetricsWriter(GrowingFiles(str(tmp_path)), resume_step=4).close()
     assert [r["step"] for r in records(tmp_path)] == [2, 4]
 
 

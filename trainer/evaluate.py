@@ -19,7 +19,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 
 import jax
 import numpy as np
@@ -30,6 +29,7 @@ from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.loss import target_weights
 from trainer.storage.resume import load_params
+from trainer.storage.workdir import path, write_file
 from trainer.training.setup import Setup
 from trainer.training.step import jit_eval_step, make_eval_step
 
@@ -129,10 +129,5 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
         "mesh": dict(setup.mesh.shape),
     }
     if jax.process_index() == 0:
-        out_dir = os.path.join(workdir, "eval")
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, f"{cfg.data.eval_split}_step{step}.json")
-        with open(path + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(path + ".tmp", path)
+        write_file(path(workdir) / "eval" / f"{cfg.data.eval_split}_step{step}.json", json.dumps(result))
     return result

@@ -287,7 +287,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
             f"the Hugging Face model needs {', '.join(differ)}; set these with --config.model.* or use a "
             "config that matches."
         )
-    if os.path.isdir(wd.checkpoint_dir(workdir)) and Checkpointer(wd.checkpoint_dir(workdir), read_only=True).steps():
+    if wd.saved_steps(workdir):
         raise ConfigError(f"{workdir} already holds checkpoints; import into a new --workdir.")
     setup = build(cfg)
     params = from_hf_tensors(read_weights(hf_dir), setup.spec.arch)

@@ -15,6 +15,7 @@ import os
 
 from trainer.errors import ConfigError
 from trainer.storage.metrics import METRICS_FILE
+from trainer.storage.workdir import path
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("update_ratio", "update ratio"), ("tokens_per_sec", "tokens/s"), ("mfu", "MFU"))  # fmt: skip
@@ -22,24 +23,23 @@ PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient nor
 
 def read(workdir: str) -> dict:
     """{"train": records with a loss, "eval": with an eval_loss, "skipped": steps, "rollbacks": events}."""
-    path = os.path.join(workdir, METRICS_FILE)
-    if not os.path.exists(path):
+    file = path(workdir) / METRICS_FILE
+    if not file.exists():
         raise ConfigError(f"{workdir} has no {METRICS_FILE}; give the --workdir of a run that has logged.")
     run = {"train": [], "eval": [], "skipped": [], "rollbacks": []}
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # the last line of a killed run
-                continue
-            if record.get("event") == "rollback":
-                run["rollbacks"].append(record)
-            elif record.get("event") == "skipped":
-                run["skipped"].append(record["step"])
-            elif "eval_loss" in record:
-                run["eval"].append(record)
-            elif "loss" in record:
-                run["train"].append(record)
+    for line in file.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # the last line of a killed run
+            continue
+        if record.get("event") == "rollback":
+            run["rollbacks"].append(record)
+        elif record.get("event") == "skipped":
+            run["skipped"].append(record["step"])
+        elif "eval_loss" in record:
+            run["eval"].append(record)
+        elif "loss" in record:
+            run["train"].append(record)
     return run
 
 
@@ -78,9 +78,14 @@ def figure(workdirs: list[str]):
 
 
 def write(workdirs: list[str], out: str) -> str:
-    fig = figure(workdirs)
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=100)
+    """Draw the runs into the PNG file `out` (a local path, or one in a bucket)."""
+    import io
+
+    picture = io.BytesIO()
+    figure(workdirs).savefig(picture, format="png", dpi=100)
+    target = path(out)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(picture.getvalue())
     return out
 
 

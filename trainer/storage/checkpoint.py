@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +33,7 @@ import orbax.checkpoint as ocp
 
 from parallelism.distributed import any_process, barrier
 from trainer.errors import ConfigError
+from trainer.storage.workdir import forget_listings, move, path
 from trainer.training.state import TrainState
 
 PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
@@ -57,8 +56,8 @@ class DataStateHandler:
 
     def restore(self, directory, args=None):
         rows = {}
-        for path in directory.glob("process_*.json"):
-            rows.update(json.loads(path.read_text())["rows"])
+        for file in directory.glob("process_*.json"):
+            rows.update(json.loads(file.read_text())["rows"])
         args.item.set_state({"rows": rows})
         return args.item
 
@@ -97,7 +96,7 @@ class Checkpointer:
     ):
         """`read_only` for evaluation and export: nothing is created, cleaned up or deleted, so it is
         safe beside a training run that is writing into the same directory."""
-        self.directory = os.path.abspath(directory)
+        self.directory = str(path(directory))
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if read_only else keep,
             keep_period=keep_every or None,
@@ -143,14 +142,12 @@ class Checkpointer:
 
     def data_rows(self, step: int) -> set[int] | None:
         """The batch rows whose data position the checkpoint holds (None: it holds no data position)."""
-        directory = os.path.join(self.directory, str(step), DATA)
-        if not os.path.isdir(directory):
+        directory = path(self.directory) / str(step) / DATA
+        if not directory.is_dir():
             return None
         rows = set()
-        for name in os.listdir(directory):
-            if name.startswith("process_") and name.endswith(".json"):
-                with open(os.path.join(directory, name)) as f:
-                    rows.update(int(r) for r in json.load(f)["rows"])
+        for file in directory.glob("process_*.json"):
+            rows.update(int(r) for r in json.loads(file.read_text())["rows"])
         return rows
 
     def check_params(self, step: int, abstract_params: dict) -> None:
@@ -192,7 +189,7 @@ class Checkpointer:
         items = {PARAMS: ocp.args.StandardRestore(params)}
         if opt_state is not None:
             items[OPT_STATE] = ocp.args.StandardRestore(opt_state)
-        if data_iterator is not None and os.path.isdir(os.path.join(self.directory, str(step), DATA)):
+        if data_iterator is not None and (path(self.directory) / str(step) / DATA).is_dir():
             items[DATA] = DataRestore(data_iterator)
         r = self._manager.restore(step, args=ocp.args.Composite(**items))
         return r[PARAMS], r[OPT_STATE] if opt_state is not None else None
@@ -229,20 +226,22 @@ class Checkpointer:
     def set_aside(self, step: int, folder: str) -> str:
         """Move a checkpoint out of the way (into <workdir>/<folder>/), never deleting it.
 
-        Every process calls it; process 0 alone moves (the storage is shared) and the others wait."""
-        target_dir = os.path.join(os.path.dirname(self.directory), folder)
-        target = os.path.join(target_dir, str(step))
+        Every process calls it; process 0 alone moves (the storage is shared) and the others wait.
+        In a bucket a move is a copy of every object and a delete: slower, and as safe, since the
+        checkpoint is out of the listing only once its copy is whole."""
+        target_dir = path(self.directory).parent / folder
+        target = target_dir / str(step)
         suffix = 0
-        while os.path.exists(target):
+        while target.exists():
             suffix += 1
-            target = os.path.join(target_dir, f"{step}.{suffix}")
+            target = target_dir / f"{step}.{suffix}"
         barrier(f"set aside {step}: named")  # no process looks once process 0 has moved it
         if jax.process_index() == 0:
-            os.makedirs(target_dir, exist_ok=True)
-            shutil.move(os.path.join(self.directory, str(step)), target)
+            move(path(self.directory) / str(step), target)
         barrier(f"set aside {step}: moved")
+        forget_listings(self.directory)
         self._manager.reload()
-        return target
+        return str(target)
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

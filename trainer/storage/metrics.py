@@ -2,7 +2,9 @@
 
 Only one process (jax.process_index() == 0) writes. On resume, records past
 the restored step (logged after the last checkpoint of an interrupted run) are
-dropped, so metrics.jsonl holds one history with no repeated steps.
+dropped, so metrics.jsonl holds one history with no repeated steps. The files
+are written through the workdir's GrowingFiles (copied into a bucket whole,
+trainer/storage/workdir.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import math
 import os
 
 from tensorboard.summary import Writer
+
+from trainer.storage.workdir import GrowingFiles
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -29,14 +33,16 @@ def _step_of(line: str) -> int | None:
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str, *, resume_step: int = 0, enabled: bool = True):
-        self.enabled = enabled
-        self.path = os.path.join(workdir, METRICS_FILE)
-        if not enabled:
+    """`files` None: a process that does not write (all but process 0)."""
+
+    def __init__(self, files: GrowingFiles | None, *, resume_step: int = 0):
+        self.files = files
+        if files is None:
             return
+        self.path = files.fetch(METRICS_FILE)
         self._drop_records_after(resume_step)
         self._jsonl = open(self.path, "a")
-        self._tb = Writer(workdir)
+        self._tb = Writer(files.dir)
 
     def _drop_records_after(self, step: int) -> None:
         if not os.path.exists(self.path):
@@ -49,7 +55,7 @@ class MetricsWriter:
         os.replace(tmp, self.path)
 
     def write(self, step: int, metrics: dict[str, float], *, console: str | None = None) -> None:
-        if not self.enabled:
+        if self.files is None:
             return
         record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         self._jsonl.write(json.dumps(record) + "\n")
@@ -62,6 +68,6 @@ class MetricsWriter:
             print(console, flush=True)
 
     def close(self) -> None:
-        if self.enabled:
+        if self.files is not None:
             self._jsonl.close()
             self._tb.close()

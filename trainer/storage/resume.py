@@ -20,7 +20,6 @@ starts a new run from another run's weights.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import jax
@@ -170,9 +169,9 @@ def parse_init_from(text: str) -> tuple[str, int | None]:
 def load_init_params(cfg, setup) -> tuple[dict, str, int]:
     """The parameters `checkpoint.init_from` names, in this setup's shardings: (params, directory, step)."""
     path, step = parse_init_from(cfg.checkpoint.init_from)
-    if not os.path.exists(path):
+    if not wd.path(path).exists():
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r}: {path} does not exist.")
-    directory = wd.checkpoint_dir(path) if os.path.isdir(wd.checkpoint_dir(path)) else path
+    directory = wd.checkpoint_dir(path) if wd.path(wd.checkpoint_dir(path)).is_dir() else path
     ckpt = Checkpointer(directory, read_only=True)
     try:
         steps = ckpt.steps()

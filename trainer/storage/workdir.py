@@ -1,44 +1,64 @@
-"""The run directory: where its checkpoints live, its resolved config, and whether it is writable.
+"""The run directory: where its checkpoints live, its resolved config, whether it is writable, and the
+files that grow while it runs.
 
-What may change when a run resumes is decided in trainer/storage/resume.py.
+A workdir is a local path or a bucket (`gs://bucket/run`): every path in it
+goes through `etils.epath`, Orbax's own path type (gcsfs underneath for
+`gs://`), and the checkpoints' arrays through TensorStore. What may change
+when a run resumes is decided in trainer/storage/resume.py.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
+import tempfile
+import threading
+
+from etils import epath
 
 from trainer.config import to_json
 from trainer.errors import ConfigError
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
+BUCKET = "gs://"
+
+
+def is_remote(location) -> bool:
+    return str(location).startswith(BUCKET)
+
+
+def path(location) -> epath.Path:
+    """A location as a path: a bucket's as given, a local one made absolute (Orbax wants it so)."""
+    location = str(location)
+    if "://" in location and not is_remote(location):
+        raise ConfigError(f"{location}: only local paths and {BUCKET} buckets are supported as run directories.")
+    return epath.Path(location if is_remote(location) else os.path.abspath(location))
 
 
 def checkpoint_dir(workdir: str) -> str:
-    return os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+    return str(path(workdir) / CHECKPOINT_DIR)
 
 
 def saved_steps(workdir: str) -> list[int]:
     """Steps of the complete checkpoints under the workdir, from the directory listing alone.
 
-    Orbax writes into a temporary directory and renames it to the step number
-    when complete, so a name of digits is a whole checkpoint. No Orbax manager
-    is made here: its constructor synchronises all processes, and each process
-    decides for itself whether to look.
+    Orbax marks a checkpoint complete by renaming its temporary directory to the
+    step number (local disks) or by writing commit_success.txt last (buckets,
+    which cannot rename); its own listing knows both. No Orbax manager is made
+    here: its constructor synchronises all processes, and each process decides
+    for itself whether to look.
     """
-    directory = checkpoint_dir(workdir)
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+    import orbax.checkpoint as ocp
+
+    return sorted(ocp.step.checkpoint_steps(checkpoint_dir(workdir)))
 
 
 def saved_config(workdir: str) -> dict | None:
-    path = os.path.join(workdir, CONFIG_FILE)
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
+    import json
+
+    file = path(workdir) / CONFIG_FILE
+    return json.loads(file.read_text()) if file.exists() else None
 
 
 def check_writable(workdir: str) -> None:
@@ -46,20 +66,121 @@ def check_writable(workdir: str) -> None:
     import jax
 
     # One probe per process: several processes check the same shared directory at once.
-    probe = os.path.join(checkpoint_dir(workdir), f".write_probe_{jax.process_index()}")
+    probe = path(checkpoint_dir(workdir)) / f".write_probe_{jax.process_index()}"
     try:
-        os.makedirs(checkpoint_dir(workdir), exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
     except OSError as e:
         raise ConfigError(
-            f"cannot write checkpoints under {workdir} ({e.strerror}); choose a writable --workdir."
+            f"cannot write checkpoints under {workdir} ({e.strerror or e}); choose a writable --workdir."
         ) from e
 
 
+def write_file(location, text: str) -> None:
+    """Write a whole file that no reader sees half-written: a bucket replaces an object whole; a local file
+    is written beside its name and renamed over it."""
+    file = path(location)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    if is_remote(location):
+        file.write_text(text)
+        return
+    tmp = file.parent / (file.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(file)
+
+
+def move(source: epath.Path, target: epath.Path) -> None:
+    """Move a directory. A bucket has no directories (epath's rename wants the target's parent to exist):
+    there fsspec copies every object, then deletes the originals."""
+    if is_remote(source):
+        import fsspec
+
+        fsspec.filesystem("gcs").mv(str(source), str(target), recursive=True)
+    else:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        source.rename(target)
+
+
+def forget_listings(location) -> None:
+    """Drop the bucket listings this process holds. gcsfs keeps every listing it made (for etils.epath,
+    so for Orbax too) and never learns what other processes changed: after a checkpoint is moved away,
+    Orbax would still find it and refuse to save that step again ("Checkpoint for step 3 already exists")."""
+    if is_remote(location):
+        import fsspec
+
+        fsspec.filesystem("gcs", finalize_on_close=True).invalidate_cache()  # the instance epath uses
+
+
 def write_config(workdir: str, cfg) -> None:
-    tmp = os.path.join(workdir, CONFIG_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(to_json(cfg))
-    os.replace(tmp, os.path.join(workdir, CONFIG_FILE))
+    write_file(path(workdir) / CONFIG_FILE, to_json(cfg))
+
+
+class GrowingFiles:
+    """Where the files that grow during a run are written: metrics.jsonl, TensorBoard's events, a profile.
+
+    A local workdir takes them in place. A bucket cannot append to an object,
+    and TensorBoard's writer, given a `gs://` directory, replaces its event file
+    at each flush (tried: only the newest record survived). So for a bucket they
+    are written into a local directory, and a background thread copies each file
+    that changed whole into the workdir every `every` seconds, when `sync()` is
+    called (at each checkpoint) and at `close()`. A process killed loses at most
+    what it wrote since the last copy; what was copied is always whole files.
+    """
+
+    def __init__(self, workdir: str, every: float = 30.0):
+        self.remote = path(workdir) if is_remote(workdir) else None
+        self.dir = tempfile.mkdtemp(prefix="trainer-run-") if self.remote else str(path(workdir))
+        os.makedirs(self.dir, exist_ok=True)
+        self._copied: dict[str, tuple[int, int]] = {}  # file -> (size, mtime) when it was last copied
+        self._now, self._closing = threading.Event(), False
+        self._thread = None
+        if self.remote:
+            self._thread = threading.Thread(target=self._copy_every, args=(every,), daemon=True)
+            self._thread.start()
+
+    def fetch(self, name: str) -> str:
+        """The local path of the workdir's file `name`, brought down first from a bucket if it is there."""
+        local = os.path.join(self.dir, name)
+        if self.remote and (self.remote / name).exists() and not os.path.exists(local):
+            with open(local, "wb") as f:
+                f.write((self.remote / name).read_bytes())
+            st = os.stat(local)
+            self._copied[name] = (st.st_size, st.st_mtime_ns)
+        return local
+
+    def sync(self) -> None:
+        """Copy what changed now (in the background), e.g. when a checkpoint is saved."""
+        self._now.set()
+
+    def close(self) -> None:
+        if self.remote:
+            self._closing = True
+            self._now.set()
+            self._thread.join()
+            self._copy_changed()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _copy_every(self, every: float) -> None:
+        while not self._closing:
+            self._now.wait(every)
+            self._now.clear()
+            try:
+                self._copy_changed()
+            except Exception as e:  # a failed copy is retried at the next one; training goes on
+                print(f"warning: copying run files to {self.remote} failed ({e}); retrying", flush=True)
+
+    def _copy_changed(self) -> None:
+        for root, _, names in os.walk(self.dir):
+            for name in names:
+                local = os.path.join(root, name)
+                relative = os.path.relpath(local, self.dir)
+                st = os.stat(local)
+                if self._copied.get(relative) == (st.st_size, st.st_mtime_ns):
+                    continue
+                with open(local, "rb") as f:
+                    data = f.read()
+                target = self.remote / relative
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data)
+                self._copied[relative] = (st.st_size, st.st_mtime_ns)

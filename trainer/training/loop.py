@@ -144,8 +144,9 @@ class Run:
             wd.write_config(workdir, cfg)
         self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
         self.data = streams.Prefetch(data, self._plan, self.data_read)
-        self.writer = MetricsWriter(workdir, resume_step=self.step, enabled=self.primary)
-        self.profiler = StepProfiler(t.profile_steps, workdir, enabled=self.primary)
+        self.files = wd.GrowingFiles(workdir) if self.primary else None
+        self.writer = MetricsWriter(self.files, resume_step=self.step)
+        self.profiler = StepProfiler(t.profile_steps, self.files, workdir)
         self.flops_per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len)
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
         self.evaluator = Evaluator(setup, self.rows) if t.eval_every else None
@@ -284,6 +285,8 @@ class Run:
             self.writer.write(step, result, console=line)
         if save:
             self.ckpt.save(step, self.state, self.data, reset_optimizer=cfg.checkpoint.reset_optimizer)
+            if self.files is not None:  # into a bucket: the metrics up to the checkpoint go with it
+                self.files.sync()
         self.mark_time += time.perf_counter() - paused
 
     def save_now(self) -> None:
@@ -296,6 +299,8 @@ class Run:
         self.ckpt.wait()
         self.ckpt.close()
         self.writer.close()
+        if self.files is not None:
+            self.files.close()
 
 
 def _floats(values: dict) -> dict[str, float]:

@@ -1,0 +1,101 @@
+"""A Google Cloud Storage emulator on localhost for the bucket-workdir tests: python tests/gcs_emulator.py PORT BUCKET
+
+It is the `gcp-storage-emulator` package (from the package index, in memory),
+with two behaviours of the real service that it lacks and that TensorStore,
+which writes Orbax's arrays, relies on (documented in GCS's JSON API
+reference; without them an Orbax save fails with "Malformed StorageGeneration"):
+
+- a media download carries the object's generation in `x-goog-generation`;
+- `ifGenerationMatch` (0: the object must not exist) and
+  `ifGenerationNotMatch` are preconditions: 412 when a write's or delete's
+  does not hold, 304 when a read's says the caller's copy is current.
+
+The clients are pointed at it by their documented settings (see `environment`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from http import HTTPStatus
+
+from gcp_storage_emulator.exceptions import NotFound
+from gcp_storage_emulator.handlers import objects
+
+
+def environment(port: int) -> dict[str, str]:
+    """The variables that point gcsfs (hence etils.epath) and TensorStore at the emulator."""
+    url = f"http://localhost:{port}"
+    return {
+        "STORAGE_EMULATOR_HOST": url,  # gcsfs
+        "TENSORSTORE_GCS_HTTP_URL": url,
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",  # TensorStore: no credentials lookup
+        # gcsfs's hierarchical-namespace probe asks Google's control API, which an emulator does not serve.
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+    }
+
+
+def _generation(storage, request) -> str:
+    try:
+        return storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])["generation"]
+    except NotFound:
+        return "0"
+
+
+def _failed(request, current: str) -> HTTPStatus | None:
+    match, not_match = request.query.get("ifGenerationMatch"), request.query.get("ifGenerationNotMatch")
+    if match and match[0] != current:
+        return HTTPStatus.PRECONDITION_FAILED
+    if not_match and not_match[0] == current:
+        return HTTPStatus.NOT_MODIFIED if request.method == "GET" else HTTPStatus.PRECONDITION_FAILED
+    return None
+
+
+def _reading(handler):
+    def wrapped(request, response, storage, *args, **kwargs):
+        current = _generation(storage, request)
+        status = _failed(request, current) if current != "0" else None
+        if status:
+            response.status = status
+            return
+        handler(request, response, storage, *args, **kwargs)
+        if response.status in (HTTPStatus.OK, HTTPStatus.PARTIAL_CONTENT) and current != "0":
+            response["x-goog-generation"] = current
+            response["x-goog-metageneration"] = "1"
+
+    return wrapped
+
+
+def _writing(handler, object_name):
+    # The emulator serves one request at a time, so a precondition holds until the write is done.
+    def wrapped(request, response, storage, *args, **kwargs):
+        name = object_name(request)
+        if name is not None:
+            request.params.setdefault("object_id", name)
+            status = _failed(request, _generation(storage, request))
+            if status:
+                response.status = status
+                return
+        handler(request, response, storage, *args, **kwargs)
+
+    return wrapped
+
+
+def _upload_name(request):
+    name = request.query.get("name")
+    return name[0] if name else None
+
+
+objects.download = _reading(objects.download)
+objects.get = _reading(objects.get)
+objects.insert = _writing(objects.insert, _upload_name)
+objects.delete = _writing(objects.delete, lambda request: request.params.get("object_id"))
+
+if __name__ == "__main__":
+    from gcp_storage_emulator.server import create_server  # after the handlers are wrapped: it routes to them
+
+    port, bucket = int(sys.argv[1]), sys.argv[2]
+    server = create_server("localhost", port, in_memory=True, default_bucket=bucket)
+    server.start()
+    print("ready", flush=True)
+    threading.Event().wait()
