@@ -17,6 +17,7 @@ from trainer import cli
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.sampling import make_generate
+from trainer.samples import completion, prompt_ids
 from trainer.storage.resume import load_params
 
 _CONFIG = cli.define_config_flag()
@@ -37,18 +38,15 @@ def main():
         raise ConfigError("need --max_new_tokens >= 1, --temperature >= 0, 0 < --top_p <= 1 and --top_k >= 0.")
     tokenizer = load_tokenizer(cfg.data)
     setup, step, params = load_params(cfg, _WORKDIR.value or cli.default_workdir(), _STEP.value)
-    prompt = np.concatenate([[tokenizer.bos_id], tokenizer.encode(_PROMPT.value)]).astype(np.int32)[None]
+    prompt = prompt_ids(tokenizer, _PROMPT.value)[None]
     generate = make_generate(
         setup.spec, setup.shard, max_new_tokens=_MAX_NEW.value,
         temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
     )  # fmt: skip
-    ids = np.asarray(generate(params, prompt, _SEED.value))[0].tolist()
-    if tokenizer.eos_id in ids:
-        ids = ids[: ids.index(tokenizer.eos_id)]
-    completion = tokenizer.decode(ids)
-    print(_PROMPT.value + completion)
+    text = completion(tokenizer, np.asarray(generate(params, prompt, _SEED.value))[0])
+    print(_PROMPT.value + text)
     if _JSON.value:
-        print(json.dumps({"prompt": _PROMPT.value, "completion": completion, "step": step}))
+        print(json.dumps({"prompt": _PROMPT.value, "completion": text, "step": step}))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,18 @@ CASES = {
         lambda: micro_config(model=dict(vocab_size=128), data=dict(source="text_files")),
         "259 ids but model.vocab_size=128",
     ),
+    "unknown tracker": (
+        lambda: micro_config(train=dict(trackers=("tensorboard", "mlflow"))),
+        "train.trackers='mlflow' is not one of tensorboard, wandb",
+    ),
+    "samples with no evaluation": (
+        lambda: micro_config(train=dict(sample_prompts=("def",))),
+        "completed at each evaluation; set train.eval_every > 0",
+    ),
+    "sample prompt longer than the context": (
+        lambda: micro_config(train=dict(sample_prompts=("x" * 60,), eval_every=5, sample_tokens=8)),
+        "and train.sample_tokens=8 make 69 tokens, more than model.max_seq_len=64",
+    ),
     "dataset that is not prepared": (
         lambda: micro_config(data=dict(source="tfds", name="no_such_dataset", data_dir="/nonexistent")),
         "not prepared",
@@ -92,6 +104,11 @@ def test_an_unwritable_workdir_fails_before_training(tmp_path):
     (tmp_path / "a_file").write_text("not a directory")
     with pytest.raises(ConfigError, match="cannot write checkpoints under .*a_file/run"):
         train(micro_config(), str(tmp_path / "a_file" / "run"))
+
+
+def test_a_workdir_in_an_unsupported_store_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="s3://bucket/run: only local paths and gs:// buckets"):
+        train(micro_config(), "s3://bucket/run")
 
 
 def test_resuming_with_another_data_stream_names_the_keys(tmp_path):

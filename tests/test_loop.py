@@ -133,3 +133,95 @@ def test_a_malformed_profile_window_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match=r"train.profile_steps=\(3, 2\) must be \(first, last\)"):
         train(micro_config(train=dict(profile_steps=(3, 2))), str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_trackers_get_metrics_events_and_samples_and_samples_are_the_models_greedy_text(
+    tmp_path, corpus_dir, monkeypatch, capsys
+):
+    """TensorBoard and W&B (offline: no network) get the config, every record, a skipped-step event and
+    the samples; the logged greedy completion equals decoding the final weights without a KV cache."""
+    from test_generate import naive_generate
+
+    from trainer.data.tokenizers import load_tokenizer
+    from trainer.samples import completion, prompt_ids
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    prompts = ("def ", "import")
+    cfg = text_config(
+        corpus_dir,
+        train=dict(steps=4, log_every=1, eval_every=2, trackers=("tensorboard", "wandb"), sample_prompts=prompts,
+                   sample_tokens=8),
+        debug=dict(poison_batches=(1,)),  # data batch 1 (numbered from 0), so step 2, is skipped: an event
+    )  # fmt: skip
+    workdir = str(tmp_path / "run")
+    assert train(cfg, workdir)["step"] == 5  # 4 batches trained on, one step skipped
+    logged = records(workdir)
+    samples = [r for r in logged if "samples" in r]
+    assert [r["step"] for r in samples] == [2, 4, 5]
+    assert all([row["prompt"] for row in r["samples"]] == list(prompts) for r in samples)
+    out = capsys.readouterr().out
+    assert f"step      5  sample (greedy): {prompts[0] + samples[-1]['samples'][0]['greedy']!r}" in out
+
+    setup = build(cfg)
+    params = restore_params(cfg, workdir, 5)
+    tokenizer = load_tokenizer(cfg.data)
+    for row in samples[-1]["samples"]:
+        ids = naive_generate(setup, params, prompt_ids(tokenizer, row["prompt"])[None], 8)[0]
+        assert row["greedy"] == completion(tokenizer, ids)
+        assert row["sampled"] != row["greedy"] or len(row["greedy"]) == 0  # temperature 0.8 over 8 tokens
+
+    events = EventAccumulator(workdir)
+    events.Reload()
+    train_records = [r for r in logged if "loss" in r and r["loss"] is not None]
+    tb_loss = {e.step: float(tensor_util.make_ndarray(e.tensor_proto)) for e in events.Tensors("loss")}
+    assert tb_loss == pytest.approx({r["step"]: r["loss"] for r in train_records}, rel=1e-6)
+    assert [e.step for e in events.Tensors("events/skipped")] == [2]
+    assert [e.step for e in events.Tensors("eval_loss")] == [2, 4, 5]
+    text = lambda tag: [tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in events.Tensors(tag)]
+    assert '"compute_dtype": "float32"' in text("config")[0]
+    assert samples[-1]["samples"][1]["greedy"] in text("samples")[-1]
+
+    run_dir = glob.glob(os.path.join(workdir, "wandb", "offline-run-*"))
+    assert len(run_dir) == 1
+    history, config_keys = wandb_offline_log(glob.glob(os.path.join(run_dir[0], "run-*.wandb"))[0])
+    assert "train.trackers" in config_keys
+    wb_loss = {h["step"]: h["loss"] for h in history if "loss" in h}
+    assert wb_loss == pytest.approx({r["step"]: r["loss"] for r in train_records}, rel=1e-6)
+    assert [h["step"] for h in history if "events/skipped" in h] == [2]
+    assert [h["step"] for h in history if "eval_loss" in h] == [2, 4, 5]
+    tables = [(h["step"], h["samples/path"]) for h in history if "samples/path" in h]
+    assert [step for step, _ in tables] == [2, 4, 5]
+    with open(os.path.join(run_dir[0], "files", tables[-1][1])) as f:
+        assert json.load(f)["data"] == [[r["prompt"], r["greedy"], r["sampled"]] for r in samples[-1]["samples"]]
+
+
+def wandb_offline_log(path):
+    """(history records, config keys) of an offline W&B run, read from its transaction log: a 7-byte
+    header, then LevelDB's log format (32 KiB blocks; chunks with a 7-byte header, type 1 = whole
+    record, 2-4 = first/middle/last piece) holding W&B's protobuf Records."""
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    pos, block, records, pending = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        pending += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(pending)
+            pending = b""
+    history, config_keys = [], set()
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.HasField("history"):
+            history.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
+        config = record.config if record.HasField("config") else record.run.config if record.HasField("run") else None
+        if config is not None:
+            config_keys |= {i.key for i in config.update}
+    return history, config_keys

@@ -27,6 +27,7 @@ SCHEDULES = ("cosine", "wsd", "linear", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("text_files", "tfds", "synthetic")
 TOKENIZERS = ("byte", "sentencepiece", "hf")
+TRACKERS = ("tensorboard", "wandb")
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -115,6 +116,10 @@ def defaults() -> ml_collections.ConfigDict:
         ramp_tokens=0,  # ... over this many tokens (the schedule counts tokens either way)
         layer_grad_norms=False,  # also log each layer's gradient norm
         profile_steps=(),  # (first, last): a jax.profiler trace of those steps in <workdir>/profile
+        trackers=("tensorboard",),  # of TRACKERS, besides metrics.jsonl (always written)
+        wandb_project="trainer",  # the W&B project a `wandb` tracker logs to (entity, mode: WANDB_* variables)
+        sample_prompts=(),  # at each evaluation, complete these (greedy and sampled) and log the text
+        sample_tokens=64,  # tokens generated per sample
     )
     # Bad steps (non-finite, or a gradient-norm spike) are skipped; too many in a
     # window, or a loss that stays diverged, rolls back to the last healthy checkpoint.

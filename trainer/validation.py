@@ -25,6 +25,7 @@ from trainer.config import (
     SCHEDULES,
     SOURCES,
     TOKENIZERS,
+    TRACKERS,
     defaults,
     flatten,
     microbatch_size,
@@ -143,6 +144,23 @@ def _check_lists(cfg) -> None:
             f"train.profile_steps={window!r} must be (first, last) with 1 <= first <= last, e.g. "
             "--config.train.profile_steps=10,12."
         )
+    _check_watching(cfg)
+
+
+def _check_watching(cfg: ml_collections.ConfigDict) -> None:
+    """Trackers and samples: what a run shows while it goes."""
+    t = cfg.train
+    for name in t.trackers:
+        _choice("train.trackers", name, TRACKERS)
+    if "wandb" in t.trackers:
+        import importlib.util
+
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError('train.trackers has wandb, which is not installed: pip install -e ".[wandb]".')
+    if t.sample_prompts and not t.eval_every:
+        raise ConfigError("train.sample_prompts are completed at each evaluation; set train.eval_every > 0.")
+    if t.sample_tokens < 1:
+        raise ConfigError(f"train.sample_tokens={t.sample_tokens} must be at least 1.")
 
 
 def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:

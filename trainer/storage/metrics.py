@@ -1,4 +1,5 @@
-"""Where logged numbers go: the console, metrics.jsonl and TensorBoard.
+"""Where logged numbers and text go: the console, metrics.jsonl and the trackers (TensorBoard, W&B:
+trainer/storage/trackers.py).
 
 Only one process (jax.process_index() == 0) writes. On resume, records past
 the restored step (logged after the last checkpoint of an interrupted run) are
@@ -13,8 +14,7 @@ import json
 import math
 import os
 
-from tensorboard.summary import Writer
-
+from trainer.storage.trackers import TensorBoard, WandB
 from trainer.storage.workdir import GrowingFiles
 
 METRICS_FILE = "metrics.jsonl"
@@ -33,16 +33,19 @@ def _step_of(line: str) -> int | None:
 
 
 class MetricsWriter:
-    """`files` None: a process that does not write (all but process 0)."""
+    """`files` None: a process that does not write (all but process 0). `cfg` None: no trackers."""
 
-    def __init__(self, files: GrowingFiles | None, *, resume_step: int = 0):
+    def __init__(self, files: GrowingFiles | None, *, resume_step: int = 0, cfg=None, workdir: str = ""):
         self.files = files
         if files is None:
             return
         self.path = files.fetch(METRICS_FILE)
         self._drop_records_after(resume_step)
         self._jsonl = open(self.path, "a")
-        self._tb = Writer(files.dir)
+        names = cfg.train.trackers if cfg is not None else ()
+        self._trackers = ([TensorBoard(files.dir, cfg)] if "tensorboard" in names else []) + (
+            [WandB(files.dir, cfg, workdir)] if "wandb" in names else []
+        )
 
     def _drop_records_after(self, step: int) -> None:
         if not os.path.exists(self.path):
@@ -58,16 +61,30 @@ class MetricsWriter:
         if self.files is None:
             return
         record = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        for name, value in metrics.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._tb.add_scalar(name, value, step)
-        self._tb.flush()
+        self._append(record)
+        for tracker in self._trackers:  # a non-finite value is left out, as it is null in metrics.jsonl
+            tracker.log(step, {k: v for k, v in record.items() if v is not None and k != "step"})
         if console:
             print(console, flush=True)
+
+    def samples(self, step: int, rows: list[dict[str, str]]) -> None:
+        """Completions of the sample prompts: one record {"step", "samples": rows}, the console, the trackers."""
+        if self.files is None:
+            return
+        self._append({"step": step, "samples": rows})
+        for tracker in self._trackers:
+            tracker.samples(step, rows)
+        for row in rows:
+            for kind in row:
+                if kind != "prompt":
+                    print(f"step {step:>6}  sample ({kind}): {row['prompt'] + row[kind]!r}", flush=True)
+
+    def _append(self, record: dict) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
 
     def close(self) -> None:
         if self.files is not None:
             self._jsonl.close()
-            self._tb.close()
+            for tracker in self._trackers:
+                tracker.close()

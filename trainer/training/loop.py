@@ -24,8 +24,10 @@ import jax
 import numpy as np
 
 from parallelism.distributed import barrier, fetch, wait_if_a_process_died
+from trainer import samples
 from trainer.config import microbatch_size
 from trainer.data import streams
+from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, peak_flops
 from trainer.storage import resume
@@ -48,6 +50,8 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
     """
     setup = build(cfg)
     streams.check_vocab(cfg)
+    if cfg.train.sample_prompts:
+        samples.check_prompts(cfg, load_tokenizer(cfg.data))
     if cfg.data.source != "synthetic":
         if jax.process_index() == 0:
             streams.prepare(cfg.data)
@@ -145,11 +149,12 @@ class Run:
         self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
         self.data = streams.Prefetch(data, self._plan, self.data_read)
         self.files = wd.GrowingFiles(workdir) if self.primary else None
-        self.writer = MetricsWriter(self.files, resume_step=self.step)
+        self.writer = MetricsWriter(self.files, resume_step=self.step, cfg=cfg, workdir=workdir)
         self.profiler = StepProfiler(t.profile_steps, self.files, workdir)
         self.flops_per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len)
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
         self.evaluator = Evaluator(setup, self.rows) if t.eval_every else None
+        self.samples = samples.Samples(setup, load_tokenizer(cfg.data)) if t.sample_prompts else None
         self.compiled: dict = {}
         self.dispatched: list[tuple[int, int]] = []  # (step, tokens) of the steps not yet logged
         self.mark_step, self.mark_time = self.step, time.perf_counter()
@@ -283,6 +288,8 @@ class Run:
             self.last.update(result)
             line = f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f})"
             self.writer.write(step, result, console=line)
+            if self.samples is not None:
+                self.writer.samples(step, self.samples(self.state.params))
         if save:
             self.ckpt.save(step, self.state, self.data, reset_optimizer=cfg.checkpoint.reset_optimizer)
             if self.files is not None:  # into a bucket: the metrics up to the checkpoint go with it

@@ -1,0 +1,100 @@
+"""Where a run's numbers and text are shown besides metrics.jsonl: TensorBoard, Weights & Biases.
+
+`train.trackers` names them. Each gets the resolved config once, every logged
+record (numbers as scalars; a skipped-step or rollback event as text and as
+`events/<kind>` scalars), evaluation results and the samples' text. Both take
+the step from the record, so a rollback that moves the step back draws the
+stretch again rather than being dropped. Only process 0 tracks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+
+import numpy as np
+from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.plugins.scalar import metadata as scalar_metadata
+from tensorboard.plugins.text import metadata as text_metadata
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.util import tensor_util
+
+from trainer.config import flatten
+
+
+def numbers(record: dict) -> dict[str, float]:
+    return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+class TensorBoard:
+    """Event files in the workdir. tensorboard's own `summary.Writer` has scalars only; text (config,
+    events, samples) needs the text plugin's summaries, written here with its event writer."""
+
+    def __init__(self, directory: str, cfg):
+        self._events = EventFileWriter(directory)
+        self._scalar = summary_pb2.SummaryMetadata(
+            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=scalar_metadata.PLUGIN_NAME),
+            data_class=summary_pb2.DataClass.DATA_CLASS_SCALAR,
+        )
+        self._text = text_metadata.create_summary_metadata(display_name=None, description=None)
+        self._markdown(0, "config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```")
+
+    def _add(self, step: int, tag: str, tensor, metadata) -> None:
+        event = event_pb2.Event(wall_time=time.time(), step=step)
+        event.summary.value.add(tag=tag, tensor=tensor_util.make_tensor_proto(tensor), metadata=metadata)
+        self._events.add_event(event)
+
+    def log(self, step: int, record: dict) -> None:
+        if "event" in record:
+            self._markdown(step, "events", f"`{json.dumps(record)}`")
+            record = {f"events/{record['event']}": 1.0}
+        for name, value in numbers(record).items():
+            self._add(step, name, np.float32(value), self._scalar)
+        self._events.flush()
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        """Each prompt with its completions, as code blocks (a markdown table cell cannot hold newlines)."""
+        parts = []
+        for row in rows:
+            parts.append(f"**{row['prompt']!r}**")
+            parts += [f"{kind}:\n```\n{row['prompt']}{row[kind]}\n```" for kind in row if kind != "prompt"]
+        self._markdown(step, "samples", "\n\n".join(parts))
+
+    def _markdown(self, step: int, tag: str, markdown: str) -> None:
+        self._add(step, tag, np.array(markdown, dtype=object), self._text)
+        self._events.flush()
+
+    def close(self) -> None:
+        self._events.close()
+
+
+class WandB:
+    """A W&B run named after the workdir, with an id derived from it, so a resumed run continues the same
+    W&B run. Project from `train.wandb_project`; entity, mode (WANDB_MODE=offline needs no network) and
+    the rest from W&B's own WANDB_* variables. Its files go in the workdir's `wandb/`."""
+
+    def __init__(self, directory: str, cfg, workdir: str):
+        import wandb
+
+        name = workdir.rstrip("/").split("/")[-1]
+        run_id = hashlib.sha256(workdir.encode()).hexdigest()[:16]
+        self._wandb = wandb
+        self._run = wandb.init(project=cfg.train.wandb_project, name=name, id=run_id, resume="allow",
+                               dir=directory, config=flatten(cfg))  # fmt: skip
+        self._run.define_metric("*", step_metric="step")
+
+    def log(self, step: int, record: dict) -> None:
+        if "event" in record:
+            kind = record["event"]
+            record = {f"events/{kind}/{k}": v for k, v in numbers(record).items() if k != "step"}
+            record[f"events/{kind}"] = 1.0
+        self._run.log({**numbers(record), "step": step})
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        columns = list(rows[0])
+        table = self._wandb.Table(columns=columns, data=[[r[c] for c in columns] for r in rows])
+        self._run.log({"samples": table, "step": step})
+
+    def close(self) -> None:
+        self._run.finish()
