@@ -1,5 +1,6 @@
 """Tokenizers, the TFDS text-files builder, and the packed Grain batches."""
 
+import dataclasses
 import json
 import os
 import sysconfig
@@ -222,3 +223,68 @@ def test_stdlib_corpus_validation_is_held_out_by_file(corpus_dir):
     assert 0.01 < len(val) / (len(train) + len(val)) < 0.04
     assert all(text_files.is_validation(s.decode()) for s in val_sources)
     assert not any(train[i]["source"] in val_sources for i in range(0, len(train), 7))
+
+
+@pytest.fixture(scope="module")
+def mixture_config(corpus_dir, tmp_path_factory):
+    """The stdlib corpus and a second one (400 short notes) in the same data_dir, mixed 3:1."""
+    notes = tmp_path_factory.mktemp("notes")
+    for i in range(400):
+        (notes / f"note{i:03d}.txt").write_text(f"note {i}: " + "plain words, not code. " * (1 + i % 7))
+    cfg = micro_config(data=dict(source="text_files", data_dir=corpus_dir, name="notes", paths=str(notes / "*.txt")))
+    streams.prepare(cfg.data)
+    cfg.data.update(name="python_stdlib", paths="", mixture=("python_stdlib:3", "notes:1"))
+    return cfg
+
+
+def test_a_mixture_draws_each_corpus_by_weight_from_its_own_stream_and_resumes_exactly(mixture_config):
+    # Windows long enough to hold several whole standard-library files per row.
+    stream = dataclasses.replace(streams.Stream.from_config(mixture_config), seq_len=4096)
+    it = iter(streams.batches(stream, "train", range(8), shuffle=True))
+    batches = [next(it) for _ in range(40)]
+    source = np.concatenate([b["source"] for b in batches], axis=1)
+    starts = np.concatenate([b["tokens"] for b in batches], axis=1) == BOS_ID
+    # Each row draws 3:1 by document, deterministically: three from the first corpus, then one from the second.
+    drawn = [source[row][starts[row]].tolist() for row in range(8)]
+    assert all(d == ([0, 0, 0, 1] * 8)[: len(d)] for d in drawn), drawn
+    assert sum(len(d) for d in drawn) > 60
+
+    # Each row's documents of a corpus are that corpus's own row stream, in order: the plain stream of
+    # `notes` alone (same seed) begins with exactly the tokens the mixture's row took from it.
+    tokens = np.concatenate([b["tokens"] for b in batches], axis=1)
+    alone = iter(streams.batches(stream.sources()["notes"], "train", range(8), shuffle=True))
+    plain = np.concatenate([next(alone)["tokens"] for _ in range(40)], axis=1)
+    for row in range(8):
+        taken = tokens[row][source[row] == 1]
+        np.testing.assert_array_equal(taken, plain[row][: len(taken)])
+
+    state = it.get_state()
+    expected = [next(it) for _ in range(3)]
+    fresh = iter(streams.batches(stream, "train", range(8), shuffle=True))
+    fresh.set_state(json.loads(json.dumps(state)))
+    for e in expected:
+        got = next(fresh)
+        for key in e:
+            np.testing.assert_array_equal(e[key], got[key])
+
+
+def test_a_mixture_run_logs_its_shares_and_each_corpus_held_out_loss(mixture_config, tmp_path):
+    from trainer.training.loop import train
+
+    cfg = micro_config(data=dict(mixture_config.data), train=dict(steps=4, log_every=4, eval_every=4))
+    workdir = tmp_path / "run"
+    train(cfg, str(workdir))
+    records = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    logged = next(r for r in records if "loss" in r)
+    it = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(8), shuffle=True))
+    counts = np.zeros(2)
+    for _ in range(4):
+        b = next(it)
+        counts += np.bincount(b["source"][b["segment_ids"] > 0], minlength=2)
+    assert logged["mixture/python_stdlib"] == pytest.approx(counts[0] / counts.sum())
+    assert logged["mixture/notes"] == pytest.approx(counts[1] / counts.sum())
+    evaluated = next(r for r in records if "eval_loss" in r)
+    assert evaluated["eval_loss"] == pytest.approx(
+        0.75 * evaluated["eval_loss/python_stdlib"] + 0.25 * evaluated["eval_loss/notes"]
+    )
+    assert evaluated["eval_loss/notes"] != evaluated["eval_loss/python_stdlib"]

@@ -72,6 +72,14 @@ CASES = {
         lambda: micro_config(train=dict(sample_prompts=("x" * 60,), eval_every=5, sample_tokens=8)),
         "and train.sample_tokens=8 make 69 tokens, more than model.max_seq_len=64",
     ),
+    "mixture weights that sum to zero": (
+        lambda: micro_config(data=dict(source="text_files", mixture=("python_stdlib:0", "notes:0"))),
+        "the weights must sum to a positive number",
+    ),
+    "mixture corpus that is not prepared": (
+        lambda: micro_config(data=dict(source="tfds", data_dir="/nonexistent", mixture=("a:1", "b:1"))),
+        "dataset 'a' is not prepared under /nonexistent",
+    ),
     "dataset that is not prepared": (
         lambda: micro_config(data=dict(source="tfds", name="no_such_dataset", data_dir="/nonexistent")),
         "not prepared",

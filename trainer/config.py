@@ -77,6 +77,7 @@ def defaults() -> ml_collections.ConfigDict:
         tokenizer_path="",  # sentencepiece: a .model file (scripts/train_tokenizer.py); hf: a tokenizer.json or its dir
         seq_len=256,
         packing="concat",  # documents concatenated and split into seq_len windows
+        mixture=(),  # ("corpus:weight", ...): train on these prepared corpora of `source`, drawn by weight
     )
     c.optim = dict(
         name="adamw",  # one of OPTIMIZERS; muon uses AdamW for embeddings, norms and the head

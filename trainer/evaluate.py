@@ -67,25 +67,41 @@ def evaluate(setup: Setup, step_fn, params, local_batches, token_bytes: np.ndarr
 
 
 class Evaluator:
-    """The training loop's evaluation: the same `train.eval_batches` held-out batches every time."""
+    """The training loop's evaluation: the same `train.eval_batches` held-out batches every time.
+
+    With a mixture, each corpus is evaluated on its own (`eval_loss/<corpus>`,
+    `unigram_loss/<corpus>`), and `eval_loss` / `unigram_loss` are their means
+    weighted as the mixture draws them.
+    """
 
     def __init__(self, setup: Setup, rows: list[int]):
-        cfg = setup.cfg
-        stream = iter(streams.batches(streams.Stream.from_config(cfg), cfg.data.eval_split, rows, shuffle=False))
-        self._batches = list(itertools.islice(stream, cfg.train.eval_batches))
+        cfg, stream = setup.cfg, streams.Stream.from_config(setup.cfg)
+        self._sources = {}
+        for name, source in stream.sources().items():
+            batches = iter(streams.batches(source, cfg.data.eval_split, rows, shuffle=False))
+            batches = list(itertools.islice(batches, cfg.train.eval_batches))
+            self._sources[name] = (batches, self._unigram_loss(setup, batches))
+        total = sum(w for _, w in stream.mixture)
+        self._weights = {name: w / total for name, w in stream.mixture} or {"": 1.0}
         self._setup = setup
         self._step = eval_step(setup)
-        self.unigram_loss = self._unigram_loss()
 
     def __call__(self, params) -> dict[str, float]:
-        sums = evaluate(self._setup, self._step, params, self._batches)
-        return {"eval_loss": sums["total"] / max(sums["count"], 1.0), "eval_tokens": sums["count"],
-                "unigram_loss": self.unigram_loss}  # fmt: skip
+        out = {"eval_loss": 0.0, "eval_tokens": 0.0, "unigram_loss": 0.0}
+        for name, (batches, unigram) in self._sources.items():
+            sums = evaluate(self._setup, self._step, params, batches)
+            loss = sums["total"] / max(sums["count"], 1.0)
+            out["eval_loss"] += self._weights[name] * loss
+            out["unigram_loss"] += self._weights[name] * unigram
+            out["eval_tokens"] += sums["count"]
+            if name:
+                out[f"eval_loss/{name}"], out[f"unigram_loss/{name}"] = loss, unigram
+        return out
 
-    def _unigram_loss(self) -> float:
+    @staticmethod
+    def _unigram_loss(setup: Setup, batches) -> float:
         """Entropy (nats) of the eval batches' target tokens, over all processes' rows."""
-        vocab = self._setup.cfg.model.vocab_size
-        counts = sum(np.bincount(_targets(b), minlength=vocab) for b in self._batches)
+        counts = sum(np.bincount(_targets(b), minlength=setup.cfg.model.vocab_size) for b in batches)
         counts = _sum_over_processes(counts)
         p = counts[counts > 0] / counts.sum()
         return float(-(p * np.log(p)).sum())

@@ -30,6 +30,7 @@ from trainer.config import (
     flatten,
     microbatch_size,
 )
+from trainer.data.mixture import parse_mixture
 from trainer.errors import ConfigError
 from trainer.optim import mup, schedules
 from trainer.training import batch_ramp
@@ -145,6 +146,8 @@ def _check_lists(cfg) -> None:
             "--config.train.profile_steps=10,12."
         )
     _check_watching(cfg)
+    if parse_mixture(cfg.data.mixture) and cfg.data.source == "synthetic":
+        raise ConfigError("data.mixture draws from prepared corpora; use data.source=text_files or tfds.")
 
 
 def _check_watching(cfg: ml_collections.ConfigDict) -> None:

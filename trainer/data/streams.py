@@ -15,6 +15,14 @@ rows its devices hold. A batch-size ramp's smaller steps read every s-th row
 iterator's state (where every row's stream stands, keyed by row) goes into the
 checkpoint, so a run can resume under another number of processes, mesh or
 accumulation.
+
+A mixture (`data.mixture`: prepared corpora with weights) gives every row a
+stream of its own from each corpus (each shuffled from the seed) and draws the
+row's documents from them by weight with Grain's `MapDataset.mix`, a
+deterministic interleave: the same documents in the same order whatever the
+processes, and the same checkpointable row state. Each window then also
+carries which corpus each of its tokens came from (`source`), for the
+realised proportions the loop logs; it never reaches the device.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from grain.experimental import ConcatThenSplitIterDataset
 from jax.sharding import NamedSharding
 
 from trainer.data import text_files
+from trainer.data.mixture import parse_mixture
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 
@@ -57,6 +66,7 @@ class Stream:
     seed: int
     rows: int  # train.global_batch_size: one document stream per row
     vocab_size: int  # the synthetic source draws tokens below it
+    mixture: tuple[tuple[str, float], ...] = ()  # (corpus, weight); () = `name` alone
     data_dir: str = ""
 
     @classmethod
@@ -66,8 +76,14 @@ class Stream:
             source=d.source, name=d.name, paths=d.paths, text_key=d.text_key, tokenizer=d.tokenizer,
             tokenizer_path=d.tokenizer_path, seq_len=d.seq_len, packing=d.packing, train_split=d.train_split,
             seed=cfg.train.seed, rows=cfg.train.global_batch_size, vocab_size=cfg.model.vocab_size,
-            data_dir=d.data_dir,
+            mixture=parse_mixture(d.mixture), data_dir=d.data_dir,
         )  # fmt: skip
+
+    def sources(self) -> dict[str, Stream]:
+        """Each corpus the stream reads, as a stream of its own: {name: stream} ({"": self} without a mixture)."""
+        if not self.mixture:
+            return {"": self}
+        return {name: dataclasses.replace(self, name=name, mixture=()) for name, _ in self.mixture}
 
     def identity(self) -> dict:
         return {k: v for k, v in dataclasses.asdict(self).items() if k != "data_dir"}
@@ -90,8 +106,18 @@ def text_feature(data_cfg) -> str:
 
 
 def open_split(data_cfg, split: str):
-    """A random-access source of examples (dicts) for one split."""
-    name = f"text_files/{data_cfg.name}" if data_cfg.source == "text_files" else data_cfg.name
+    """A random-access source of examples (dicts) for one split of data.name."""
+    return _open_corpus(data_cfg, data_cfg.name, split)
+
+
+def check_prepared(data_cfg, split: str) -> None:
+    """Refuse, in one sentence, a corpus the run reads (data.name, or each of a mixture) that is not prepared."""
+    for corpus in [name for name, _ in parse_mixture(data_cfg.mixture)] or [data_cfg.name]:
+        _open_corpus(data_cfg, corpus, split)
+
+
+def _open_corpus(data_cfg, corpus: str, split: str):
+    name = f"text_files/{corpus}" if data_cfg.source == "text_files" else corpus
     try:
         return tfds.data_source(name, split=split, data_dir=data_dir(data_cfg), download=False)
     except tfds.core.registered.DatasetNotFoundError as e:
@@ -116,8 +142,9 @@ def check_vocab(cfg) -> None:
         )
 
 
-def _documents(stream: Stream, split: str, shuffle: bool, endless: bool = True) -> grain.MapDataset:
-    """A MapDataset of {"tokens": int32[n]} documents: endless, or the split once, in order."""
+def _documents(stream: Stream, split: str, shuffle: bool, endless: bool = True, tag: int | None = None):
+    """A MapDataset of {"tokens": int32[n]} documents of `stream.name`: endless, or the split once, in
+    order. With `tag`, each also has {"source": int32[n]} filled with it (its corpus in a mixture)."""
     seed = stream.seed
     if stream.source == "synthetic":
         # Uniform random tokens, one window per "document", fixed by seed and index.
@@ -127,14 +154,15 @@ def _documents(stream: Stream, split: str, shuffle: bool, endless: bool = True) 
 
         return grain.MapDataset.range(SYNTHETIC_DOCUMENTS).map(random_doc)
 
-    docs = grain.MapDataset.source(open_split(stream, split))
+    docs = grain.MapDataset.source(_open_corpus(stream, stream.name, split))
     if shuffle:
         docs = docs.shuffle(seed=seed)
     tokenizer, key = load_tokenizer(stream), text_feature(stream)
 
     def tokenize(example):
         ids = tokenizer.encode(example[key])
-        return {"tokens": np.concatenate([[tokenizer.bos_id], ids, [tokenizer.eos_id]]).astype(np.int32)}
+        tokens = np.concatenate([[tokenizer.bos_id], ids, [tokenizer.eos_id]]).astype(np.int32)
+        return {"tokens": tokens} if tag is None else {"tokens": tokens, "source": np.full_like(tokens, tag)}
 
     if endless:
         docs = docs.repeat()  # repeat() reshuffles each epoch
@@ -142,22 +170,35 @@ def _documents(stream: Stream, split: str, shuffle: bool, endless: bool = True) 
 
 
 def _stack(rows) -> dict[str, np.ndarray]:
-    return {
+    batch = {
         "tokens": np.stack([r["tokens"] for r in rows]),
         "segment_ids": np.stack([r["tokens_segment_ids"] for r in rows]).astype(np.int32),
         "positions": np.stack([r["tokens_positions"] for r in rows]).astype(np.int32),
     }
+    if "source" in rows[0]:
+        batch["source"] = np.stack([r["source"] for r in rows])
+    return batch
 
 
 def batches(stream: Stream, split: str, rows: Sequence[int], *, shuffle: bool) -> grain.IterDataset:
     """Endless batches holding the given rows of the global batch, as numpy arrays.
 
     `next()` reads every row given here; `read(rows)` only some (a batch-size ramp's smaller steps).
+    A mixture's batches also hold `source` (the corpus of each token: its index in data.mixture).
     """
-    docs = _documents(stream, split, shuffle)
     length = {"tokens": stream.seq_len}
+    if not stream.mixture:
+        docs = _documents(stream, split, shuffle)
+        row_docs = lambda r: docs[r :: stream.rows]
+    else:
+        length["source"] = stream.seq_len
+        drawn = [(i, weight) for i, (_, weight) in enumerate(stream.mixture) if weight > 0]
+        corpora = list(stream.sources().values())
+        docs = {i: _documents(corpora[i], split, shuffle, tag=i) for i, _ in drawn}
+        weights = [weight for _, weight in drawn]
+        row_docs = lambda r: grain.MapDataset.mix([docs[i][r :: stream.rows] for i, _ in drawn], weights)
     return _RowBatches(
-        {r: ConcatThenSplitIterDataset(docs[r :: stream.rows].to_iter_dataset(), length_struct=length) for r in rows}
+        {r: ConcatThenSplitIterDataset(row_docs(r).to_iter_dataset(), length_struct=length) for r in rows}
     )
 
 
@@ -246,9 +287,12 @@ def ramp_rows(local_rows: Sequence[int], size: int, global_batch: int) -> list[i
 
 
 def to_global(local: dict[str, np.ndarray], sharding: NamedSharding, global_batch: int) -> dict[str, jax.Array]:
-    """Assemble each process's rows into global arrays laid out by `sharding`."""
+    """Assemble each process's rows into global arrays laid out by `sharding` (a mixture's `source`, which
+    the model does not read, stays on the host)."""
     return {
-        k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:])) for k, v in local.items()
+        k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
+        for k, v in local.items()
+        if k != "source"
     }
 
 

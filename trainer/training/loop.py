@@ -56,9 +56,9 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
         if jax.process_index() == 0:
             streams.prepare(cfg.data)
         barrier("dataset prepared")
-        streams.open_split(cfg.data, cfg.data.train_split)
+        streams.check_prepared(cfg.data, cfg.data.train_split)
         if cfg.train.eval_every:
-            streams.open_split(cfg.data, cfg.data.eval_split)
+            streams.check_prepared(cfg.data, cfg.data.eval_split)
     init = None
     if wd.saved_steps(workdir):
         resume.check_resume(workdir, cfg, setup)
@@ -157,6 +157,7 @@ class Run:
         self.samples = samples.Samples(setup, load_tokenizer(cfg.data)) if t.sample_prompts else None
         self.compiled: dict = {}
         self.dispatched: list[tuple[int, int]] = []  # (step, tokens) of the steps not yet logged
+        self.mixture_tokens = np.zeros(len(self.stream.mixture), np.int64)
         self.mark_step, self.mark_time = self.step, time.perf_counter()
         self.last: dict = {}
 
@@ -217,6 +218,9 @@ class Run:
     def take_step(self):
         """Dispatch one step (no waiting on the device); returns its metrics, still on the device."""
         size, local = self.data.next()
+        if "source" in local:  # a mixture: count this process's trained tokens by corpus
+            counted = local["source"][local["segment_ids"] > 0]
+            self.mixture_tokens += np.bincount(counted, minlength=len(self.stream.mixture))
         batch = streams.to_global(local, self.setup.batch_sharding, size)
         self.profiler.before(self.step + 1)
         self.state, metrics = self._step_fn(size)(self.state, batch)
@@ -239,6 +243,7 @@ class Run:
             "tokens_per_sec": tokens_per_sec,
             "mfu": self.flops_per_token * tokens_per_sec / self.peak if self.peak else None,
             "step_time": elapsed / max(step - self.mark_step, 1),
+            **self._mixture_shares(),
         }
         self.last.update(logged)  # beside the latest evaluation's figures
         console = _console_line(step, values["sequences"] / self.batch, self.cfg.train.steps, logged)
@@ -253,6 +258,15 @@ class Run:
                 f"or fp16-overflowing gradients; {self.skipped_seen} in all): parameters unchanged by them",
             )  # fmt: skip
         return stability.trouble(self.cfg, int(values["bad_in_window"]), int(values["diverged_run"]))
+
+    def _mixture_shares(self) -> dict[str, float]:
+        """`mixture/<corpus>`: the share of the tokens trained on since this launch that came from each
+        corpus (this process's rows, up to the step just dispatched)."""
+        total = self.mixture_tokens.sum()
+        if not total:
+            return {}
+        return {f"mixture/{name}": float(n / total) for (name, _), n in zip(self.stream.mixture, self.mixture_tokens,
+                                                                             strict=True)}  # fmt: skip
 
     def roll_back(self, reason: str) -> None:
         from_step = self.step
