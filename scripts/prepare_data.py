@@ -1,17 +1,24 @@
-"""Prepare a text_files corpus ahead of training: python scripts/prepare_data.py --config configs/tiny.py
+"""Prepare a text_files corpus ahead of training: python scripts/prepare_data.py --config configs/tiny.py [--tokenize]
 
 Training prepares it on first use too; this script is for doing it once on a
 shared filesystem before a multi-host job starts, or to see the split sizes.
+--tokenize also writes its tokenised cache (the token ids, once) and trains
+with it: the same as --config.data.tokenized=true.
 """
+
+from absl import flags
 
 from trainer import cli
 from trainer.data import streams
 
 _CONFIG = cli.define_config_flag()
+_TOKENIZE = flags.DEFINE_bool("tokenize", False, "Also write the tokenised cache (data.tokenized=true).")
 
 
 def main():
     data = _CONFIG.value.data
+    if _TOKENIZE.value:
+        data.tokenized = True
     streams.prepare(data)
     sizes = {s: len(streams.open_split(data, s)) for s in (data.train_split, data.eval_split)}
     print(f"{data.name} under {streams.data_dir(data)}: " + ", ".join(f"{k} {v:,} documents" for k, v in sizes.items()))

@@ -288,3 +288,40 @@ def test_a_mixture_run_logs_its_shares_and_each_corpus_held_out_loss(mixture_con
         0.75 * evaluated["eval_loss/python_stdlib"] + 0.25 * evaluated["eval_loss/notes"]
     )
     assert evaluated["eval_loss/notes"] != evaluated["eval_loss/python_stdlib"]
+
+
+def test_a_tokenised_cache_gives_the_same_batches_with_no_tokenizer_and_refuses_another_one(tmp_path, monkeypatch):
+    corpus = tmp_path / "files"
+    corpus.mkdir()
+    for i in range(300):
+        (corpus / f"f{i:03d}.py").write_text(f"def f{i}(x):\n    return x * {i}  # ünïcode\n" * (1 + i % 5))
+    cfg = micro_config(data=dict(source="text_files", data_dir=str(tmp_path / "tfds"), name="files",
+                                 paths=str(corpus / "*.py")))  # fmt: skip
+    streams.prepare(cfg.data)
+
+    def first_batches(cfg, split, n=6):
+        it = iter(streams.batches(streams.Stream.from_config(cfg), split, range(8), shuffle=split == "train"))
+        return [next(it) for _ in range(n)]
+
+    on_the_fly = {split: first_batches(cfg, split) for split in ("train", "validation")}
+    before = streams.Stream.from_config(cfg).identity()
+    cfg.data.tokenized = True
+    streams.prepare(cfg.data)
+    assert os.path.isdir(tmp_path / "tfds" / "text_files" / "files-tokens" / "1.0.0")
+    assert streams.Stream.from_config(cfg).identity() == before  # a run may resume with or without the cache
+
+    def no_tokenizer(*_):
+        raise AssertionError("the cache was read through a tokenizer")
+
+    monkeypatch.setattr(streams, "load_tokenizer", no_tokenizer)
+    for split, expected in on_the_fly.items():
+        for e, got in zip(expected, first_batches(cfg, split), strict=True):
+            for key in e:
+                np.testing.assert_array_equal(e[key], got[key])
+    monkeypatch.undo()
+
+    model = str(tmp_path / "spm.model")
+    train_sentencepiece([p.read_text() for p in sorted(corpus.iterdir())[:100]], 300, model)
+    cfg.data.update(tokenizer="sentencepiece", tokenizer_path=model)
+    with pytest.raises(ConfigError, match="files-tokens/1.0.0 was made with tokenizer .*'byte'.* this config uses"):
+        streams.check_prepared(cfg.data, "train")

@@ -146,6 +146,8 @@ def _check_lists(cfg) -> None:
             "--config.train.profile_steps=10,12."
         )
     _check_watching(cfg)
+    if cfg.data.tokenized and cfg.data.source != "text_files":
+        raise ConfigError("data.tokenized reads a text_files corpus's tokenised cache; set data.source=text_files.")
     if parse_mixture(cfg.data.mixture) and cfg.data.source == "synthetic":
         raise ConfigError("data.mixture draws from prepared corpora; use data.source=text_files or tfds.")
 

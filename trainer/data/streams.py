@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding
 
 from trainer.data import text_files
 from trainer.data.mixture import parse_mixture
-from trainer.data.tokenizers import load_tokenizer
+from trainer.data.tokenizers import load_tokenizer, made_with
 from trainer.errors import ConfigError
 
 SYNTHETIC_DOCUMENTS = 2**62  # "infinite", yet a valid MapDataset length
@@ -67,6 +67,7 @@ class Stream:
     rows: int  # train.global_batch_size: one document stream per row
     vocab_size: int  # the synthetic source draws tokens below it
     mixture: tuple[tuple[str, float], ...] = ()  # (corpus, weight); () = `name` alone
+    tokenized: bool = False  # read the tokenised cache: the same ids, no tokenizer in the loop
     data_dir: str = ""
 
     @classmethod
@@ -76,7 +77,7 @@ class Stream:
             source=d.source, name=d.name, paths=d.paths, text_key=d.text_key, tokenizer=d.tokenizer,
             tokenizer_path=d.tokenizer_path, seq_len=d.seq_len, packing=d.packing, train_split=d.train_split,
             seed=cfg.train.seed, rows=cfg.train.global_batch_size, vocab_size=cfg.model.vocab_size,
-            mixture=parse_mixture(d.mixture), data_dir=d.data_dir,
+            mixture=parse_mixture(d.mixture), tokenized=d.tokenized, data_dir=d.data_dir,
         )  # fmt: skip
 
     def sources(self) -> dict[str, Stream]:
@@ -86,7 +87,8 @@ class Stream:
         return {name: dataclasses.replace(self, name=name, mixture=()) for name, _ in self.mixture}
 
     def identity(self) -> dict:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "data_dir"}
+        """What the batches depend on: not where the corpus lives, nor whether its cache is read."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("data_dir", "tokenized")}
 
 
 def data_dir(data_cfg) -> str:
@@ -94,9 +96,13 @@ def data_dir(data_cfg) -> str:
 
 
 def prepare(data_cfg) -> None:
-    """Build a text_files corpus if it is not on disk yet; other sources need nothing."""
+    """Build a text_files corpus if it is not on disk yet (and, with data.tokenized, its tokenised cache);
+    other sources need nothing."""
     if data_cfg.source == "text_files":
         text_files.prepare(data_cfg.name, data_cfg.paths, data_dir(data_cfg), data_cfg.text_key)
+        if data_cfg.tokenized:
+            text_files.prepare(data_cfg.name, data_cfg.paths, data_dir(data_cfg), data_cfg.text_key,
+                               load_tokenizer(data_cfg), made_with(data_cfg))  # fmt: skip
 
 
 def text_feature(data_cfg) -> str:
@@ -117,9 +123,11 @@ def check_prepared(data_cfg, split: str) -> None:
 
 
 def _open_corpus(data_cfg, corpus: str, split: str):
+    if data_cfg.tokenized:
+        corpus += text_files.TOKENS_SUFFIX
     name = f"text_files/{corpus}" if data_cfg.source == "text_files" else corpus
     try:
-        return tfds.data_source(name, split=split, data_dir=data_dir(data_cfg), download=False)
+        source = tfds.data_source(name, split=split, data_dir=data_dir(data_cfg), download=False)
     except tfds.core.registered.DatasetNotFoundError as e:
         hint = (
             "run scripts/prepare_data.py with this config"
@@ -129,6 +137,9 @@ def _open_corpus(data_cfg, corpus: str, split: str):
         raise ConfigError(f"dataset {name!r} is not prepared under {data_dir(data_cfg)}; {hint}.") from e
     except (KeyError, ValueError) as e:
         raise ConfigError(f"dataset {name!r} has no split {split!r} ({e}).") from e
+    if data_cfg.tokenized:
+        text_files.check_made_with(os.path.join(data_dir(data_cfg), name, "1.0.0"), made_with(data_cfg))
+    return source
 
 
 def check_vocab(cfg) -> None:
@@ -157,16 +168,21 @@ def _documents(stream: Stream, split: str, shuffle: bool, endless: bool = True, 
     docs = grain.MapDataset.source(_open_corpus(stream, stream.name, split))
     if shuffle:
         docs = docs.shuffle(seed=seed)
+    if endless:
+        docs = docs.repeat()  # repeat() reshuffles each epoch
+    if stream.tokenized:
+        return docs.map(lambda example: _tagged(np.asarray(example["tokens"], np.int32), tag))
     tokenizer, key = load_tokenizer(stream), text_feature(stream)
 
     def tokenize(example):
         ids = tokenizer.encode(example[key])
-        tokens = np.concatenate([[tokenizer.bos_id], ids, [tokenizer.eos_id]]).astype(np.int32)
-        return {"tokens": tokens} if tag is None else {"tokens": tokens, "source": np.full_like(tokens, tag)}
+        return _tagged(np.concatenate([[tokenizer.bos_id], ids, [tokenizer.eos_id]]).astype(np.int32), tag)
 
-    if endless:
-        docs = docs.repeat()  # repeat() reshuffles each epoch
     return docs.map(tokenize)
+
+
+def _tagged(tokens: np.ndarray, tag: int | None) -> dict[str, np.ndarray]:
+    return {"tokens": tokens} if tag is None else {"tokens": tokens, "source": np.full_like(tokens, tag)}
 
 
 def _stack(rows) -> dict[str, np.ndarray]:

@@ -212,3 +212,18 @@ def load_tokenizer(data_cfg) -> Tokenizer:
 def identity(data_cfg) -> tuple[str, str]:
     """What decides which ids a text becomes: the settings load_tokenizer reads."""
     return data_cfg.tokenizer, data_cfg.tokenizer_path if data_cfg.tokenizer != "byte" else ""
+
+
+def made_with(data_cfg) -> dict:
+    """What a tokenised cache records of its tokenizer: the settings, and the file's digest (a file
+    retrained under the same path makes other ids)."""
+    import hashlib
+
+    kind, path = identity(data_cfg)
+    digest = ""
+    if path:
+        path = os.path.expanduser(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        with open(file, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    return {"tokenizer": kind, "tokenizer_path": path, "sha256": digest}
