@@ -1,6 +1,15 @@
 """The input pipeline's speed against what training consumes, and the host's time per step.
 
     python benchmarks/input_pipeline.py --config configs/tiny.py [--batches 50] [--steps 10] [--append]
+    python benchmarks/input_pipeline.py --config configs/llm_1b.py --per_core [--config.data.tokenizer=hf ...]
+
+`--per_core`: only the data paths, each in one thread (one core): tokenising on
+the fly (`tokenize_tokens_per_s_per_core`) and reading the tokenised cache
+(`cache_tokens_per_s_per_core`, the cache made first if missing), against what
+llm_1b consumes on an 8 x H100 host at 50% MFU (`needed_tokens_per_s`: 8 x
+989 TFLOP/s x 0.5 / llm_1b's FLOPs per token), and how many cores of
+tokenising (`tokenize_workers_needed`) or of cache reading
+(`cache_workers_needed`) that host would give its input pipeline.
 
 `pipeline_tokens_per_s`: global batches read, packed and stacked on the host
 alone (the prepared TFDS corpus, shuffled, as training reads it).
@@ -29,6 +38,50 @@ _CONFIG = cli.define_config_flag()
 _BATCHES = flags.DEFINE_integer("batches", 50, "Batches read for the pipeline-only rate.")
 _STEPS = flags.DEFINE_integer("steps", 10, "Training steps timed (after one to compile).")
 _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
+_PER_CORE = flags.DEFINE_bool("per_core", False, "Measure the data paths alone, per core, against llm_1b on 8 H100s.")
+
+
+def pipeline_rate(cfg, batches: int) -> float:
+    """Tokens per second of global batches read, packed and stacked, in this thread (one core)."""
+    from trainer.data import streams
+
+    rows = cfg.train.global_batch_size
+    data = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(rows), shuffle=True))
+    next(data)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(data)
+    return batches * rows * cfg.data.seq_len / (time.perf_counter() - start)
+
+
+def per_core(cfg, batches: int) -> dict:
+    import math
+
+    import jax
+
+    from trainer.chips import CHIPS
+    from trainer.data import streams
+    from trainer.flops import flops_per_token
+    from trainer.training.setup import build
+
+    streams.prepare(cfg.data)
+    setup = build(cfg, jax.devices()[:1])
+    per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len)
+    needed = 8 * CHIPS["h100"].peak_flops * 0.5 / per_token
+    tokenize = pipeline_rate(cfg, batches)
+    cached = cfg.copy_and_resolve_references()
+    cached.data.tokenized = True
+    streams.prepare(cached.data)
+    cache = pipeline_rate(cached, batches)
+    return {
+        "config": os.path.basename(cli.config_path()),
+        "tokenizer": cfg.data.tokenizer,
+        "tokenize_tokens_per_s_per_core": tokenize,
+        "cache_tokens_per_s_per_core": cache,
+        "needed_tokens_per_s": needed,
+        "tokenize_workers_needed": math.ceil(needed / tokenize),
+        "cache_workers_needed": math.ceil(needed / cache),
+    }
 
 
 def loop_step_seconds(cfg, steps: int) -> float:
@@ -57,6 +110,9 @@ def main():
     from trainer.training.setup import build
 
     cfg = _CONFIG.value
+    if _PER_CORE.value:
+        report("input_pipeline_per_core", per_core(cfg, _BATCHES.value), append=_APPEND.value)
+        return
     streams.prepare(cfg.data)
     setup = build(cfg)
     batch_size = cfg.train.global_batch_size
