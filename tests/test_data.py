@@ -325,3 +325,27 @@ def test_a_tokenised_cache_gives_the_same_batches_with_no_tokenizer_and_refuses_
     cfg.data.update(tokenizer="sentencepiece", tokenizer_path=model)
     with pytest.raises(ConfigError, match="files-tokens/1.0.0 was made with tokenizer .*'byte'.* this config uses"):
         streams.check_prepared(cfg.data, "train")
+
+
+def test_worker_processes_read_the_same_rows_and_state_as_the_training_process(corpus_dir):
+    """data.workers: rows read by two spawned processes, whole steps and a ramp's subset of rows, give
+    the in-process iterator's windows and states; a state taken from them restores either kind."""
+    cfg = _cfg(corpus_dir)
+    stream = streams.Stream.from_config(cfg)
+    rows = list(range(cfg.train.global_batch_size))
+    local = iter(streams.batches(stream, "train", rows, shuffle=True))
+    as_json = lambda state: json.loads(json.dumps(state))
+    workers = streams.ProcessRows(stream, "train", rows, local.get_state(), shuffle=True, workers=2)
+    try:
+        for asked in (rows, rows, [0, 2], rows, rows):
+            expected, got = local.read(asked), workers.read(asked)
+            for key in expected:
+                np.testing.assert_array_equal(expected[key], got[key])
+            assert as_json(workers.get_state()) == as_json(local.get_state())
+    finally:
+        workers.close()
+    fresh = iter(streams.batches(stream, "train", rows, shuffle=True))
+    fresh.set_state(json.loads(json.dumps(workers.get_state())))
+    expected = local.read(rows)
+    for key in expected:
+        np.testing.assert_array_equal(expected[key], fresh.read(rows)[key])

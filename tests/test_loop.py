@@ -75,8 +75,9 @@ def test_a_run_leaves_config_metrics_tensorboard_and_checkpoints(tmp_path, corpu
 
 
 def test_stopping_and_rerunning_continues_the_same_run_bit_for_bit(tmp_path, corpus_dir):
-    """8 steps in one go == 4 steps, stop, the same command to 8: same data, same losses, same weights,
-    exactly; in fp16, so that the dynamic loss scale (growing every 2 good steps) is restored too."""
+    """8 steps in one go == 4 steps, stop, the same command to 8 (reading its data in worker processes):
+    same data, same losses, same weights, exactly; in fp16, so that the dynamic loss scale (growing every
+    2 good steps) is restored too."""
     # A constant schedule, so that train.steps=4 and =8 schedule the same rates.
     sections = dict(
         optim=dict(schedule="constant", warmup_steps=2),
@@ -87,7 +88,8 @@ def test_stopping_and_rerunning_continues_the_same_run_bit_for_bit(tmp_path, cor
     train(text_config(corpus_dir, train=dict(steps=8, log_every=1), **sections), straight)
     resumed = str(tmp_path / "resumed")
     train(text_config(corpus_dir, train=dict(steps=4, log_every=1), **sections), resumed)
-    result = train(text_config(corpus_dir, train=dict(steps=8, log_every=1), **sections), resumed)
+    # The second half reads its rows in two worker processes (data.workers), from the checkpoint's state.
+    result = train(text_config(corpus_dir, train=dict(steps=8, log_every=1), data=dict(workers=2), **sections), resumed)
     assert result["step"] == 8
 
     a, b = records(straight), records(resumed)

@@ -79,6 +79,7 @@ def defaults() -> ml_collections.ConfigDict:
         packing="concat",  # documents concatenated and split into seq_len windows
         mixture=(),  # ("corpus:weight", ...): train on these prepared corpora of `source`, drawn by weight
         tokenized=False,  # text_files: read the corpus's tokenised cache (made once), no tokenizer in the loop
+        workers=0,  # processes that read and tokenise the batch rows; 0 = a thread of the training process
     )
     c.optim = dict(
         name="adamw",  # one of OPTIMIZERS; muon uses AdamW for embeddings, norms and the head

@@ -146,6 +146,8 @@ def _check_lists(cfg) -> None:
             "--config.train.profile_steps=10,12."
         )
     _check_watching(cfg)
+    if cfg.data.workers < 0:
+        raise ConfigError(f"data.workers={cfg.data.workers} must be 0 (a thread) or a number of processes.")
     if cfg.data.tokenized and cfg.data.source != "text_files":
         raise ConfigError("data.tokenized reads a text_files corpus's tokenised cache; set data.source=text_files.")
     if parse_mixture(cfg.data.mixture) and cfg.data.source == "synthetic":

@@ -251,6 +251,67 @@ class _RowBatchesIterator(grain.DatasetIterator):
             stream.set_state(_slices_as_tuples(saved[str(r)]))
 
 
+class ProcessRows:
+    """A `batches()` iterator whose rows are read by `workers` processes, each owning every k-th of
+    this process's rows: reading, tokenising and packing run on other cores, outside the training
+    process's interpreter lock. The same windows (each row is its own stream) and the same state,
+    keyed by row, as the in-process iterator, so checkpoints do not depend on `data.workers`."""
+
+    def __init__(self, stream: Stream, split: str, rows: Sequence[int], state: dict, *, shuffle: bool, workers: int):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")  # forking a process that runs JAX is unsafe
+        workers = min(workers, len(rows))
+        self._owner = {r: i % workers for i, r in enumerate(rows)}
+        self._state = state
+        self._pipes, self._processes = [], []
+        for w in range(workers):
+            mine = [r for r in rows if self._owner[r] == w]
+            parent, child = context.Pipe()
+            rows_state = {"rows": {str(r): state["rows"][str(r)] for r in mine}}
+            process = context.Process(target=_serve_rows, args=(child, stream, split, mine, rows_state, shuffle),
+                                      daemon=True)  # fmt: skip
+            process.start()
+            self._pipes.append(parent)
+            self._processes.append(process)
+
+    def read(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
+        asked = [[r for r in rows if self._owner[r] == w] for w in range(len(self._pipes))]
+        for pipe, mine in zip(self._pipes, asked, strict=True):
+            pipe.send(mine)
+        windows, states = {}, dict(self._state["rows"])
+        for pipe, mine in zip(self._pipes, asked, strict=True):
+            kind, reply = pipe.recv()
+            if kind == "error":
+                raise RuntimeError(f"a data worker failed: {reply}")
+            batch, state = reply
+            windows.update({r: {k: v[i] for k, v in batch.items()} for i, r in enumerate(mine)})
+            states.update(state["rows"])
+        self._state = {"rows": states}
+        return {k: np.stack([windows[r][k] for r in rows]) for k in windows[rows[0]]}
+
+    def get_state(self) -> dict:
+        return self._state
+
+    def close(self) -> None:
+        for pipe in self._pipes:
+            pipe.send(None)
+        for process in self._processes:
+            process.join(timeout=10)
+
+
+def _serve_rows(pipe, stream: Stream, split: str, rows: list[int], state: dict, shuffle: bool) -> None:
+    """A data worker: reads the windows of the rows it is asked for, replying with them and its state."""
+    iterator = iter(batches(stream, split, rows, shuffle=shuffle))
+    iterator.set_state(state)
+    while (asked := pipe.recv()) is not None:
+        try:
+            batch = iterator.read(asked) if asked else {}
+            pipe.send(("ok", (batch, iterator.get_state())))
+        except Exception as e:  # handed to the training process, which raises it
+            pipe.send(("error", repr(e)))
+
+
 def _slices_as_tuples(state):
     """Grain 0.2.18's ConcatThenSplit tests `slice != (-1, -1)` to see if a document is
     half-read; a checkpoint's JSON turns the tuple into a list, the test then always
@@ -323,6 +384,7 @@ class Prefetch:
     """
 
     def __init__(self, iterator, plan: Callable[[int], tuple[int, list[int]]], read: int, depth: int = 3):
+        self._iterator = iterator
         self._state = iterator.get_state()
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
@@ -358,3 +420,5 @@ class Prefetch:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        if isinstance(self._iterator, ProcessRows):
+            self._iterator.close()

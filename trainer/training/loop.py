@@ -147,6 +147,9 @@ class Run:
         if self.primary:  # once the checkpoint is accepted: a refusal leaves the workdir as it was
             wd.write_config(workdir, cfg)
         self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
+        if cfg.data.workers:  # the rows' reading and tokenising in processes of their own, from this state
+            data = streams.ProcessRows(self.stream, cfg.data.train_split, self.rows, data.get_state(), shuffle=True,
+                                       workers=cfg.data.workers)  # fmt: skip
         self.data = streams.Prefetch(data, self._plan, self.data_read)
         self.files = wd.GrowingFiles(workdir) if self.primary else None
         self.writer = MetricsWriter(self.files, resume_step=self.step, cfg=cfg, workdir=workdir)
