@@ -64,10 +64,6 @@ CASES = {
         lambda: micro_config(train=dict(trackers=("tensorboard", "mlflow"))),
         "train.trackers='mlflow' is not one of tensorboard, wandb",
     ),
-    "samples with no evaluation": (
-        lambda: micro_config(train=dict(sample_prompts=("def",))),
-        "completed at each evaluation; set train.eval_every > 0",
-    ),
     "sample prompt longer than the context": (
         lambda: micro_config(train=dict(sample_prompts=("x" * 60,), eval_every=5, sample_tokens=8)),
         "and train.sample_tokens=8 make 69 tokens, more than model.max_seq_len=64",

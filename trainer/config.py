@@ -121,7 +121,7 @@ def defaults() -> ml_collections.ConfigDict:
         profile_steps=(),  # (first, last): a jax.profiler trace of those steps in <workdir>/profile
         trackers=("tensorboard",),  # of TRACKERS, besides metrics.jsonl (always written)
         wandb_project="trainer",  # the W&B project a `wandb` tracker logs to (entity, mode: WANDB_* variables)
-        sample_prompts=(),  # at each evaluation, complete these (greedy and sampled) and log the text
+        sample_prompts=(),  # at each evaluation (none without one), complete these greedily and sampled
         sample_tokens=64,  # tokens generated per sample
     )
     # Bad steps (non-finite, or a gradient-norm spike) are skipped; too many in a

@@ -164,8 +164,6 @@ def _check_watching(cfg: ml_collections.ConfigDict) -> None:
 
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError('train.trackers has wandb, which is not installed: pip install -e ".[wandb]".')
-    if t.sample_prompts and not t.eval_every:
-        raise ConfigError("train.sample_prompts are completed at each evaluation; set train.eval_every > 0.")
     if t.sample_tokens < 1:
         raise ConfigError(f"train.sample_tokens={t.sample_tokens} must be at least 1.")
 

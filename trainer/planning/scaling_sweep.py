@@ -43,7 +43,7 @@ POINT_COLUMNS = ("budget", "n_params", "tokens", "flops", "loss", "d_model", "n_
 # The keys a point sets over the base config (make_point): what its train.py command line must carry.
 POINT_KEYS = ("model.d_model", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.d_ff", "train.steps",
               "optim.warmup_steps", "optim.decay_steps", "train.eval_every",
-              "checkpoint.every_steps", "checkpoint.keep", "train.log_every")  # fmt: skip
+              "checkpoint.every_steps", "checkpoint.keep", "train.log_every", "train.sample_prompts")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +146,7 @@ def make_point(base, budget: float, rung: Rung, workdir: str) -> Point:
         "checkpoint.every_steps": max(1, steps // 4),
         "checkpoint.keep": 1,
         "train.log_every": max(1, steps // 20),
+        "train.sample_prompts": (),  # a point is judged by its loss; the ladder's contexts may be short
     })  # fmt: skip
     return Point(budget, rung, steps, steps * tokens_per_step, workdir, cfg)
 
