@@ -24,10 +24,11 @@ _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 
 
 def _result_bytes(inst: hlo.Instruction, kind: str) -> int:
-    """The result's bytes. An async all-gather or permute (`*-start`, as accelerators emit them)
-    returns (operand, result, ...): only the second is what arrives."""
-    if inst.opcode == f"{kind}-start" and kind in ("all-gather", "collective-permute") and inst.shape.startswith("("):
-        return hlo.array_bytes(hlo.array_texts(inst.shape)[1])
+    """The result's bytes. An async all-gather, reduce-scatter or permute (`*-start`, as accelerators
+    emit them) returns (operand, result, ...): only the second element is what arrives. XLA:GPU combines
+    several into one, ((operands...), (results...)): the second element is then every result."""
+    if inst.opcode == f"{kind}-start" and kind != "all-reduce" and inst.shape.startswith("("):
+        return hlo.array_bytes(hlo.tuple_elements(inst.shape)[1])
     return hlo.array_bytes(inst.shape)
 
 

@@ -69,6 +69,25 @@ def array_texts(shape_text: str) -> list[str]:
     return [f"{dtype}[{dims}]" for dtype, dims in _ARRAY.findall(shape_text)]
 
 
+def tuple_elements(shape_text: str) -> list[str]:
+    """The top-level elements of a tuple shape text ("(a, (b, c))" -> ["a", "(b, c)"]); an array is its own one."""
+    text = re.sub(r"/\*.*?\*/", "", shape_text).strip()
+    if not text.startswith("("):
+        return [text]
+    elements, depth, start = [], 0, 1
+    for i, char in enumerate(text):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        if (char == "," and depth == 1) or depth == 0:
+            elements.append(text[start:i].strip())
+            start = i + 1
+        if depth == 0:
+            break
+    return [e for e in elements if e]
+
+
 def dims_of(shape_text: str) -> list[int]:
     """The dimensions of the first array in a shape text."""
     match = _ARRAY.search(shape_text)

@@ -83,11 +83,12 @@ def test_the_70b_textbook_figures_and_their_fsdp_split():
 
 @pytest.mark.parametrize("remat", ["none", "full", "save_dots_no_batch"])
 def test_memory_arithmetic_tracks_the_compiled_figure(remat):
-    """The analytic total per device is within 30% of XLA's CPU figure for each remat policy.
+    """The analytic total per device is within 35% of XLA's CPU figure for each remat policy.
 
-    Measured for this fp32 model: 0.74 (no remat: XLA keeps more of the fp32
-    softmax than counted) to 0.97. In bf16 XLA's CPU compiler widens some
-    activations to fp32, which an accelerator does not, so fp32 is the fair test.
+    The arithmetic follows XLA:TPU (tests/test_memory_calibration.py); XLA:CPU
+    keeps more: measured for this fp32 model 0.65 (no remat: a third fp32 score
+    array, which XLA:TPU does not keep) to 0.97. In bf16 XLA's CPU compiler widens
+    some activations to fp32, which an accelerator does not, so fp32 is the fair test.
     """
     cfg = micro_config(
         model=dict(d_model=128, n_heads=4, n_kv_heads=2, d_ff=384, remat=remat, max_seq_len=256),
@@ -95,7 +96,7 @@ def test_memory_arithmetic_tracks_the_compiled_figure(remat):
     )  # fmt: skip
     result = plan(cfg, devices=jax.devices()[:4])
     ratio = result["bytes_per_device"]["total"] / result["compiled_bytes_per_device"]
-    assert 0.7 < ratio < 1.3, ratio
+    assert 0.6 < ratio < 1.35, ratio
 
 
 def test_time_to_train_and_the_budget_follow_their_formulas():

@@ -19,7 +19,7 @@ from trainer.training.setup import build
 from trainer.training.step import abstract_batch
 
 needs_libtpu = pytest.mark.skipif(not installed("libtpu"), reason='pip install -e ".[tpu]"')
-# Not in CI (the plugin is 1.1 GB and CI's time is spent): run where the gpu extra is installed.
+# CI installs the gpu extra (JAX's CUDA plugin, 1.1 GB); elsewhere these skip with the command that installs it.
 needs_cuda_plugin = pytest.mark.skipif(not installed("jax_plugins.xla_cuda12"), reason='pip install -e ".[gpu]"')
 
 
@@ -138,9 +138,11 @@ def test_fit_finds_a_variant_that_fits_a_v5e_chip_and_prints_its_command():
                          cwd=REPO, capture_output=True, text=True, timeout=900)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert not result["fits"] and result["bytes_per_device"]["total"] > result["hbm_bytes_per_device"]
+    assert not result["fits"]
     search, best = result["fit"], result["fit"]["best"]
-    assert best is not None and best["fits"] and search["considered"] > search["pass_arithmetic"] > 0
+    # Every variant passes the arithmetic here (tiny's 32-wide heads are padded to 128 lanes on a TPU, which
+    # the arithmetic does not count): the compiles decide.
+    assert best is not None and best["fits"] and search["considered"] >= search["pass_arithmetic"] > 0
     assert "precision.moments_dtype" not in best["changes"]  # fp32 moments fit: no precision given up
 
     command = search["command"].split()
@@ -168,3 +170,7 @@ def test_h100_hosts_compile_without_a_gpu():
     assert result["device_kind"].startswith("NVIDIA H100") and result["fits"]
     assert result["hbm_bytes_per_device"] == 80 * 10**9
     assert result["cost"]["flops"] == pytest.approx(result["flops_per_step"] / result["devices"], rel=0.02)
+    # XLA:GPU combines a layer's gathers (and scatters) into one async collective of many arrays.
+    measured, textbook = result["collectives"]["measured"], result["collectives"]["textbook"]
+    for kind in ("all-gather", "reduce-scatter"):
+        assert measured[kind]["sent"] == pytest.approx(textbook[kind], rel=0.1), kind

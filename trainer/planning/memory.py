@@ -2,7 +2,10 @@
 
 Weights, gradients and optimiser state come from the state's shardings (every
 array's shard shape on one device), so FSDP, tensor and stage sharding are
-exact. The split follows the mixed-precision textbook (ZeRO's accounting):
+exact. The split follows the mixed-precision textbook (ZeRO's accounting),
+with the working buffers XLA:TPU was seen to hold at its peak
+(benchmarks/memory_calibration.py compiles the grid the README's memory table
+shows, and tests/test_memory_calibration.py holds this file to it):
 
 - `params`: the weights as the matmuls read them, in the compute dtype
   (bf16: 2 bytes per parameter). Our step casts them a layer at a time, so
@@ -10,9 +13,12 @@ exact. The split follows the mixed-precision textbook (ZeRO's accounting):
 - `master_weights`: the fp32 copy the optimiser updates, when compute is not fp32.
 - `grads`: fp32 gradients, twice over with gradient accumulation (the running sum).
 - `optimizer`: the optimiser's state as stored (AdamW fp32: 8 bytes per parameter).
+- `update`: the optimiser's fp32 update, made whole before it is applied.
+- `gathered`: what FSDP all-gathers beyond the device's own shard (gathered_bytes).
 - `activations`: what the backward pass keeps for one microbatch under the remat
-  policy, plus one layer recomputed and the fp32 logits; elements per token
-  and layer are counted from the model's shapes below.
+  policy, the fp32 logits, and under remat the larger of the logits and the
+  layer being recomputed; elements per token and layer are counted from the
+  model's shapes below.
 """
 
 from __future__ import annotations
@@ -37,33 +43,37 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
 
     Head and MLP-width tensors are split over `tensor`; the residual-width ones
     are not. Where attention materialises its scores (on `platform`, see
-    materialises_scores) three fp32 arrays of heads x seq per token are kept (the
-    scores, the masked scores and the softmax: what XLA's compiler was seen to
-    keep), counted in compute-dtype elements of `act_bytes`; fused kernels keep
-    only their output and statistics.
+    materialises_scores), an fp32 array of heads x seq per token, counted in
+    compute-dtype elements of `act_bytes`: XLA:TPU keeps two of them per layer
+    without remat (the scores and the softmax; small, remat none: 26.4 GiB
+    compiled on v5p-8 against 26.5 counted so, 37.3 with three), and one for the
+    layer being recomputed. Fused kernels keep only their output and statistics.
     """
     a = spec.arch
     d, f = a.d_model, a.d_ff / tensor
     q, kv = a.n_heads * a.head_dim / tensor, a.n_kv_heads * a.head_dim / tensor
-    scores = 3 * (4 / act_bytes) * a.n_heads * seq_len / tensor if materialises_scores(spec, platform) else 0
+    scores = (4 / act_bytes) * a.n_heads * seq_len / tensor if materialises_scores(spec, platform) else 0
     projections = q + 2 * kv + d + 2 * f + d  # q, k, v; attention out projection; gate, up; down
-    everything = (
+    elementwise = (
         4 * d  # layer input, two norm outputs, the residual after attention
         + projections
         + q + kv  # rotated queries and keys
-        + scores
         + q  # attention output before its projection
         + 2 * f  # silu(gate) and the gated product
     )  # fmt: skip
+    # Under mixed precision XLA:TPU also keeps the MLP's gate and up in fp32 for the elementwise silu
+    # (llm_1b, remat none, splash: 85.6k elements per token and layer compiled, 52.7k counted above,
+    # 4 f in bf16 elements), and the PV matmul reads the softmax in bf16 beside the fp32 one.
+    mixed = act_bytes < 4
+    whole = elementwise + (4 * f if mixed else 0)
     return {
-        "none": everything,
+        "none": whole + (1.5 if mixed else 2) * scores,
         "full": d,
         "save_dots_no_batch": d + projections,
-        "save_dots": d + projections + scores / 3 + q,  # + the fp32 scores and the attention output
-        # The layer being recomputed under remat: its backward follows at once, and XLA:TPU holds one
-        # fp32 score array of it at a time (llm_1b, dot_product, full remat on v5e-4 / v5p-8: with three
-        # the arithmetic read 24.3 GiB against XLA's 16.7 / 17.2; with one, 16.3).
-        "recomputed": everything - scores * 2 / 3,
+        "save_dots": d + projections + scores + q,  # + the fp32 scores and the attention output
+        # The layer being recomputed under remat, with its backward's MLP-width gradients (of the
+        # hidden, gate, up and silu): its backward follows at once.
+        "recomputed": whole + scores + 4 * f,
     }
 
 
@@ -82,17 +92,39 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str) -> in
     act = jnp.dtype(cfg.precision.compute_dtype).itemsize
     per_layer = layer_activation_elements(spec, cfg.data.seq_len, tensor, act, platform)
     layers_here = spec.arch.n_layers // mesh_shape["stage"]
-    kept = layers_here * per_layer[spec.execution.remat]
-    if spec.execution.remat != "none":
-        kept += per_layer["recomputed"]
+    kept = tokens * layers_here * per_layer[spec.execution.remat] * act
     if mesh_shape["stage"] > 1:
         # GPipe holds every microbatch's activations until its backward starts.
         m = t.pipeline_microbatches
         kept *= (m + mesh_shape["stage"] - 1) / m
-    # fp32 logits and their gradient: for every position, or one loss chunk's at a time.
+    # fp32 logits, for every position or one loss chunk's at a time. XLA:TPU computes their gradient
+    # (softmax minus the one-hot target) in the same buffer; XLA:CPU keeps both (a loss chunk saved
+    # 30.3 MB there, 29.4 predicted with two copies).
     chunk = spec.execution.loss_chunk
-    logit_positions = rows * chunk if chunk else tokens
-    return int(tokens * kept * act + logit_positions * 2 * 4 * spec.arch.vocab_size / tensor)
+    copies = 1 if platform == "tpu" else 2
+    logits = copies * (rows * chunk if chunk else tokens) * 4 * spec.arch.vocab_size / tensor
+    if spec.execution.remat == "none":
+        return int(kept + logits)
+    # Under remat the loss is done with before the last layer is recomputed: XLA:TPU's peak holds the
+    # larger of the two (small, full remat: logits 2 GiB, a recomputed layer 1.5; compiled 3.2-3.9 GiB
+    # on four of six meshes and chips, 4.6 counting both). v5e's scheduler was seen to hold both on
+    # fsdp=4 (small 4.9, llm_1b 13.7 GiB): the README's memory table shows it.
+    return int(kept + max(logits, tokens * per_layer["recomputed"] * act))
+
+
+def gathered_bytes(spec, mesh_shape: dict[str, int], act_bytes: int) -> int:
+    """What FSDP gathers whole beyond a device's own shard: the embedding and output head in the
+    compute dtype with the head's fp32 gradient before it is reduce-scattered, and two layers' weights
+    (the one computing and the next, prefetched). XLA:TPU's buffers for llm_1b at fsdp=4 hold exactly
+    these (bf16[32768,2048] twice, f32[2048,32768], bf16 layer matrices)."""
+    fsdp = mesh_shape["fsdp"]
+    if fsdp == 1:
+        return 0
+    a, tensor = spec.arch, mesh_shape["tensor"]
+    head = a.vocab_size * a.d_model / tensor
+    heads = 1 if a.tie_embeddings else 2
+    layer = (2 * a.n_heads * a.head_dim + 2 * a.n_kv_heads * a.head_dim + 3 * a.d_ff) * a.d_model / tensor
+    return int((heads * head * act_bytes + head * 4 + 2 * layer * act_bytes) * (1 - 1 / fsdp))
 
 
 def state_bytes(setup) -> dict[str, int]:
@@ -112,6 +144,8 @@ def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None)
         "master_weights": fp32 if compute != 4 else 0,
         "grads": fp32 * (2 if cfg.train.grad_accum_steps > 1 else 1),
         "optimizer": state["optimizer"],
+        "update": fp32,
+        "gathered": gathered_bytes(spec, dict(setup.mesh.shape), compute),
         "activations": activation_bytes(cfg, spec, dict(setup.mesh.shape), setup.mesh.devices.flat[0].platform),
     }
     out["total"] = sum(out.values())
