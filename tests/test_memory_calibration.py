@@ -22,22 +22,19 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 RECORD = os.path.join(REPO, "benchmarks", "report", "memory_calibration.jsonl")
 # The cells where the arithmetic is more than 10% off XLA:TPU, and why (the README's memory table).
 OFF_BY_MORE = {
-    # tiny in fp32 with 32-wide heads: TPU pads the minor dimension to 128 lanes; v5e-4 is left out
-    # entirely (it keeps ~110 MiB on chip, most of tiny's step).
-    ("tiny", "v5p-8", "save_dots", "fsdp=4"): "+11%",
-    ("tiny", "v5p-8", "save_dots", "data=2 x fsdp=2"): "+11%",
-    ("tiny", "v5p-8", "save_dots", "fsdp=2 x tensor=2"): "+35%",
-    ("tiny", "v5p-8", "full", "fsdp=4"): "+35%",
-    ("tiny", "v5p-8", "full", "data=2 x fsdp=2"): "+32%",
-    ("tiny", "v5p-8", "full", "fsdp=2 x tensor=2"): "+69%",
-    # v5e's scheduler holds the logits and the recomputed layer together at fsdp=4 (counted: the larger).
-    ("small", "v5e-4", "full", "fsdp=4"): "-37%",
+    # tiny in fp32 with 32-wide heads (TPU pads minor dimensions to 128 lanes); v5e-4 is left out
+    # entirely: it keeps ~110 MiB on chip, most of tiny's step.
+    ("tiny", "v5p-8", "save_dots", "fsdp=2 x tensor=2"): "+25%",
+    ("tiny", "v5p-8", "full", "fsdp=4"): "+11%",
+    ("tiny", "v5p-8", "full", "data=2 x fsdp=2"): "+13%",
+    ("tiny", "v5p-8", "full", "fsdp=2 x tensor=2"): "+42%",
+    # v5e's scheduler held the logits and the recomputed layer together at fsdp=4 (counted: the larger).
+    ("small", "v5e-4", "full", "fsdp=4"): "-35%",
     ("llm_1b", "v5e-4", "full", "fsdp=4"): "-14%",
-    # small with tensor=2 keeps more than counted; not traced.
-    ("small", "v5e-4", "full", "fsdp=2 x tensor=2"): "-13%",
-    ("small", "v5p-8", "full", "fsdp=2 x tensor=2"): "-17%",
-    ("small", "v5p-8", "save_dots", "fsdp=2 x tensor=2"): "-16%",
-    ("small", "v5p-8", "none", "fsdp=2 x tensor=2"): "-12%",
+    # small with tensor=2 on v5p keeps more than counted (v5e: within 7%); not traced.
+    ("small", "v5p-8", "full", "fsdp=2 x tensor=2"): "-11%",
+    ("small", "v5p-8", "save_dots", "fsdp=2 x tensor=2"): "-15%",
+    ("small", "v5p-8", "none", "fsdp=2 x tensor=2"): "-11%",
     ("llm_1b", "v5e-4", "save_dots", "fsdp=2 x tensor=2"): "+12%",
 }
 
@@ -60,7 +57,7 @@ def test_the_arithmetic_is_within_10_percent_of_xla_tpu_on_the_recorded_grid():
         error = grid.arithmetic(r, devices[r["compiler"]])["total"] / r["xla"]["total"] - 1
         if abs(error) > 0.1:
             off[(r["config"], r["compiler"], r["remat"], r["mesh"])] = f"{error:+.0%}"
-    # Exactly the known cells, by as much as the README says: 32 of 45 within 10%, and 29 of the 36
+    # Exactly the known cells, by as much as the README says: 35 of 45 within 10%, and 30 of the 36
     # of small and llm_1b.
     assert off == OFF_BY_MORE
 

@@ -71,9 +71,10 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
         "full": d,
         "save_dots_no_batch": d + projections,
         "save_dots": d + projections + scores + q,  # + the fp32 scores and the attention output
-        # The layer being recomputed under remat, with its backward's MLP-width gradients (of the
-        # hidden, gate, up and silu): its backward follows at once.
-        "recomputed": whole + scores + 4 * f,
+        # The layer being recomputed under remat, its backward at once: in mixed precision with four
+        # more MLP-width arrays (llm_1b, full remat: 11.86 GiB counted so, 11.84 / 13.74 compiled on
+        # v5p / v5e; tiny in fp32 keeps none of them).
+        "recomputed": whole + scores + (4 * f if mixed else 0),
     }
 
 
@@ -103,6 +104,9 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str) -> in
     chunk = spec.execution.loss_chunk
     copies = 1 if platform == "tpu" else 2
     logits = copies * (rows * chunk if chunk else tokens) * 4 * spec.arch.vocab_size / tensor
+    # Beside them, the final features in the compute dtype and fp32 and their fp32 gradient (small,
+    # fsdp=2 x tensor=2 on v5p: f32 and bf16 [32, 1024, 768] buffers at the peak, with the logits).
+    logits += tokens * spec.arch.d_model * (8 + act)
     if spec.execution.remat == "none":
         return int(kept + logits)
     # Under remat the loss is done with before the last layer is recomputed: XLA:TPU's peak holds the
