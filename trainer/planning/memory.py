@@ -44,10 +44,11 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     Head and MLP-width tensors are split over `tensor`; the residual-width ones
     are not. Where attention materialises its scores (on `platform`, see
     materialises_scores), an fp32 array of heads x seq per token, counted in
-    compute-dtype elements of `act_bytes`: XLA:TPU keeps two of them per layer
-    without remat (the scores and the softmax; small, remat none: 26.4 GiB
-    compiled on v5p-8 against 26.5 counted so, 37.3 with three), and one for the
-    layer being recomputed. Fused kernels keep only their output and statistics.
+    compute-dtype elements of `act_bytes`: without remat XLA:TPU keeps two per
+    layer in fp32 compute and 1.5 in bf16 (the fp32 softmax and its bf16 copy;
+    small, remat none: 26.4 GiB compiled on v5p-8, 25.2 counted so, 37.3 with
+    three), and one for the layer being recomputed. Fused kernels keep only
+    their output and statistics.
     """
     a = spec.arch
     d, f = a.d_model, a.d_ff / tensor
