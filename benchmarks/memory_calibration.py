@@ -57,6 +57,7 @@ def config_for(name: str, remat: str, mesh: tuple[int, int, int]):
 def measure(cfg, devices) -> dict:
     import jax
 
+    from trainer.planning import memory
     from trainer.training.setup import build
     from trainer.training.step import abstract_batch, memory_per_device
 
@@ -71,7 +72,7 @@ def measure(cfg, devices) -> dict:
         if "RESOURCE_EXHAUSTED" not in str(e) or not needed:
             raise
         scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[needed.group(2)]
-        state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(setup.abstract_state())) // len(devices)
+        state = memory.shard_bytes(setup.abstract_state())  # the arguments: one device's shards of the state
         temporaries = int(float(needed.group(1)) * scale)
         out["xla"] = {"temporaries": temporaries, "arguments": state, "total": temporaries + state}
         out["refused"] = True

@@ -64,11 +64,6 @@ def array_bytes(shape_text: str) -> int:
     return total
 
 
-def array_texts(shape_text: str) -> list[str]:
-    """Each array of a shape text, as "dtype[dims]"."""
-    return [f"{dtype}[{dims}]" for dtype, dims in _ARRAY.findall(shape_text)]
-
-
 def tuple_elements(shape_text: str) -> list[str]:
     """The top-level elements of a tuple shape text ("(a, (b, c))" -> ["a", "(b, c)"]); an array is its own one."""
     text = re.sub(r"/\*.*?\*/", "", shape_text).strip()
