@@ -7,7 +7,8 @@ For each config, remat policy (none, save_dots, full) and mesh of four devices
 (fsdp=4, data=2 x fsdp=2, fsdp=2 x tensor=2) the real train step is compiled
 for each TPU target (no TPU needed: libtpu, the `tpu` extra) and, with --cpu,
 for four simulated CPU devices (fsdp=4 only); each compile appends one JSON line to --out
-(XLA's bytes per device and the attention kernel that ran). Lines
+(XLA's bytes per device and the attention kernel that ran; `total` is XLA's peak on a
+TPU, XLA:TPU's HBM heap; on a CPU arguments + temporaries: trainer/training/step.py). Lines
 already there are not compiled again, so an interrupted grid resumes. The
 README's memory table is printed at the end, with the arithmetic of today's
 code (trainer/planning/memory.py) beside the recorded compiles; `--table`
@@ -59,14 +60,14 @@ def measure(cfg, devices) -> dict:
 
     from trainer.planning import memory
     from trainer.training.setup import build
-    from trainer.training.step import abstract_batch, memory_per_device
+    from trainer.training.step import abstract_batch, compile_with_heap
 
     setup = build(cfg, devices)
     batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, setup.batch_sharding)
     lowered = setup.train_step().lower(setup.abstract_state(), batch)
     out = {"attention": setup.spec.execution.attention}
     try:
-        out["xla"] = memory_per_device(lowered.compile())
+        out["xla"] = compile_with_heap(lowered, setup.mesh.devices.flat[0].platform)[1]
     except jax.errors.JaxRuntimeError as e:
         needed = _NEEDED.search(str(e))
         if "RESOURCE_EXHAUSTED" not in str(e) or not needed:

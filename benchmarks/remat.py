@@ -52,7 +52,7 @@ def measure(cfg) -> tuple[float, int]:
         jax.block_until_ready(metrics)
         if i:
             times.append(time.perf_counter() - start)
-    return statistics.median(times), memory_per_device(compiled)["total"]
+    return statistics.median(times), memory_per_device(compiled, setup.mesh.devices.flat[0].platform)["total"]
 
 
 def main():

@@ -60,16 +60,16 @@ def print_sharding(result):
 
 
 def print_target(result):
-    gib, hbm = 2**30, result["hbm_bytes_per_device"]
+    gib, hbm, usable = 2**30, result["hbm_bytes_per_device"], result["usable_hbm_bytes_per_device"]
     if result["compiled_bytes_per_device"] is None:
         print(f"target            {result['target']} x {result['slices']} ({result['topology']}, {hbm / gib:.0f} GiB "
               f"HBM per device): does NOT fit; the compiler refused: {result['out_of_memory']}")  # fmt: skip
         return
     c, used = result["cost"], result["compiled_bytes_per_device"]
-    verdict = "fits" if result["fits"] else f"does NOT fit: {(used - hbm) / gib:.2f} GiB over"
+    verdict = "fits" if result["fits"] else f"does NOT fit: {(used - usable) / gib:.2f} GiB over"
     print(f"target            {result['target']} x {result['slices']} ({result['topology']}, "
-          f"{result['devices']} x {result['device_kind']}): {used / gib:.2f} of {hbm / gib:.0f} GiB HBM "
-          f"per device, {verdict}")  # fmt: skip
+          f"{result['devices']} x {result['device_kind']}): {used / gib:.2f} GiB per device "
+          f"of {usable / gib:.2f} usable ({hbm / gib:.0f} GiB HBM), {verdict}")  # fmt: skip
     print(f"cost per device   {c['flops']:.4g} FLOPs, {c['bytes_accessed'] / 1e9:.4g} GB of HBM traffic (from the "
           f"compiled HLO, loops counted); roofline {c['roofline_seconds']:.3g} s a step ({c['bound']}-bound), "
           f"so MFU at most {c['mfu_ceiling']:.0%}")  # fmt: skip
@@ -176,13 +176,15 @@ def main():
     print(f"memory per device {m['total'] / gib:.2f} GiB by arithmetic: " + ", ".join(
         f"{k.replace('_', ' ')} {v / gib:.2f}" for k, v in m.items() if k != "total"))  # fmt: skip
     if result.get("compiled_bytes_per_device") is not None:
-        b = result["compiled_breakdown"]
-        print(
-            f"                  {result['compiled_bytes_per_device'] / gib:.2f} GiB compiled by XLA "
-            f"(arguments {b['arguments'] / gib:.2f}, temporaries {b['temporaries'] / gib:.2f}, "
-            f"outputs not aliased {(b['outputs'] - b['aliased']) / gib:.2f}); "
-            f"compiled in {result['compile_seconds']:.1f}s"
-        )
+        b, used = result["compiled_breakdown"], result["compiled_bytes_per_device"]
+        if "heap" in b:
+            how = f"XLA:TPU's HBM heap (arguments {b['arguments'] / gib:.2f}, live at the peak {b['peak'] / gib:.2f})"
+        elif "peak" in b:
+            how = f"XLA's peak (arguments {b['arguments'] / gib:.2f})"
+        else:
+            how = (f"XLA (arguments {b['arguments'] / gib:.2f}, temporaries {b['temporaries'] / gib:.2f}, "
+                   f"outputs not aliased {(b['outputs'] - b['aliased']) / gib:.2f})")  # fmt: skip
+        print(f"                  {used / gib:.2f} GiB compiled, {how}; compiled in {result['compile_seconds']:.1f}s")
     if "target" in result:
         print_target(result)
     print_scaling(result)

@@ -1,8 +1,8 @@
-"""The memory arithmetic (trainer/planning/memory.py) against XLA:TPU's compiled bytes per device.
+"""The memory arithmetic (trainer/planning/memory.py) against XLA:TPU's HBM heap per device.
 
 benchmarks/memory_calibration.py compiled tiny, small and llm_1b under remat none /
 save_dots / full on meshes fsdp=4, data=2 x fsdp=2 and fsdp=2 x tensor=2 for v5e-4
-and v5p-8 (54 compiles, ~2 hours on two cores) and recorded XLA's figures in
+and v5p-8 (54 compiles, 21 minutes on two cores) and recorded XLA's figures in
 benchmarks/report/memory_calibration.jsonl. Here today's arithmetic is held to them,
 and one of them is compiled again, so the record cannot drift from the libtpu installed.
 """
@@ -20,22 +20,27 @@ pytestmark = pytest.mark.skipif(not installed("libtpu"), reason='pip install -e 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 RECORD = os.path.join(REPO, "benchmarks", "report", "memory_calibration.jsonl")
-# The cells where the arithmetic is more than 10% off XLA:TPU, and why (the README's memory table).
+# The cells where the arithmetic is more than 10% off XLA:TPU's HBM heap, and why (the README's memory table).
 OFF_BY_MORE = {
-    # tiny in fp32 with 32-wide heads (TPU pads minor dimensions to 128 lanes); v5e-4 is left out
-    # entirely: it keeps ~110 MiB on chip, most of tiny's step.
-    ("tiny", "v5p-8", "save_dots", "fsdp=2 x tensor=2"): "+25%",
-    ("tiny", "v5p-8", "full", "fsdp=4"): "+11%",
-    ("tiny", "v5p-8", "full", "data=2 x fsdp=2"): "+13%",
-    ("tiny", "v5p-8", "full", "fsdp=2 x tensor=2"): "+42%",
-    # v5e's scheduler held the logits and the recomputed layer together at fsdp=4 (counted: the larger).
-    ("small", "v5e-4", "full", "fsdp=4"): "-35%",
-    ("llm_1b", "v5e-4", "full", "fsdp=4"): "-14%",
-    # small with tensor=2 on v5p keeps more than counted (v5e: within 7%); not traced.
-    ("small", "v5p-8", "full", "fsdp=2 x tensor=2"): "-11%",
-    ("small", "v5p-8", "save_dots", "fsdp=2 x tensor=2"): "-15%",
-    ("small", "v5p-8", "none", "fsdp=2 x tensor=2"): "-11%",
-    ("llm_1b", "v5e-4", "save_dots", "fsdp=2 x tensor=2"): "+12%",
+    # tiny in fp32 with 32-wide heads: under remat XLA:TPU recomputes a smaller layer than counted. v5e-4 is
+    # left out entirely: it keeps most of tiny's step in on-chip memory, outside the HBM heap.
+    ("tiny", "v5p-8", "save_dots", "fsdp=4"): "+18%",
+    ("tiny", "v5p-8", "save_dots", "data=2 x fsdp=2"): "+17%",
+    ("tiny", "v5p-8", "save_dots", "fsdp=2 x tensor=2"): "+35%",
+    ("tiny", "v5p-8", "full", "fsdp=4"): "+40%",
+    ("tiny", "v5p-8", "full", "data=2 x fsdp=2"): "+34%",
+    ("tiny", "v5p-8", "full", "fsdp=2 x tensor=2"): "+80%",
+    # v5e's scheduler held the logits and the recomputed layer together (counted: the larger).
+    ("small", "v5e-4", "full", "fsdp=4"): "-30%",
+    # llm_1b keeps less than counted under save_dots on v5p and with tensor=2 under full remat; not traced.
+    ("llm_1b", "v5p-8", "save_dots", "fsdp=4"): "+13%",
+    ("llm_1b", "v5p-8", "save_dots", "data=2 x fsdp=2"): "+10%",
+    ("llm_1b", "v5p-8", "save_dots", "fsdp=2 x tensor=2"): "+16%",
+    ("llm_1b", "v5e-4", "full", "data=2 x fsdp=2"): "+11%",
+    ("llm_1b", "v5e-4", "full", "fsdp=2 x tensor=2"): "+12%",
+    ("llm_1b", "v5p-8", "full", "fsdp=2 x tensor=2"): "+12%",
+    # Refused on v5e: the temporaries XLA:TPU's error states, before it gave up.
+    ("llm_1b", "v5e-4", "save_dots", "data=2 x fsdp=2"): "-14%",
 }
 
 
@@ -57,7 +62,7 @@ def test_the_arithmetic_is_within_10_percent_of_xla_tpu_on_the_recorded_grid():
         error = grid.arithmetic(r, devices[r["compiler"]])["total"] / r["xla"]["total"] - 1
         if abs(error) > 0.1:
             off[(r["config"], r["compiler"], r["remat"], r["mesh"])] = f"{error:+.0%}"
-    # Exactly the known cells, by as much as the README says: 35 of 45 within 10%, and 30 of the 36
+    # Exactly the known cells, by as much as the README says: 31 of 45 within 10%, and 28 of the 36
     # of small and llm_1b.
     assert off == OFF_BY_MORE
 

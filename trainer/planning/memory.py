@@ -13,7 +13,10 @@ shows, and tests/test_memory_calibration.py holds this file to it):
 - `master_weights`: the fp32 copy the optimiser updates, when compute is not fp32.
 - `grads`: fp32 gradients, twice over with gradient accumulation (the running sum).
 - `optimizer`: the optimiser's state as stored (AdamW fp32: 8 bytes per parameter).
-- `update`: the optimiser's fp32 update, made whole before it is applied.
+- `update`: the optimiser's fp32 update. It is made after the backward pass has
+  freed the activations, so it counts only by what it exceeds them: the peak
+  is the larger of the two phases (XLA:TPU's live ranges at small's peak hold
+  the gradients and no update).
 - `gathered`: what FSDP all-gathers beyond the device's own shard (gathered_bytes).
 - `activations`: what the backward pass keeps for one microbatch under the remat
   policy, the fp32 logits, and under remat the larger of the logits and the
@@ -46,8 +49,8 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     materialises_scores), an fp32 array of heads x seq per token, counted in
     compute-dtype elements of `act_bytes`: without remat XLA:TPU keeps two per
     layer in fp32 compute and 1.5 in bf16 (the fp32 softmax and its bf16 copy;
-    small, remat none: 26.4 GiB compiled on v5p-8, 25.2 counted so, 37.3 with
-    three), and one for the layer being recomputed. Fused kernels keep only
+    small, remat none: XLA:TPU's heap 24.2 GiB on v5p-8, 25.1 counted so, 37.2
+    with three), and one for the layer being recomputed. Fused kernels keep only
     their output and statistics.
     """
     a = spec.arch
@@ -72,10 +75,9 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
         "full": d,
         "save_dots_no_batch": d + projections,
         "save_dots": d + projections + scores + q,  # + the fp32 scores and the attention output
-        # The layer being recomputed under remat, its backward at once: in mixed precision with four
-        # more MLP-width arrays (llm_1b, full remat: 11.86 GiB counted so, 11.84 / 13.74 compiled on
-        # v5p / v5e; tiny in fp32 keeps none of them).
-        "recomputed": whole + scores + (4 * f if mixed else 0),
+        # The layer being recomputed under remat, its backward at once (llm_1b, full remat, fsdp=4:
+        # 9.83 GiB counted so, XLA:TPU's heap 9.02 / 10.66 on v5p / v5e).
+        "recomputed": whole + scores,
     }
 
 
@@ -111,9 +113,9 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str) -> in
     if spec.execution.remat == "none":
         return int(kept + logits)
     # Under remat the loss is done with before the last layer is recomputed: XLA:TPU's peak holds the
-    # larger of the two (small, full remat: logits 2 GiB, a recomputed layer 1.5; compiled 3.2-3.9 GiB
-    # on four of six meshes and chips, 4.6 counting both). v5e's scheduler was seen to hold both on
-    # fsdp=4 (small 4.9, llm_1b 13.7 GiB): the README's memory table shows it.
+    # larger of the two (small, full remat: logits 2 GiB, a recomputed layer 1.5; heaps of 2.9-3.3 GiB
+    # on five of six meshes and chips, 4.5 counting both). v5e's scheduler was seen to hold both for
+    # small at fsdp=4 (4.4 GiB): the README's memory table shows it.
     return int(kept + max(logits, tokens * per_layer["recomputed"] * act))
 
 
@@ -144,14 +146,16 @@ def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None)
     spec, state = spec or setup.spec, state or state_bytes(setup)
     compute = jnp.dtype(cfg.precision.compute_dtype).itemsize
     fp32 = state["params"]  # the stored parameters are fp32
+    shape = dict(setup.mesh.shape)
+    activations = activation_bytes(cfg, spec, shape, setup.mesh.devices.flat[0].platform)
     out = {
         "params": fp32 * compute // 4,
         "master_weights": fp32 if compute != 4 else 0,
         "grads": fp32 * (2 if cfg.train.grad_accum_steps > 1 else 1),
         "optimizer": state["optimizer"],
-        "update": fp32,
-        "gathered": gathered_bytes(spec, dict(setup.mesh.shape), compute),
-        "activations": activation_bytes(cfg, spec, dict(setup.mesh.shape), setup.mesh.devices.flat[0].platform),
+        "update": max(0, fp32 - activations),
+        "gathered": gathered_bytes(spec, shape, compute),
+        "activations": activations,
     }
     out["total"] = sum(out.values())
     return out

@@ -2,9 +2,11 @@
 
 The train step is compiled ahead of time on abstract inputs (shapes and
 shardings, no arrays), so a 1B model can be planned on a laptop with simulated
-devices. XLA's memory analysis is per device: arguments (state and batch),
-outputs not aliased to donated inputs, and temporaries (activations, gradients
-in flight).
+devices. XLA's memory figures are per device: on a TPU target the HBM heap
+XLA:TPU assigns (the state and batch, and the block of temporaries the
+runtime allocates), judged against what the chip offers a program; on
+simulated CPUs arguments, outputs not aliased to donated inputs, and
+temporaries (trainer/training/step.py, memory_per_device).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from trainer.planning import memory, scaling
 from trainer.planning.targets import Target, parse_target, target_devices
 from trainer.training.setup import build
 from trainer.training.state import param_shardings
-from trainer.training.step import abstract_batch, memory_per_device
+from trainer.training.step import abstract_batch, compile_with_heap
 
 
 def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False, tokens: float = 0,
@@ -97,7 +99,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     lowered = setup.train_step().lower(setup.abstract_state(),
                                        abstract_batch(t.global_batch_size, seq, setup.batch_sharding))  # fmt: skip
     try:
-        compiled = lowered.compile()
+        compiled, breakdown = compile_with_heap(lowered, setup.mesh.devices.flat[0].platform)
     except jax.errors.JaxRuntimeError as e:
         # XLA:TPU refuses to compile a step whose temporaries alone exceed the chip's HBM: for a plan
         # that is the verdict, not a failure.
@@ -109,7 +111,6 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
                       out_of_memory=found.group(0) if found else str(e).splitlines()[0])  # fmt: skip
     result["compile_seconds"] = time.perf_counter() - start
     if compiled is not None:
-        breakdown = memory_per_device(compiled)
         result["compiled_bytes_per_device"] = breakdown.pop("total")
         result["compiled_breakdown"] = breakdown
         if hardware is not None:
@@ -120,7 +121,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         def compile_variant(variant_cfg):
             return plan(variant_cfg, devices=devices, target=target, slices=slices)
 
-        result["fit"] = fitting.search(cfg, devices, hardware.chip.hbm_bytes, matmul_params, compile_variant,
+        result["fit"] = fitting.search(cfg, devices, hardware.chip.usable_hbm_bytes, matmul_params, compile_variant,
                                        fit_compiles)  # fmt: skip
     if compiled is None:
         return result
@@ -167,7 +168,7 @@ def on_target(hardware: Target, slices: int, compiled, result: dict, arch, seq_l
     model_flops = result["flops_per_step"] / result["devices"]
     return {
         **target_fields(hardware, slices),
-        "fits": used <= chip.hbm_bytes,
+        "fits": used <= chip.usable_hbm_bytes,
         "cost": {
             "flops": flops,
             "bytes_accessed": traffic,
@@ -181,7 +182,8 @@ def on_target(hardware: Target, slices: int, compiled, result: dict, arch, seq_l
 
 def target_fields(hardware: Target, slices: int) -> dict:
     return {"target": hardware.name, "topology": hardware.topology, "slices": slices,
-            "hbm_bytes_per_device": hardware.chip.hbm_bytes}  # fmt: skip
+            "hbm_bytes_per_device": hardware.chip.hbm_bytes,
+            "usable_hbm_bytes_per_device": hardware.chip.usable_hbm_bytes}  # fmt: skip
 
 
 def pipeline_plan(cfg, setup) -> dict:

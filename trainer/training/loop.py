@@ -208,9 +208,9 @@ class Run:
             self.compiled[size] = step.lower(self.abstract, abstract_batch(size, self.cfg.data.seq_len,
                                                                            s.batch_sharding)).compile()  # fmt: skip
             seconds = time.perf_counter() - start
+            used = memory_per_device(self.compiled[size], s.mesh.devices.flat[0].platform)["total"]
             self.say(
-                f"compiled the train step for {size} sequences in {seconds:.1f}s, "
-                f"{memory_per_device(self.compiled[size])['total'] / 2**30:.2f} GiB per device"
+                f"compiled the train step for {size} sequences in {seconds:.1f}s, {used / 2**30:.2f} GiB per device"
             )
             self.mark_time += seconds  # compiling is not training time
         return self.compiled[size]
