@@ -7,8 +7,8 @@ For each config, remat policy (none, save_dots, full) and mesh of four devices
 (fsdp=4, data=2 x fsdp=2, fsdp=2 x tensor=2) the real train step is compiled
 for each TPU target (no TPU needed: libtpu, the `tpu` extra) and, with --cpu,
 for four simulated CPU devices (fsdp=4 only); each compile appends one JSON line to --out
-(XLA's bytes per device and the attention kernel that ran; `total` is XLA's peak on a
-TPU, XLA:TPU's HBM heap; on a CPU arguments + temporaries: trainer/training/step.py). Lines
+(XLA's bytes per device and the attention kernel that ran; `total` is XLA:TPU's HBM
+heap on a TPU, arguments + temporaries on a CPU: trainer/training/step.py). Lines
 already there are not compiled again, so an interrupted grid resumes. The
 README's memory table is printed at the end, with the arithmetic of today's
 code (trainer/planning/memory.py) beside the recorded compiles; `--table`
