@@ -14,15 +14,14 @@ README's memory table is printed at the end, with the arithmetic of today's
 code (trainer/planning/memory.py) beside the recorded compiles; `--table`
 prints it without compiling.
 
-Where XLA:TPU refuses a step whose temporaries exceed the chip's HBM, its
-error states the temporaries it needed: the line records that figure plus the
-arguments, flagged `refused`.
+Where XLA:TPU refuses a step whose heap exceeds the chip's HBM, the heap it
+had assigned is recorded all the same (its report is written before the
+refusal; the "HLO temporaries" its message states), flagged `refused`.
 """
 
 import itertools
 import json
 import os
-import re
 import sys
 
 from absl import flags
@@ -40,7 +39,6 @@ _OUT = flags.DEFINE_string("out", os.path.join(HERE, "report", "memory_calibrati
 _TABLE = flags.DEFINE_bool("table", False, "Print the table from --out and compile nothing.")
 
 MESHES = {"fsdp=4": (1, 4, 1), "data=2 x fsdp=2": (2, 2, 1), "fsdp=2 x tensor=2": (1, 2, 2)}
-_NEEDED = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
 
 
 def config_for(name: str, remat: str, mesh: tuple[int, int, int]):
@@ -56,11 +54,10 @@ def config_for(name: str, remat: str, mesh: tuple[int, int, int]):
 
 
 def measure(cfg, devices) -> dict:
-    import jax
 
     from trainer.planning import memory
     from trainer.training.setup import build
-    from trainer.training.step import abstract_batch, compile_with_heap
+    from trainer.training.step import OutOfHbm, abstract_batch, compile_with_heap
 
     setup = build(cfg, devices)
     batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, setup.batch_sharding)
@@ -68,14 +65,11 @@ def measure(cfg, devices) -> dict:
     out = {"attention": setup.spec.execution.attention}
     try:
         out["xla"] = compile_with_heap(lowered, setup.mesh.devices.flat[0].platform)[1]
-    except jax.errors.JaxRuntimeError as e:
-        needed = _NEEDED.search(str(e))
-        if "RESOURCE_EXHAUSTED" not in str(e) or not needed:
+    except OutOfHbm as e:
+        if e.heap is None:
             raise
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[needed.group(2)]
         state = memory.shard_bytes(setup.abstract_state())  # the arguments: one device's shards of the state
-        temporaries = int(float(needed.group(1)) * scale)
-        out["xla"] = {"temporaries": temporaries, "arguments": state, "total": temporaries + state}
+        out["xla"] = {"arguments": state, "heap": e.heap, "total": e.heap}
         out["refused"] = True
     return out
 

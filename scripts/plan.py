@@ -61,9 +61,12 @@ def print_sharding(result):
 
 def print_target(result):
     gib, hbm, usable = 2**30, result["hbm_bytes_per_device"], result["usable_hbm_bytes_per_device"]
-    if result["compiled_bytes_per_device"] is None:
+    if "out_of_memory" in result:
+        needed = result["compiled_bytes_per_device"]
+        heap = f"a heap of {needed / gib:.2f} GiB per device, " if needed else ""
         print(f"target            {result['target']} x {result['slices']} ({result['topology']}, {hbm / gib:.0f} GiB "
-              f"HBM per device): does NOT fit; the compiler refused: {result['out_of_memory']}")  # fmt: skip
+              f"HBM per device): does NOT fit, {heap}{usable / gib:.2f} usable; the compiler refused: "
+              f"{result['out_of_memory']}")  # fmt: skip
         return
     c, used = result["cost"], result["compiled_bytes_per_device"]
     verdict = "fits" if result["fits"] else f"does NOT fit: {(used - usable) / gib:.2f} GiB over"
@@ -94,7 +97,7 @@ def print_fit(search):
     for c in search["compiled"]:
         changes = " ".join(f"{k}={v}" for k, v in c["changes"].items()) or "(as configured)"
         head = f"  {changes}\n      arithmetic {c['arithmetic_bytes'] / gib:.2f} GiB, "
-        if c["compiled_bytes_per_device"] is None:
+        if c["out_of_memory"]:
             print(f"{head}the compiler refused ({c['out_of_memory']})")
             continue
         verdict = "fits" if c["fits"] else "does NOT fit"
@@ -175,7 +178,7 @@ def main():
     m = result["bytes_per_device"]
     print(f"memory per device {m['total'] / gib:.2f} GiB by arithmetic: " + ", ".join(
         f"{k.replace('_', ' ')} {v / gib:.2f}" for k, v in m.items() if k != "total"))  # fmt: skip
-    if result.get("compiled_bytes_per_device") is not None:
+    if "compiled_breakdown" in result:
         b, used = result["compiled_breakdown"], result["compiled_bytes_per_device"]
         if "heap" in b:
             how = f"XLA:TPU's HBM heap (arguments {b['arguments'] / gib:.2f}, live at the peak {b['peak'] / gib:.2f})"

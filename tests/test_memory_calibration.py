@@ -24,23 +24,18 @@ RECORD = os.path.join(REPO, "benchmarks", "report", "memory_calibration.jsonl")
 OFF_BY_MORE = {
     # tiny in fp32 with 32-wide heads: under remat XLA:TPU recomputes a smaller layer than counted. v5e-4 is
     # left out entirely: it keeps most of tiny's step in on-chip memory, outside the HBM heap.
-    ("tiny", "v5p-8", "save_dots", "fsdp=4"): "+18%",
-    ("tiny", "v5p-8", "save_dots", "data=2 x fsdp=2"): "+17%",
-    ("tiny", "v5p-8", "save_dots", "fsdp=2 x tensor=2"): "+35%",
-    ("tiny", "v5p-8", "full", "fsdp=4"): "+40%",
-    ("tiny", "v5p-8", "full", "data=2 x fsdp=2"): "+34%",
-    ("tiny", "v5p-8", "full", "fsdp=2 x tensor=2"): "+80%",
+    ("tiny", "v5p-8", "save_dots", "fsdp=4"): "+13%",
+    ("tiny", "v5p-8", "save_dots", "data=2 x fsdp=2"): "+13%",
+    ("tiny", "v5p-8", "save_dots", "fsdp=2 x tensor=2"): "+26%",
+    ("tiny", "v5p-8", "full", "fsdp=4"): "+37%",
+    ("tiny", "v5p-8", "full", "data=2 x fsdp=2"): "+32%",
+    ("tiny", "v5p-8", "full", "fsdp=2 x tensor=2"): "+74%",
     # v5e's scheduler held the logits and the recomputed layer together (counted: the larger).
     ("small", "v5e-4", "full", "fsdp=4"): "-30%",
-    # llm_1b keeps less than counted under save_dots on v5p and with tensor=2 under full remat; not traced.
-    ("llm_1b", "v5p-8", "save_dots", "fsdp=4"): "+13%",
-    ("llm_1b", "v5p-8", "save_dots", "data=2 x fsdp=2"): "+10%",
-    ("llm_1b", "v5p-8", "save_dots", "fsdp=2 x tensor=2"): "+16%",
-    ("llm_1b", "v5e-4", "full", "data=2 x fsdp=2"): "+11%",
-    ("llm_1b", "v5e-4", "full", "fsdp=2 x tensor=2"): "+12%",
-    ("llm_1b", "v5p-8", "full", "fsdp=2 x tensor=2"): "+12%",
-    # Refused on v5e: the temporaries XLA:TPU's error states, before it gave up.
-    ("llm_1b", "v5e-4", "save_dots", "data=2 x fsdp=2"): "-14%",
+    # llm_1b under full remat keeps less than counted with data=2 x fsdp=2 on v5e and with tensor=2; not traced.
+    ("llm_1b", "v5e-4", "full", "data=2 x fsdp=2"): "+10%",
+    ("llm_1b", "v5e-4", "full", "fsdp=2 x tensor=2"): "+11%",
+    ("llm_1b", "v5p-8", "full", "fsdp=2 x tensor=2"): "+10%",
 }
 
 
@@ -62,7 +57,7 @@ def test_the_arithmetic_is_within_10_percent_of_xla_tpu_on_the_recorded_grid():
         error = grid.arithmetic(r, devices[r["compiler"]])["total"] / r["xla"]["total"] - 1
         if abs(error) > 0.1:
             off[(r["config"], r["compiler"], r["remat"], r["mesh"])] = f"{error:+.0%}"
-    # Exactly the known cells, by as much as the README says: 31 of 45 within 10%, and 28 of the 36
+    # Exactly the known cells, by as much as the README says: 35 of 45 within 10%, and 32 of the 36
     # of small and llm_1b.
     assert off == OFF_BY_MORE
 

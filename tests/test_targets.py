@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -99,6 +100,21 @@ def test_fsdp_on_two_v5e_slices_and_a_v5p_slice_compile_fit_and_communicate_like
         cost = result["cost"]
         assert cost["flops"] == pytest.approx(result["flops_per_step"] / result["devices"], rel=0.02)
         assert cost["roofline_seconds"] > 0 and 0 < cost["mfu_ceiling"] <= 1
+
+
+@needs_libtpu
+def test_a_step_xla_tpu_refuses_is_reported_with_the_heap_it_needed():
+    """A batch no v5e chip holds: the plan's verdict, not an error, with the heap from XLA:TPU's report, the
+    "HLO temporaries" its message states (the state included)."""
+    cfg = bf16_model()
+    cfg.train.update(global_batch_size=16384, grad_accum_steps=1)
+    result = plan(cfg, target="v5e-1")
+    assert not result["fits"] and "cost" not in result
+    stated = re.search(r"HLO temporaries \(([\d.]+)G\)", result["out_of_memory"])
+    assert stated, result["out_of_memory"]
+    needed = result["compiled_bytes_per_device"]
+    assert needed / 2**30 == pytest.approx(float(stated.group(1)), abs=0.006)
+    assert needed > result["usable_hbm_bytes_per_device"]
 
 
 @needs_libtpu

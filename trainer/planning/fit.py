@@ -137,7 +137,8 @@ def search(cfg, devices, hbm_bytes: int, n_matmul_params: int, compile_variant, 
             break
         report = compile_variant(v.cfg)
         cost = report.get("cost", {})
-        # A step the compiler refused needs more than the HBM: its ratio is at least HBM over arithmetic.
+        # A step the compiler refused is reported with the heap it needed; without XLA's report, at least
+        # the HBM.
         used = report["compiled_bytes_per_device"] or hbm_bytes * 1.01
         ratio[policy] = max(ratio.get(policy, 0.0), used / v.arithmetic_bytes)
         compiled.append({

@@ -57,7 +57,11 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     d, f = a.d_model, a.d_ff / tensor
     q, kv = a.n_heads * a.head_dim / tensor, a.n_kv_heads * a.head_dim / tensor
     scores = (4 / act_bytes) * a.n_heads * seq_len / tensor if materialises_scores(spec, platform) else 0
-    projections = q + 2 * kv + d + 2 * f + d  # q, k, v; attention out projection; gate, up; down
+    # q, k, v; the attention's out projection; gate, up. The down projection's output is only added to the
+    # residual, which the next layer keeps as its input: no backward reads it, so nothing keeps it (llm_1b,
+    # save_dots, fsdp=2 x tensor=2 on v5p-8: XLA:TPU's heap holds, per layer, two residual-width arrays,
+    # q, k, v, gate and up).
+    projections = q + 2 * kv + d + 2 * f
     elementwise = (
         4 * d  # layer input, two norm outputs, the residual after attention
         + projections
@@ -74,7 +78,9 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
         "none": whole + (1.5 if mixed else 2) * scores,
         "full": d,
         "save_dots_no_batch": d + projections,
-        "save_dots": d + projections + scores + q,  # + the fp32 scores and the attention output
+        # + the fp32 scores and the attention's output where they are matmuls' (a fused kernel's output is
+        # not a dot: remat recomputes it).
+        "save_dots": d + projections + (scores + q if scores else 0),
         # The layer being recomputed under remat, its backward at once (llm_1b, full remat, fsdp=4:
         # 9.83 GiB counted so, XLA:TPU's heap 9.02 / 10.66 on v5p / v5e).
         "recomputed": whole + scores,

@@ -12,7 +12,6 @@ temporaries (trainer/training/step.py, memory_per_device).
 from __future__ import annotations
 
 import math
-import re
 import time
 
 import jax
@@ -28,7 +27,7 @@ from trainer.planning import memory, scaling
 from trainer.planning.targets import Target, parse_target, target_devices
 from trainer.training.setup import build
 from trainer.training.state import param_shardings
-from trainer.training.step import abstract_batch, compile_with_heap
+from trainer.training.step import OutOfHbm, abstract_batch, compile_with_heap
 
 
 def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False, tokens: float = 0,
@@ -100,15 +99,14 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
                                        abstract_batch(t.global_batch_size, seq, setup.batch_sharding))  # fmt: skip
     try:
         compiled, breakdown = compile_with_heap(lowered, setup.mesh.devices.flat[0].platform)
-    except jax.errors.JaxRuntimeError as e:
-        # XLA:TPU refuses to compile a step whose temporaries alone exceed the chip's HBM: for a plan
-        # that is the verdict, not a failure.
-        if hardware is None or "RESOURCE_EXHAUSTED" not in str(e):
+    except OutOfHbm as e:
+        # XLA:TPU refuses to compile a step whose heap exceeds the chip's HBM: for a plan that is the
+        # verdict, with the heap it needed, not a failure.
+        if hardware is None:
             raise
         compiled = None
-        found = re.search(r"Ran out of memory[^\n]*", str(e))
-        result.update(target_fields(hardware, slices), fits=False, compiled_bytes_per_device=None,
-                      out_of_memory=found.group(0) if found else str(e).splitlines()[0])  # fmt: skip
+        result.update(target_fields(hardware, slices), fits=False, compiled_bytes_per_device=e.heap,
+                      out_of_memory=e.message)  # fmt: skip
     result["compile_seconds"] = time.perf_counter() - start
     if compiled is not None:
         result["compiled_bytes_per_device"] = breakdown.pop("total")

@@ -235,21 +235,48 @@ def memory_per_device(compiled, platform: str, heap: int | None = None) -> dict[
 _HBM_HEAP = re.compile(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)")
 
 
+class OutOfHbm(Exception):
+    """XLA:TPU refused to compile the step: its HBM heap exceeds what the chip offers a program.
+
+    `message` is XLA's line ("Ran out of memory on HBM, ..."); `heap` the heap it
+    had assigned (its "HLO temporaries", the state included), or None where no
+    report was written.
+    """
+
+    def __init__(self, message: str, heap: int | None):
+        super().__init__(message)
+        self.message, self.heap = message, heap
+
+
 def compile_with_heap(lowered, platform: str):
     """Compile, and on a TPU read the HBM heap XLA:TPU assigned: (compiled, bytes per device).
 
     The heap is only written out, in the buffer-assignment report XLA dumps
     (`xla_dump_to`), so a TPU compile dumps into a temporary folder (a few MB)
     and reads its size from there; where the report is missing, the total
-    falls back to XLA's peak (memory_per_device).
+    falls back to XLA's peak (memory_per_device). XLA:TPU writes the report
+    before it refuses a step too large for the chip, so a refusal raises
+    OutOfHbm with the heap it would have needed.
     """
     if platform != "tpu":
         compiled = lowered.compile()
         return compiled, memory_per_device(compiled, platform)
     with tempfile.TemporaryDirectory() as folder:
-        compiled = lowered.compile(compiler_options={"xla_dump_to": folder})
-        found = None
-        for report in glob.glob(os.path.join(folder, "*memory-usage-report.txt")):
-            with open(report) as f:
-                found = _HBM_HEAP.search(f.read())
-    return compiled, memory_per_device(compiled, platform, int(found.group(1)) if found else None)
+        try:
+            compiled = lowered.compile(compiler_options={"xla_dump_to": folder})
+        except jax.errors.JaxRuntimeError as e:
+            if "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            said = re.search(r"Ran out of memory[^\n]*", str(e))
+            raise OutOfHbm(said.group(0) if said else str(e).splitlines()[0], _heap(folder)) from e
+        heap = _heap(folder)
+    return compiled, memory_per_device(compiled, platform, heap)
+
+
+def _heap(folder: str) -> int | None:
+    for report in glob.glob(os.path.join(folder, "*memory-usage-report.txt")):
+        with open(report) as f:
+            found = _HBM_HEAP.search(f.read())
+        if found:
+            return int(found.group(1))
+    return None
