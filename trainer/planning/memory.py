@@ -49,7 +49,7 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     materialises_scores), an fp32 array of heads x seq per token, counted in
     compute-dtype elements of `act_bytes`: without remat XLA:TPU keeps two per
     layer in fp32 compute and 1.5 in bf16 (the fp32 softmax and its bf16 copy;
-    small, remat none: XLA:TPU's heap 24.2 GiB on v5p-8, 25.1 counted so, 37.2
+    small, remat none: XLA:TPU's heap 24.2 GiB on v5p-8, 24.8 counted so, 36.9
     with three), and one for the layer being recomputed. Fused kernels keep only
     their output and statistics.
     """
@@ -70,7 +70,7 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
         + 2 * f  # silu(gate) and the gated product
     )  # fmt: skip
     # Under mixed precision XLA:TPU also keeps the MLP's gate and up in fp32 for the elementwise silu
-    # (llm_1b, remat none, splash: 85.6k elements per token and layer compiled, 52.7k counted above,
+    # (llm_1b, remat none, splash: 85.6k elements per token and layer compiled, 50.7k counted above,
     # 4 f in bf16 elements), and the PV matmul reads the softmax in bf16 beside the fp32 one.
     mixed = act_bytes < 4
     whole = elementwise + (4 * f if mixed else 0)
@@ -82,7 +82,7 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
         # not a dot: remat recomputes it).
         "save_dots": d + projections + (scores + q if scores else 0),
         # The layer being recomputed under remat, its backward at once (llm_1b, full remat, fsdp=4:
-        # 9.83 GiB counted so, XLA:TPU's heap 9.02 / 10.66 on v5p / v5e).
+        # 9.76 GiB counted so, XLA:TPU's heap 9.02 / 10.66 on v5p / v5e).
         "recomputed": whole + scores,
     }
 
