@@ -54,7 +54,6 @@ def config_for(name: str, remat: str, mesh: tuple[int, int, int]):
 
 
 def measure(cfg, devices) -> dict:
-
     from trainer.planning import memory
     from trainer.training.setup import build
     from trainer.training.step import OutOfHbm, abstract_batch, compile_with_heap

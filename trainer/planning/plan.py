@@ -106,7 +106,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
             raise
         compiled = None
         result.update(target_fields(hardware, slices), fits=False, compiled_bytes_per_device=e.heap,
-                      out_of_memory=e.message)  # fmt: skip
+                      out_of_memory=str(e))  # fmt: skip
     result["compile_seconds"] = time.perf_counter() - start
     if compiled is not None:
         result["compiled_bytes_per_device"] = breakdown.pop("total")

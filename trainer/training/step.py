@@ -238,14 +238,14 @@ _HBM_HEAP = re.compile(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)")
 class OutOfHbm(Exception):
     """XLA:TPU refused to compile the step: its HBM heap exceeds what the chip offers a program.
 
-    `message` is XLA's line ("Ran out of memory on HBM, ..."); `heap` the heap it
+    Its text is XLA's line ("Ran out of memory on HBM, ..."); `heap` the heap it
     had assigned (its "HLO temporaries", the state included), or None where no
     report was written.
     """
 
     def __init__(self, message: str, heap: int | None):
         super().__init__(message)
-        self.message, self.heap = message, heap
+        self.heap = heap
 
 
 def compile_with_heap(lowered, platform: str):
