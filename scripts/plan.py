@@ -188,6 +188,11 @@ def main():
             how = (f"XLA (arguments {b['arguments'] / gib:.2f}, temporaries {b['temporaries'] / gib:.2f}, "
                    f"outputs not aliased {(b['outputs'] - b['aliased']) / gib:.2f})")  # fmt: skip
         print(f"                  {used / gib:.2f} GiB compiled, {how}; compiled in {result['compile_seconds']:.1f}s")
+    elif "out_of_memory" in result and "target" not in result:
+        needed = result["compiled_bytes_per_device"]
+        heap = f"a heap of {needed / gib:.2f} GiB per device; " if needed else ""
+        print(f"                  does NOT fit these {result['device_kind']} chips: {heap}the compiler refused: "
+              f"{result['out_of_memory']}")  # fmt: skip
     if "target" in result:
         print_target(result)
     print_scaling(result)

@@ -115,6 +115,9 @@ def test_a_step_xla_tpu_refuses_is_reported_with_the_heap_it_needed():
     needed = result["compiled_bytes_per_device"]
     assert needed / 2**30 == pytest.approx(float(stated.group(1)), abs=0.006)
     assert needed > result["usable_hbm_bytes_per_device"]
+    # Planned on a TPU VM's own chips (no --target: the devices are given), the same verdict.
+    own = plan(cfg, devices=target_devices(parse_target("v5e-1")))
+    assert not own["fits"] and own["compiled_bytes_per_device"] == needed and "target" not in own
 
 
 @needs_libtpu
