@@ -21,22 +21,11 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 RECORD = os.path.join(REPO, "benchmarks", "report", "memory_calibration.jsonl")
 # The cells where the arithmetic is more than 10% off XLA:TPU's HBM heap, and why (the README's memory table).
+# At fsdp=4 v5e's latency-hiding scheduler holds the logits and the recomputed layer together (counted: the
+# larger; with xla_tpu_enable_latency_hiding_scheduler=false the heaps are 2.82 and 8.67 GiB).
 OFF_BY_MORE = {
-    # tiny under remat on v5p: XLA:TPU keeps 24-47 MiB of the step in on-chip memory (VMEM), outside the HBM
-    # heap; the count lies between the heap and heap + VMEM. v5e-4 is left out entirely: it keeps most of
-    # tiny's step in VMEM.
-    ("tiny", "v5p-8", "save_dots", "fsdp=4"): "+13%",
-    ("tiny", "v5p-8", "save_dots", "data=2 x fsdp=2"): "+13%",
-    ("tiny", "v5p-8", "save_dots", "fsdp=2 x tensor=2"): "+26%",
-    ("tiny", "v5p-8", "full", "fsdp=4"): "+37%",
-    ("tiny", "v5p-8", "full", "data=2 x fsdp=2"): "+32%",
-    ("tiny", "v5p-8", "full", "fsdp=2 x tensor=2"): "+74%",
-    # v5e's scheduler held the logits and the recomputed layer together (counted: the larger).
     ("small", "v5e-4", "full", "fsdp=4"): "-30%",
-    # llm_1b under full remat keeps less than counted with data=2 x fsdp=2 on v5e and with tensor=2; not traced.
-    ("llm_1b", "v5e-4", "full", "data=2 x fsdp=2"): "+10%",
-    ("llm_1b", "v5e-4", "full", "fsdp=2 x tensor=2"): "+11%",
-    ("llm_1b", "v5p-8", "full", "fsdp=2 x tensor=2"): "+10%",
+    ("llm_1b", "v5e-4", "full", "fsdp=4"): "-11%",
 }
 
 
@@ -51,16 +40,21 @@ def test_the_arithmetic_is_within_10_percent_of_xla_tpu_on_the_recorded_grid():
     rows = [r for r in recorded() if r["compiler"] != "cpu"]
     assert len(rows) == 54
     devices = grid.compiler_devices(sorted({r["compiler"] for r in rows}))
-    off = {}
+    off, on_chip = {}, 0
     for r in rows:
         if (r["config"], r["compiler"]) == ("tiny", "v5e-4"):
+            continue  # v5e keeps 37-112 MiB of tiny's 53-194 MiB step in on-chip memory (VMEM)
+        counted, heap = grid.arithmetic(r, devices[r["compiler"]])["total"], r["xla"]["total"]
+        if (r["config"], r["remat"]) in (("tiny", "save_dots"), ("tiny", "full")):
+            # v5p keeps 25-48 MiB of it in VMEM, outside the heap: the count lies between the two.
+            assert heap < counted <= heap + r["xla"]["vmem"], r
+            on_chip += 1
             continue
-        error = grid.arithmetic(r, devices[r["compiler"]])["total"] / r["xla"]["total"] - 1
-        if abs(error) > 0.1:
-            off[(r["config"], r["compiler"], r["remat"], r["mesh"])] = f"{error:+.0%}"
-    # Exactly the known cells, by as much as the README says: 35 of 45 within 10%, and 32 of the 36
-    # of small and llm_1b.
-    assert off == OFF_BY_MORE
+        if abs(counted / heap - 1) > 0.1:
+            off[(r["config"], r["compiler"], r["remat"], r["mesh"])] = f"{counted / heap - 1:+.0%}"
+    # Exactly the known cells, by as much as the README says: 37 of 45 within 10% of the heap (the six
+    # on-chip ones are not), and 34 of the 36 of small and llm_1b.
+    assert on_chip == 6 and off == OFF_BY_MORE
 
 
 def test_a_recorded_compile_is_what_libtpu_compiles_today_and_the_arithmetic_counts_it():

@@ -50,8 +50,8 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     compute-dtype elements of `act_bytes`: without remat XLA:TPU keeps two per
     layer in fp32 compute and 1.5 in bf16 (the fp32 softmax and its bf16 copy;
     small, remat none: XLA:TPU's heap 24.2 GiB on v5p-8, 24.8 counted so, 36.9
-    with three), and one for the layer being recomputed. Fused kernels keep only
-    their output and statistics.
+    with three), and as many for the layer being recomputed. Fused kernels keep
+    only their output and statistics.
     """
     a = spec.arch
     d, f = a.d_model, a.d_ff / tensor
@@ -81,9 +81,14 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
         # + the fp32 scores and the attention's output where they are matmuls' (a fused kernel's output is
         # not a dot: remat recomputes it).
         "save_dots": d + projections + (scores + q if scores else 0),
-        # The layer being recomputed under remat, its backward at once (llm_1b, full remat, fsdp=4:
-        # 9.76 GiB counted so, XLA:TPU's heap 9.02 / 10.66 on v5p / v5e).
-        "recomputed": whole + scores,
+        # The layer being recomputed under remat, its backward at once: its scores as a layer keeps them
+        # without remat, but not the fp32 gate and up. llm_1b under full remat on v5p-8, the heap beyond
+        # the state, gradients, weights and kept inputs: with splash at fsdp=2 x tensor=2 1.85 GiB, and
+        # 1.85 / 1.97 with 8 layers / a quarter of the vocabulary (1.86 counted, 2.86 with them). With
+        # dot_product at fsdp=4, seq 1024 / 2048 / 4096 / 8192 at the same tokens: heaps of 11.08 /
+        # 14.19 / 21.99 / 38.11 GiB, counted 11.76 / 14.76 / 20.76 / 32.76 (the scores once: 10.76 /
+        # 12.76 / 16.76 / 24.76); the compiler keeps more of them per token the longer the sequence.
+        "recomputed": elementwise + (1.5 if mixed else 2) * scores,
     }
 
 
@@ -119,9 +124,10 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str) -> in
     if spec.execution.remat == "none":
         return int(kept + logits)
     # Under remat the loss is done with before the last layer is recomputed: XLA:TPU's peak holds the
-    # larger of the two (small, full remat: logits 2 GiB, a recomputed layer 1.5; heaps of 2.9-3.3 GiB
-    # on five of six meshes and chips, 4.5 counting both). v5e's scheduler was seen to hold both for
-    # small at fsdp=4 (4.4 GiB): the README's memory table shows it.
+    # larger of the two (small, full remat: logits 2.1 GiB, a recomputed layer 1.6; heaps of 2.9-3.3 GiB
+    # on five of six meshes and chips, 4.7 counting both). At fsdp=4 v5e's latency-hiding scheduler (it
+    # orders work to overlap communication) holds both: small 4.39 GiB, llm_1b 10.66; 2.82 and 8.67 with
+    # xla_tpu_enable_latency_hiding_scheduler=false. The README's memory table shows it.
     return int(kept + max(logits, tokens * per_layer["recomputed"] * act))
 
 

@@ -232,7 +232,8 @@ def memory_per_device(compiled, platform: str, heap: int | None = None) -> dict[
     return breakdown
 
 
-_HBM_HEAP = re.compile(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)")
+# Each memory space's total in XLA:TPU's memory-usage report: "default" is HBM, "vmem" the on-chip memory.
+_MEMORY_SPACE = re.compile(r"Memory Space: (\w+) \(color=\d+\)\nTotal bytes: (\d+)")
 
 
 class OutOfHbm(Exception):
@@ -254,9 +255,11 @@ def compile_with_heap(lowered, platform: str):
     The heap is only written out, in the buffer-assignment report XLA dumps
     (`xla_dump_to`), so a TPU compile dumps into a temporary folder (a few MB)
     and reads its size from there; where the report is missing, the total
-    falls back to XLA's peak (memory_per_device). XLA:TPU writes the report
-    before it refuses a step too large for the chip, so a refusal raises
-    OutOfHbm with the heap it would have needed.
+    falls back to XLA's peak (memory_per_device). The report also gives what
+    XLA:TPU placed in on-chip memory beside the heap (`vmem`: tens of MiB; for
+    a small step, a good part of it). XLA:TPU writes the report before it
+    refuses a step too large for the chip, so a refusal raises OutOfHbm with
+    the heap it would have needed.
     """
     if platform != "tpu":
         compiled = lowered.compile()
@@ -268,15 +271,18 @@ def compile_with_heap(lowered, platform: str):
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             said = re.search(r"Ran out of memory[^\n]*", str(e))
-            raise OutOfHbm(said.group(0) if said else str(e).splitlines()[0], _heap(folder)) from e
-        heap = _heap(folder)
-    return compiled, memory_per_device(compiled, platform, heap)
+            raise OutOfHbm(said.group(0) if said else str(e).splitlines()[0], _spaces(folder).get("default")) from e
+        spaces = _spaces(folder)
+    breakdown = memory_per_device(compiled, platform, spaces.get("default"))
+    if "vmem" in spaces:
+        breakdown["vmem"] = spaces["vmem"]
+    return compiled, breakdown
 
 
-def _heap(folder: str) -> int | None:
+def _spaces(folder: str) -> dict[str, int]:
     for report in glob.glob(os.path.join(folder, "*memory-usage-report.txt")):
         with open(report) as f:
-            found = _HBM_HEAP.search(f.read())
-        if found:
-            return int(found.group(1))
-    return None
+            found = {name: int(total) for name, total in _MEMORY_SPACE.findall(f.read())}
+        if "default" in found:
+            return found
+    return {}
