@@ -146,6 +146,8 @@ def main():
 
 
 if __name__ == "__main__":
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # JAX read JAX_PLATFORMS when trainer.cli imported it
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     cli.run(main, uses_devices=False)

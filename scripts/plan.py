@@ -23,6 +23,7 @@ import json
 import os
 import sys
 
+import jax
 from absl import flags
 
 from trainer import cli
@@ -140,11 +141,12 @@ def _duration(seconds: float) -> str:
 
 
 def main():
-    if _TARGET.value:
-        os.environ["JAX_PLATFORMS"] = "cpu"  # compile for the target; never take this machine's own TPU
-    elif _SIMULATE.value:
-        # Must happen before JAX initialises its backends, hence the late import of the planner.
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    # Both before JAX starts a backend: a target's devices are libtpu's or the CUDA plugin's descriptions,
+    # simulated ones the CPU's, so this machine's own TPU or GPU is never taken. JAX read JAX_PLATFORMS when
+    # it was imported (above, with the config), so its option is set; XLA_FLAGS is read when the CPU starts.
+    if _TARGET.value or _SIMULATE.value:
+        jax.config.update("jax_platforms", "cpu")
+    if _SIMULATE.value:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_SIMULATE.value}"
         )
