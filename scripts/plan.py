@@ -141,9 +141,9 @@ def _duration(seconds: float) -> str:
 
 
 def main():
-    # Both before JAX starts a backend: a target's devices are libtpu's or the CUDA plugin's descriptions,
-    # simulated ones the CPU's, so this machine's own TPU or GPU is never taken. JAX read JAX_PLATFORMS when
-    # it was imported (above, with the config), so its option is set; XLA_FLAGS is read when the CPU starts.
+    # Before JAX starts a backend: a target's devices are libtpu's or the CUDA plugin's descriptions and
+    # simulated ones the CPU's, so this machine's own TPU or GPU is never started. JAX has already read the
+    # JAX_PLATFORMS variable (trainer.cli imports it), hence its option; XLA_FLAGS is read when the CPU starts.
     if _TARGET.value or _SIMULATE.value:
         jax.config.update("jax_platforms", "cpu")
     if _SIMULATE.value:
