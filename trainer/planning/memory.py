@@ -19,9 +19,10 @@ shows, and tests/test_memory_calibration.py holds this file to it):
   the gradients and no update).
 - `gathered`: what FSDP all-gathers beyond the device's own shard (gathered_bytes).
 - `activations`: what the backward pass keeps for one microbatch under the remat
-  policy, the fp32 logits, and under remat the larger of the logits and the
-  layer being recomputed; elements per token and layer are counted from the
-  model's shapes below.
+  policy, the fp32 logits, and under remat the larger of the logits (less the
+  microbatch's gradient, which the loss phase does not hold yet) and the layer
+  being recomputed; elements per token and layer are counted from the model's
+  shapes below.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def materialises_scores(spec, platform: str) -> bool:
     return kind == "xla" or (kind == "dot_product" and platform not in ("gpu", "cuda", "rocm"))
 
 
-def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str) -> int:
-    """Bytes one device keeps for the backward pass of one microbatch."""
+def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str, gradient_bytes: int = 0) -> int:
+    """Bytes one device keeps for the backward pass of one microbatch, at the peak; under remat, beside
+    the microbatch's gradient (`gradient_bytes`), which the backward pass makes and the loss does not hold."""
     t = cfg.train
     rows = microbatch_size(cfg) / (mesh_shape["data"] * mesh_shape["fsdp"])
     tokens, tensor = rows * cfg.data.seq_len, mesh_shape["tensor"]
@@ -123,12 +125,14 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str) -> in
     logits += tokens * spec.arch.d_model * (8 + act)
     if spec.execution.remat == "none":
         return int(kept + logits)
-    # Under remat the loss is done with before the last layer is recomputed: XLA:TPU's peak holds the
-    # larger of the two (small, full remat: logits 2.1 GiB, a recomputed layer 1.6; heaps of 2.9-3.3 GiB
-    # on five of six meshes and chips, 4.7 counting both). At fsdp=4 v5e's latency-hiding scheduler (it
-    # orders work to overlap communication) holds both: small 4.39 GiB, llm_1b 10.66; 2.82 and 8.67 with
-    # xla_tpu_enable_latency_hiding_scheduler=false. The README's memory table shows it.
-    return int(kept + max(logits, tokens * per_layer["recomputed"] * act))
+    # Under remat the loss is done with before the last layer is recomputed: XLA:TPU's peak is the larger
+    # of the two phases, and the loss's holds the logits where the backward pass holds the microbatch's
+    # gradient and the recomputed layer. llm_1b, full remat, fsdp=2 x tensor=2 on v5p-8: counted so
+    # 9.71 GiB, the heap 9.71; without accumulation the loss phase 8.41, the heap 8.40 (small: heaps of
+    # 2.9-3.3 GiB on five of six meshes and chips, 4.7 counting both). At fsdp=4 v5e's latency-hiding
+    # scheduler (it orders work to overlap communication) holds both: small 4.39 GiB, llm_1b 10.66; 2.82
+    # and 8.67 with xla_tpu_enable_latency_hiding_scheduler=false. The README's memory table shows it.
+    return int(kept + max(logits - gradient_bytes, tokens * per_layer["recomputed"] * act))
 
 
 def gathered_bytes(spec, mesh_shape: dict[str, int], act_bytes: int) -> int:
@@ -159,7 +163,7 @@ def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None)
     compute = jnp.dtype(cfg.precision.compute_dtype).itemsize
     fp32 = state["params"]  # the stored parameters are fp32
     shape = dict(setup.mesh.shape)
-    activations = activation_bytes(cfg, spec, shape, setup.mesh.devices.flat[0].platform)
+    activations = activation_bytes(cfg, spec, shape, setup.mesh.devices.flat[0].platform, fp32)
     out = {
         "params": fp32 * compute // 4,
         "master_weights": fp32 if compute != 4 else 0,
