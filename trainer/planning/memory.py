@@ -100,7 +100,7 @@ def materialises_scores(spec, platform: str) -> bool:
     return kind == "xla" or (kind == "dot_product" and platform not in ("gpu", "cuda", "rocm"))
 
 
-def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str, gradient_bytes: int = 0) -> int:
+def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str, gradient_bytes: int) -> int:
     """Bytes one device keeps for the backward pass of one microbatch, at the peak; under remat, beside
     the microbatch's gradient (`gradient_bytes`), which the backward pass makes and the loss does not hold."""
     t = cfg.train
