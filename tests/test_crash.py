@@ -152,7 +152,10 @@ def test_a_bucket_workdir_survives_a_kill_and_a_damaged_checkpoint(bucket, corpu
     complete = lambda: sorted(int(p.split("/")[-2]) for p in listing.glob(committed))
     proc = subprocess.Popen(train, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 120
-    while proc.poll() is None and len(complete()) < 2 and time.time() < deadline:
+    events = lambda: listing.glob("runs/crash/events.out.tfevents.*")
+    # Kill once two checkpoints are committed and the run's event file has reached the bucket: its files are
+    # copied in the background after each checkpoint, and a kill before the first copy loses them.
+    while proc.poll() is None and (len(complete()) < 2 or not events()) and time.time() < deadline:
         time.sleep(0.2)
     proc.kill()
     proc.wait()
@@ -173,12 +176,11 @@ def test_a_bucket_workdir_survives_a_kill_and_a_damaged_checkpoint(bucket, corpu
     steps = [json.loads(line)["step"] for line in listing.cat("runs/crash/metrics.jsonl").decode().splitlines()]
     train_steps = [s for s in steps if s > resumed]
     assert steps == sorted(steps) and train_steps[-1] == STEPS and set(range(resumed + 1, STEPS + 1)) <= set(steps)
-    events = listing.glob("runs/crash/events.out.tfevents.*")
-    assert len(events) == 2  # one per launch that logged: the killed one and the one that finished
+    assert len(events()) == 2  # one per launch that logged: the killed one and the one that finished
     from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
 
     local = tmp_path / "events"
-    local.write_bytes(listing.cat(sorted(events, key=lambda e: int(e.split(".")[3]))[-1]))
+    local.write_bytes(listing.cat(sorted(events(), key=lambda e: int(e.split(".")[3]))[-1]))
     logged = {e.step for e in EventFileLoader(str(local)).Load() if any(v.tag == "loss" for v in e.summary.value)}
     assert set(range(resumed + 1, STEPS + 1)) <= logged
 
