@@ -172,13 +172,13 @@ def wait_if_a_process_died(error: BaseException) -> None:
         time.sleep(lost_seconds(jax.process_count()) + 5 * beat_seconds(jax.process_count()))
 
 
-def any_process(flag: bool) -> bool:
-    """Whether `flag` is true on any process (a collective: every process must ask)."""
+def max_over_processes(value: int) -> int:
+    """The largest of every process's `value` (a collective: every process must ask)."""
     if jax.process_count() == 1:
-        return flag
+        return value
     from jax.experimental import multihost_utils
 
-    return bool(np.any(multihost_utils.process_allgather(np.array(flag))))
+    return int(np.max(multihost_utils.process_allgather(np.array(value, np.int32))))
 
 
 def barrier(name: str) -> None:

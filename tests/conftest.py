@@ -1,7 +1,11 @@
 """Every test runs on the CPU with 8 simulated devices; set before JAX starts."""
 
+import dataclasses
 import importlib.util
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -48,6 +52,32 @@ def cli_args(cfg) -> list[str]:
     return args
 
 
+@dataclasses.dataclass
+class Bucket:
+    url: str  # gs://runs
+    port: int  # where the emulator listens: gcs_emulator.fault(port, ...) makes it fail
+
+
+@pytest.fixture(scope="module")
+def bucket():
+    """A GCS emulator on localhost (tests/gcs_emulator.py) holding the bucket `runs`, with this process and the
+    processes it starts pointed at it."""
+    from gcs_emulator import environment
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "tests/gcs_emulator.py", str(port), "runs"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    assert server.stdout.readline().strip() == "ready"
+    with pytest.MonkeyPatch.context() as m:
+        for name, value in environment(port).items():
+            m.setenv(name, value)
+        yield Bucket("gs://runs", port)
+    server.kill()
+    server.wait()
+
+
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory):
     """The standard-library corpus, prepared once per test session."""
@@ -73,7 +103,7 @@ def text_batches(corpus_dir):
 # long the suite takes. The longest files (by the CI log's slowest tests) go first.
 LONGEST_FIRST = ("test_pipeline", "test_precision", "test_scaling", "test_step", "test_resume", "test_equivalence",
                  "test_optimizers", "test_crash", "test_multiprocess", "test_mup", "test_targets", "test_huggingface",
-                 "test_loop", "test_training_features", "test_mesh")  # fmt: skip
+                 "test_loop", "test_faults", "test_training_features", "test_mesh")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):

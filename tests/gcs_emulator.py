@@ -11,16 +11,23 @@ reference; without them an Orbax save fails with "Malformed StorageGeneration"):
   does not hold, 304 when a read's says the caller's copy is current.
 
 The clients are pointed at it by their documented settings (see `environment`).
+
+Faults of a real bucket, for the tests that need them: `fault(port, status, after)`
+makes it answer every request after the next `after` with that HTTP status (403:
+refused, 503: unavailable, ...; 0 ends the fault), as GCS does, with a JSON error.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import urllib.request
 from http import HTTPStatus
+from urllib.parse import parse_qs, urlparse
 
 from gcp_storage_emulator.exceptions import NotFound
 from gcp_storage_emulator.handlers import objects
+from gcp_storage_emulator.server import Response, Router
 
 
 def environment(port: int) -> dict[str, str]:
@@ -90,6 +97,38 @@ objects.download = _reading(objects.download)
 objects.get = _reading(objects.get)
 objects.insert = _writing(objects.insert, _upload_name)
 objects.delete = _writing(objects.delete, lambda request: request.params.get("object_id"))
+
+
+def fault(port: int, status: int, after: int = 0) -> None:
+    """From now on (after `after` more requests), every request to the emulator gets `status`; 0 ends it."""
+    with urllib.request.urlopen(f"http://localhost:{port}/_fault?status={status}&after={after}") as reply:
+        assert reply.status == 200
+
+
+_fault = {"status": 0, "after": 0}
+
+
+def _faulty(handle):
+    def wrapped(router, method):
+        handler = router._request_handler
+        if handler.path.startswith("/_fault"):
+            _fault.update({k: int(v[0]) for k, v in parse_qs(urlparse(handler.path).query).items()})
+            Response(handler).close()
+            return
+        if _fault["status"] and _fault["after"] <= 0:
+            handler.rfile.read(int(handler.headers.get("Content-Length") or 0))  # the request, unanswered
+            response = Response(handler)
+            response.status = HTTPStatus(_fault["status"])
+            response.json({"error": {"code": _fault["status"], "message": response.status.phrase}})
+            response.close()
+            return
+        _fault["after"] -= 1
+        handle(router, method)
+
+    return wrapped
+
+
+Router.handle = _faulty(Router.handle)
 
 if __name__ == "__main__":
     from gcp_storage_emulator.server import create_server  # after the handlers are wrapped: it routes to them

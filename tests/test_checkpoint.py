@@ -84,7 +84,7 @@ def test_a_damaged_checkpoint_is_set_aside_and_the_previous_one_used(tmp_path):
         f.truncate(data_files[-1].stat().st_size // 2)
     ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=5)
     said = []
-    step, state = ckpt.restore_newest_intact(_restorer(cfg, setup, ckpt), said.append)
+    step, state = ckpt.restore_newest_intact(_restorer(cfg, setup, ckpt), said.append, 0)
     assert step == 2 and int(state.step) == 2
     assert "step 3 cannot be read" in said[0]
     assert (tmp_path / "damaged_checkpoints" / "3").is_dir() and ckpt.steps() == [1, 2]
@@ -97,7 +97,7 @@ def test_when_every_checkpoint_is_damaged_the_run_stops_instead_of_starting_over
         (tmp_path / "checkpoints" / step / "params" / "manifest.ocdbt").unlink()
     ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=5)
     with pytest.raises(ConfigError, match="none of the checkpoints .1, 2. .* can be read"):
-        ckpt.restore_newest_intact(_restorer(cfg, setup, ckpt), lambda _: None)
+        ckpt.restore_newest_intact(_restorer(cfg, setup, ckpt), lambda _: None, 0)
 
 
 def test_a_half_written_save_is_ignored_and_cleaned_up(tmp_path):
@@ -107,7 +107,7 @@ def test_a_half_written_save_is_ignored_and_cleaned_up(tmp_path):
     leftover.mkdir(parents=True)  # what a process killed mid-save leaves behind
     ckpt = Checkpointer(str(tmp_path / "checkpoints"), keep=5)
     assert ckpt.latest_step() == 2
-    step, _ = ckpt.restore_newest_intact(_restorer(cfg, setup, ckpt), lambda _: None)
+    step, _ = ckpt.restore_newest_intact(_restorer(cfg, setup, ckpt), lambda _: None, 0)
     assert step == 2 and not leftover.exists()
 
 

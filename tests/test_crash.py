@@ -108,32 +108,6 @@ def test_sigkill_at_random_moments_and_a_sigterm_lose_nothing(tmp_path, corpus_d
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.fixture(scope="module")
-def bucket(monkeypatch_module):
-    """A GCS emulator on localhost holding the bucket `runs`, and this process pointed at it."""
-    import socket
-
-    from gcs_emulator import environment
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "tests/gcs_emulator.py", str(port), "runs"], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
-    assert server.stdout.readline().strip() == "ready"
-    for name, value in environment(port).items():
-        monkeypatch_module.setenv(name, value)
-    yield "gs://runs"
-    server.kill()
-    server.wait()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as m:
-        yield m
-
-
 def test_a_bucket_workdir_survives_a_kill_and_a_damaged_checkpoint(bucket, corpus_dir, uninterrupted, tmp_path):
     """train / kill / resume / eval / generate / export on gs://: checkpoints through TensorStore's GCS driver,
     every other file through etils.epath; a killed run resumes, a damaged checkpoint is set aside in the bucket,
@@ -144,7 +118,7 @@ def test_a_bucket_workdir_survives_a_kill_and_a_damaged_checkpoint(bucket, corpu
 
     from trainer.storage import workdir as wd
 
-    workdir = f"{bucket}/crash"
+    workdir = f"{bucket.url}/crash"
     # Every 5 steps, not every step: the emulator serves one request at a time. The weights do not change.
     train = [*command(workdir, corpus_dir), "--config.checkpoint.every_steps=5"]
     listing = fsspec.filesystem("gs", use_listings_cache=False, skip_instance_cache=True)

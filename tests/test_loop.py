@@ -231,3 +231,34 @@ def wandb_offline_log(path):
         if config is not None:
             config_keys |= {i.key for i in config.update}
     return history, config_keys
+
+
+def test_the_clock_steps_past_two_to_the_31_sequences(tmp_path):
+    """A run resumed just below 2^31 sequences (int32's limit) steps past it: the learning rate is the
+    schedule's (constant after warmup: the peak; a wrapped clock reads as warmup, negative), the logged
+    sequence counts and the saved data position are exact, and the run finishes when it should."""
+    from trainer.training import clock
+
+    batch, start = 8, 2**31 - 8
+    steps = start // batch + 3  # the run's end: 16 sequences past 2^31
+    cfg = micro_config(optim=dict(schedule="constant", warmup_steps=2), train=dict(steps=steps, log_every=1),
+                       checkpoint={"every_steps": 2})  # fmt: skip
+    workdir = str(tmp_path / "run")
+    setup = build(cfg)
+    state = setup.new_state()
+    counts = {"sequences": clock.of(start, batch), "data_read": clock.of(start, batch), "batch": np.int32(batch)}
+    state = state.replace(step=jax.numpy.int32(start // batch), clock=jax.device_put(counts, state.step.sharding))
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=3)
+    ckpt.save(start // batch, state, None)
+    ckpt.close()
+
+    result = train(cfg, workdir)
+    logged = [r for r in records(workdir) if "loss" in r]
+    assert [r["sequences"] for r in logged] == [start + 8, start + 16, start + 24]
+    assert all(r["lr"] == pytest.approx(cfg.optim.lr, rel=1e-6) for r in logged)
+    assert result["step"] == steps
+    assert train(cfg, workdir) == {"step": steps}  # finished: nothing more to train
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    meta = ckpt.restore_meta(steps, setup.shard.replicated())
+    assert clock.value(meta["clock"]["data_read"], int(meta["clock"]["batch"])) == start + 24 == 2**31 + 16
+    ckpt.close()

@@ -147,6 +147,8 @@ def defaults() -> ml_collections.ConfigDict:
         "keep": 3,
         "keep_every": 0,
         "async": True,
+        # A restore (or a bucket at start-up) whose storage answers 429/5xx or times out is retried this long.
+        "retry_seconds": 300,
         # Resume this run's weights, step, schedule and data with a fresh optimiser state (e.g. another optim.name).
         "reset_optimizer": False,
         # "DIR[@STEP]": start a new run from another run's weights, everything else fresh (fine-tuning).

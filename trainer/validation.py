@@ -97,6 +97,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
     if not 0 < o.decay_fraction <= 1:
         raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must lie in (0, 1].")
+    if cfg.checkpoint.retry_seconds < 0:
+        raise ConfigError(f"checkpoint.retry_seconds={cfg.checkpoint.retry_seconds} cannot be negative (0: no retry).")
     if o.warmup_steps < 0 or o.decay_steps < 0 or t.eval_every < 0 or cfg.checkpoint.keep_every < 0:
         raise ConfigError(
             "optim.warmup_steps, optim.decay_steps, train.eval_every and checkpoint.keep_every cannot be negative."

@@ -24,26 +24,70 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from parallelism.distributed import any_process, barrier
-from trainer.errors import ConfigError
+from parallelism.distributed import barrier, max_over_processes
+from trainer.errors import ConfigError, StorageError
+from trainer.storage import faults
 from trainer.storage.workdir import forget_listings, move, path
 from trainer.training.state import TrainState
 
 PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
 # 3: the data position is keyed by global-batch row, and meta holds the clock (in sequences), the
-# loss scale and the stability state apart. Older layouts are read by storage/resume.py.
-FORMAT = 3
+# loss scale and the stability state apart. 4: the clock in two words and its batch
+# (trainer/training/clock.py). Older layouts are read by storage/resume.py.
+FORMAT = 4
 # Orbax and TensorStore report a missing, truncated or corrupt file with many exception types, a bare
 # Exception among them; these, though, are faults in the code, and setting checkpoints aside for one
 # would hide it behind "damaged" files.
 CODE_FAULTS = (TypeError, AttributeError, NameError, ImportError, AssertionError, NotImplementedError)
+
+
+class Failed:
+    """What a handler's restore returns instead of raising (see Guarded)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class Guarded(ocp.StandardCheckpointHandler):
+    """Orbax's handler, whose restore returns the failure instead of raising it. Orbax waits for every
+    process at a barrier once the handlers have restored; a process that raised before it would leave
+    the others waiting there, and its next collective would meet their barrier instead of its own."""
+
+    def restore(self, directory, args=None):
+        try:
+            return super().restore(directory, args=args)
+        except Exception as e:
+            return Failed(e)
+
+
+@ocp.args.register_with_handler(Guarded, for_save=True)
+@dataclasses.dataclass
+class Save(ocp.args.StandardSave):
+    pass
+
+
+@ocp.args.register_with_handler(Guarded, for_restore=True)
+@dataclasses.dataclass
+class Restore(ocp.args.StandardRestore):
+    pass
+
+
+class Unreadable(Exception):
+    """A read of a checkpoint that failed on some process. `kind` (faults.DAMAGED, TRANSIENT or STOP) is the
+    worst of every process's, so all raise it together; `error` is this process's own (None: it read its part)."""
+
+    def __init__(self, kind: int, error: Exception | None, what: str):
+        self.kind, self.error, self.what = kind, error, what
+        reason = faults.summary(error) if error is not None else "another process could not read its part"
+        super().__init__(f"{what}: {reason}")
 
 
 class DataStateHandler:
@@ -55,11 +99,14 @@ class DataStateHandler:
         path.write_text(json.dumps(args.item.get_state()))
 
     def restore(self, directory, args=None):
-        rows = {}
-        for file in directory.glob("process_*.json"):
-            rows.update(json.loads(file.read_text())["rows"])
-        args.item.set_state({"rows": rows})
-        return args.item
+        try:
+            rows = {}
+            for file in directory.glob("process_*.json"):
+                rows.update(json.loads(file.read_text())["rows"])
+            args.item.set_state({"rows": rows})
+            return args.item
+        except Exception as e:  # as Guarded does
+            return Failed(e)
 
     def metadata(self, directory):
         return None
@@ -106,9 +153,9 @@ class Checkpointer:
             read_only=read_only,
         )
         handlers = {
-            PARAMS: ocp.StandardCheckpointHandler(),
-            OPT_STATE: ocp.StandardCheckpointHandler(),
-            META: ocp.StandardCheckpointHandler(),
+            PARAMS: Guarded(),
+            OPT_STATE: Guarded(),
+            META: Guarded(),
             DATA: DataStateHandler(),
         }
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
@@ -124,21 +171,56 @@ class Checkpointer:
                 "stability": state.stability, "format": np.int32(FORMAT),
                 "reset_optimizer": np.int32(reset_optimizer)}  # fmt: skip
         items = {
-            PARAMS: ocp.args.StandardSave(state.params),
-            OPT_STATE: ocp.args.StandardSave(state.opt_state),
-            META: ocp.args.StandardSave(meta),
+            PARAMS: Save(state.params),
+            OPT_STATE: Save(state.opt_state),
+            META: Save(meta),
         }
         if data_iterator is not None:
             items[DATA] = DataSave(data_iterator)
         self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
+    def _read(self, step: int, work: Callable[[], Any]):
+        """`work()`, a read of the checkpoint at `step`, and then every process's verdict on it: all return,
+        or all raise Unreadable with the worst verdict (a collective: every process reads, then asks)."""
+        result, error = None, None
+        try:
+            result = work()
+            failed = [r for r in (result.values() if isinstance(result, Mapping) else ()) if isinstance(r, Failed)]
+            if failed:
+                raise failed[0].error
+        except (ConfigError, *CODE_FAULTS):
+            raise
+        except Exception as e:
+            error = e
+        kind = faults.verdict(error)
+        if kind == faults.DAMAGED:
+            kind, error = self._confirm_damage(step, error)
+        worst = max_over_processes(kind)
+        if worst != faults.OK:
+            raise Unreadable(worst, error, f"reading the checkpoint at step {step} in {self.directory}")
+        return result
+
+    def _confirm_damage(self, step: int, error: BaseException) -> tuple[int, BaseException]:
+        """A file that seems missing or short is the checkpoint's fault only if the storage answers about the
+        checkpoint itself: list its directory; if that fails, the fault is the storage's."""
+        try:
+            next(iter((path(self.directory) / str(step)).iterdir()), None)
+        except Exception as e:
+            kind = faults.verdict(e)
+            return (kind if kind != faults.DAMAGED else faults.STOP), e
+        return faults.DAMAGED, error
+
     def metadata(self, step: int) -> dict:
-        """Each item's tree of array metadata (shapes, dtypes); raises if the checkpoint cannot be read."""
-        metadata = self._manager.item_metadata(step)
-        missing = {PARAMS, OPT_STATE, META} - set(metadata.keys())
-        if missing:
-            raise OSError(f"items {sorted(missing)} are missing")
-        return {name: metadata[name] for name in (PARAMS, OPT_STATE, META)}
+        """Each item's tree of array metadata (shapes, dtypes); raises Unreadable if it cannot be read."""
+
+        def read():
+            metadata = self._manager.item_metadata(step)
+            missing = {PARAMS, OPT_STATE, META} - set(metadata.keys())
+            if missing:
+                raise faults.Damaged(f"items {sorted(missing)} are missing")
+            return {name: metadata[name] for name in (PARAMS, OPT_STATE, META)}
+
+        return self._read(step, read)
 
     def data_rows(self, step: int) -> set[int] | None:
         """The batch rows whose data position the checkpoint holds (None: it holds no data position)."""
@@ -172,50 +254,65 @@ class Checkpointer:
     def restore_params(self, step: int, target: dict) -> dict:
         """Parameters only, placed as `target`'s shardings say; the optimiser state is never read."""
         self.check_params(step, target)
-        restored = self._manager.restore(step, args=ocp.args.Composite(**{PARAMS: ocp.args.StandardRestore(target)}))
-        return restored[PARAMS]
+        items = ocp.args.Composite(**{PARAMS: Restore(target)})
+        return self._read(step, lambda: self._manager.restore(step, args=items))[PARAMS]
 
     def restore_meta(self, step: int, sharding) -> dict:
         """The meta item as saved (its own shapes, whatever config wrote it), as host arrays."""
-        target = jax.tree.map(
-            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), self._manager.item_metadata(step)[META]
-        )
-        meta = self._manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.StandardRestore(target)}))[META]
+
+        def read():
+            target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding),
+                                  self._manager.item_metadata(step)[META])  # fmt: skip
+            return self._manager.restore(step, args=ocp.args.Composite(**{META: Restore(target)}))
+
+        meta = self._read(step, read)[META]
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), meta)
 
     def restore(self, step: int, params: dict, opt_state, data_iterator) -> tuple[dict, object]:
         """Parameters and (unless `opt_state` is None) the optimiser state into the targets' shapes and
         shardings; the data iterator, if given, is restored in place."""
-        items = {PARAMS: ocp.args.StandardRestore(params)}
-        if opt_state is not None:
-            items[OPT_STATE] = ocp.args.StandardRestore(opt_state)
-        if data_iterator is not None and (path(self.directory) / str(step) / DATA).is_dir():
-            items[DATA] = DataRestore(data_iterator)
-        r = self._manager.restore(step, args=ocp.args.Composite(**items))
+
+        def read():
+            items = {PARAMS: Restore(params)}
+            if opt_state is not None:
+                items[OPT_STATE] = Restore(opt_state)
+            if data_iterator is not None and (path(self.directory) / str(step) / DATA).is_dir():
+                items[DATA] = DataRestore(data_iterator)
+            return self._manager.restore(step, args=ocp.args.Composite(**items))
+
+        r = self._read(step, read)
         return r[PARAMS], r[OPT_STATE] if opt_state is not None else None
 
     def restore_newest_intact(
-        self, restore: Callable[[int], object], say: Callable[[str], None]
+        self, restore: Callable[[int], object], say: Callable[[str], None], retry_seconds: float
     ) -> tuple[int, object] | None:
         """`restore(step)` on the newest checkpoint that reads back whole, setting damaged ones aside.
 
-        Returns None when there are no checkpoints; raises ConfigError when there
-        are some but none can be read (never a silent fresh start).
+        Only a checkpoint whose own files are bad is set aside (trainer/storage/faults.py); trouble
+        around it (memory, credentials, the storage failing) moves nothing: transient trouble is retried
+        with backoff for `retry_seconds`, then, like any other trouble, raises StorageError. Each read
+        ends with every process's verdict (`_read`), so all go on, retry, or stop together.
+        Returns None when there are no checkpoints; raises ConfigError when there are some but none
+        can be read (never a silent fresh start).
         """
         steps = self.steps()
         for step in reversed(steps):
-            try:
-                result, reason = restore(step), None
-            except (ConfigError, *CODE_FAULTS):
-                raise
-            except Exception as e:  # the files cannot be read
-                result, reason = None, " ".join(str(e).split())[:200]
-            # A damaged shard may fail one process only: all of them go on to an older step, or none.
-            if not any_process(reason is not None):
-                return step, result
-            reason = reason or "another process could not read its part"
+            deadline, wait = time.monotonic() + retry_seconds, 1.0
+            while True:
+                try:
+                    return step, restore(step)
+                except Unreadable as e:
+                    failure = e
+                if failure.kind == faults.TRANSIENT and not max_over_processes(int(time.monotonic() >= deadline)):
+                    say(f"{failure}; retrying in {wait:.0f}s")
+                    time.sleep(wait)
+                    wait = min(2 * wait, 60.0)
+                    continue
+                if failure.kind != faults.DAMAGED:
+                    raise StorageError(faults.stopped(failure.what, failure.error, failure.kind, retry_seconds))
+                break
             moved = self.set_aside(step, "damaged_checkpoints")
-            say(f"checkpoint at step {step} cannot be read ({reason}); moved to {moved}, trying an older one")
+            say(f"checkpoint at step {step} cannot be read ({failure}); moved to {moved}, trying an older one")
         if steps:
             raise ConfigError(
                 f"none of the checkpoints {steps} in {self.directory} can be read (moved to damaged_checkpoints/); "
@@ -224,21 +321,29 @@ class Checkpointer:
         return None
 
     def set_aside(self, step: int, folder: str) -> str:
-        """Move a checkpoint out of the way (into <workdir>/<folder>/), never deleting it.
+        """Move a checkpoint out of the way (into <workdir>/<folder>/<step>, or <step>.1, ... if that is
+        taken), never deleting it; returns where it went.
 
-        Every process calls it; process 0 alone moves (the storage is shared) and the others wait.
-        In a bucket a move is a copy of every object and a delete: slower, and as safe, since the
-        checkpoint is out of the listing only once its copy is whole."""
-        target_dir = path(self.directory).parent / folder
-        target = target_dir / str(step)
-        suffix = 0
-        while target.exists():
-            suffix += 1
-            target = target_dir / f"{step}.{suffix}"
-        barrier(f"set aside {step}: named")  # no process looks once process 0 has moved it
+        Every process calls it, once all have finished reading it; process 0 alone moves (the storage is
+        shared) and the others wait. In a bucket the move copies and checks every object before it deletes
+        any (workdir.move), so a move that fails or is killed leaves the checkpoint whole in one place."""
+        source, target, error = path(self.directory) / str(step), path(self.directory).parent / folder, None
         if jax.process_index() == 0:
-            move(path(self.directory) / str(step), target)
-        barrier(f"set aside {step}: moved")
+            try:
+                target = target / str(step)
+                suffix = 0
+                while target.exists():
+                    suffix += 1
+                    target = target.parent / f"{step}.{suffix}"
+                move(source, target)
+            except Exception as e:
+                error = e
+        if max_over_processes(int(error is not None)):  # every process waits for the move here
+            reason = faults.summary(error) if error is not None else "on process 0"
+            raise StorageError(
+                f"setting the checkpoint at step {step} aside into {target} failed ({reason}); nothing is lost (it "
+                f"is whole in {source} or there); rerun to try again once the storage answers."
+            )
         forget_listings(self.directory)
         self._manager.reload()
         return str(target)

@@ -28,12 +28,13 @@ import numpy as np
 from trainer.config import flatten, from_dict, with_changes
 from trainer.data.streams import Stream
 from trainer.data.tokenizers import identity as tokenizer_identity
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, StorageError
 from trainer.model.spec import Architecture
 from trainer.optim.optimizer import make_optimizer
+from trainer.storage import faults
 from trainer.storage import workdir as wd
-from trainer.storage.checkpoint import CODE_FAULTS, OPT_STATE, Checkpointer, arrays
-from trainer.training import stability
+from trainer.storage.checkpoint import OPT_STATE, Checkpointer, Unreadable, arrays
+from trainer.training import clock, stability
 from trainer.training.precision import LossScaling
 from trainer.training.setup import Setup, build
 from trainer.training.state import TrainState, abstract_params
@@ -134,23 +135,27 @@ def restore_state(ckpt: Checkpointer, step: int, setup, data_iterator, saved=Non
 def _counters(meta: dict, cfg, saved) -> dict:
     """The clock, loss scale and stability entries of a restored meta item, whichever layout wrote it.
 
-    Format 3 keeps the three apart. Format 2 (commit 40ed449) kept all in
+    Format 4 counts in two words (trainer/training/clock.py) and the batch they
+    count in, converted here to this config's batch. Format 3 kept the three
+    apart, with int32 counts. Format 2 (commit 40ed449) kept all in
     `stability`; checkpoints with no format (2549b1c and before) did too, and
     counted microbatches, which are global batches here (a checkpoint written
     with accumulation is refused before this).
     """
     old, batch = meta["stability"], cfg.train.global_batch_size
     if "clock" in meta:
-        clock, scale = meta["clock"], meta["loss_scale"]
+        counts, scale = meta["clock"], meta["loss_scale"]
+        if "batch" in counts:
+            counts = {k: clock.value(counts[k], int(counts["batch"])) for k in ("sequences", "data_read")}
     else:
         per = 1 if "format" in meta else batch
         trained = old["sequences"] if "sequences" in old else old["microbatches"]
-        clock = {"sequences": trained * per, "data_read": old["data_read"] * per}
+        counts = {"sequences": int(trained) * per, "data_read": int(old["data_read"]) * per}
         scale = {"scale": old["loss_scale"], "good_steps": old["good_steps"]}
     scaling = LossScaling.from_config(cfg)
     saved_dynamic = LossScaling.from_config(saved).dynamic if saved is not None else scaling.dynamic
     return {
-        "clock": {k: np.int32(v) for k, v in clock.items()},
+        "clock": {**{k: clock.of(int(v), batch) for k, v in counts.items()}, "batch": np.int32(batch)},
         "loss_scale": scaling.resumed(
             {"scale": np.float32(scale["scale"]), "good_steps": np.int32(scale["good_steps"])}, saved_dynamic
         ),
@@ -186,13 +191,10 @@ def load_init_params(cfg, setup) -> tuple[dict, str, int]:
             raise ConfigError(f"checkpoint.init_from: {path} has no checkpoint at step {step}; it has steps {steps}.")
         try:
             return ckpt.restore_params(step, abstract_params(setup.model, setup.shard)), path, step
-        except (ConfigError, *CODE_FAULTS):
-            raise
-        except Exception as e:  # the files cannot be read
-            reason = " ".join(str(e).split())[:200]
-            raise ConfigError(
-                f"checkpoint.init_from: the checkpoint at step {step} in {path} cannot be read ({reason})."
-            ) from e
+        except Unreadable as e:
+            if e.kind != faults.DAMAGED:
+                raise StorageError(faults.stopped(f"checkpoint.init_from: {e.what}", e.error, e.kind, 0)) from e
+            raise ConfigError(f"checkpoint.init_from: {e} (the checkpoint cannot be read).") from e
     finally:
         ckpt.close()
 

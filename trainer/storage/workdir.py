@@ -18,6 +18,7 @@ from etils import epath
 
 from trainer.config import to_json
 from trainer.errors import ConfigError
+from trainer.storage import faults
 
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
@@ -34,6 +35,19 @@ def path(location) -> epath.Path:
     if "://" in location and not is_remote(location):
         raise ConfigError(f"{location}: only local paths and {BUCKET} buckets are supported as run directories.")
     return epath.Path(location if is_remote(location) else os.path.abspath(location))
+
+
+def wait_for_storage(workdir: str, seconds: float, say) -> None:
+    """That a bucket workdir's storage answers, before anything else is read or written: a bucket that
+    answers 429 or 5xx is waited for (with backoff, for up to `seconds`); one that refuses, or does not
+    exist, stops the run in one sentence."""
+    if not is_remote(workdir):
+        return
+    bucket = path(BUCKET + str(workdir)[len(BUCKET) :].split("/")[0])
+    try:
+        faults.retrying(f"reading {bucket}", lambda: next(iter(bucket.iterdir()), None), seconds, say)
+    except FileNotFoundError as e:
+        raise ConfigError(f"the bucket {bucket} does not exist; create it, or choose another --workdir.") from e
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -91,15 +105,30 @@ def write_file(location, text: str) -> None:
 
 
 def move(source: epath.Path, target: epath.Path) -> None:
-    """Move a directory. A bucket has no directories (epath's rename wants the target's parent to exist):
-    there fsspec copies every object, then deletes the originals."""
-    if is_remote(source):
-        import fsspec
-
-        fsspec.filesystem("gcs").mv(str(source), str(target), recursive=True)
-    else:
+    """Move a checkpoint's directory so that an interruption at any point leaves one whole copy that nothing
+    cleans away. A local directory is renamed (atomic). A bucket has no directories and no rename: every
+    object is copied, each copy checked against its original (size and CRC32C), then the original's
+    commit markers are deleted first, taking it out of Orbax's listing, and its other objects last."""
+    if not is_remote(source):
         target.parent.mkdir(parents=True, exist_ok=True)
         source.rename(target)
+        return
+    import fsspec
+
+    fs = fsspec.filesystem("gcs")
+    fs.invalidate_cache()
+    src, dst = str(source).removeprefix(BUCKET).rstrip("/"), str(target).removeprefix(BUCKET).rstrip("/")
+    names = sorted(fs.find(src))
+    for name in names:
+        fs.cp_file(name, dst + name[len(src) :])
+    fs.invalidate_cache()
+    for name in names:
+        have, copy = fs.info(name), fs.info(dst + name[len(src) :])
+        if (have["size"], have.get("crc32c")) != (copy["size"], copy.get("crc32c")):
+            raise OSError(f"the copy of {BUCKET}{name} in {target} differs from it; {source} is left in place")
+    markers = [n for n in names if n.endswith("/commit_success.txt")]
+    for name in sorted(markers, key=len) + [n for n in names if n not in markers]:  # the checkpoint's own first
+        fs.rm_file(name)
 
 
 def forget_listings(location) -> None:

@@ -34,7 +34,7 @@ from trainer.storage import resume
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.metrics import MetricsWriter
-from trainer.training import batch_ramp, stability
+from trainer.training import batch_ramp, clock, stability
 from trainer.training.preemption import watch_for_sigterm
 from trainer.training.profiling import StepProfiler
 from trainer.training.rollback import roll_back
@@ -49,6 +49,7 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
     Returns the setup and, for a new run with `checkpoint.init_from`, the weights to start from.
     """
     setup = build(cfg)
+    wd.wait_for_storage(workdir, cfg.checkpoint.retry_seconds, print if jax.process_index() == 0 else _quiet)
     streams.check_vocab(cfg)
     if cfg.train.sample_prompts:
         samples.check_prompts(cfg, load_tokenizer(cfg.data))
@@ -130,7 +131,7 @@ class Run:
             state, reset = resume.restore_state(self.ckpt, step, setup, data, saved_cfg)
             return state, data, reset
 
-        found = self.ckpt.restore_newest_intact(restore, self.say)
+        found = self.ckpt.restore_newest_intact(restore, self.say, cfg.checkpoint.retry_seconds)
         self.resumed, self.reset_optimizer = found is not None, found is not None and found[1][2]
         if found:
             self.state, data = found[1][:2]
@@ -180,7 +181,8 @@ class Run:
     def _clocks(self) -> tuple[int, int, int, int]:
         """(step, sequences trained on, sequences read, skipped steps): a (small) sync with the device."""
         s = fetch({"step": self.state.step, **self.state.clock, "skipped": self.state.stability["skipped"]})
-        return int(s["step"]), int(s["sequences"]), int(s["data_read"]), int(s["skipped"])
+        trained, read = (clock.value(s[k], self.batch) for k in ("sequences", "data_read"))
+        return int(s["step"]), trained, read, int(s["skipped"])
 
     def finished(self) -> bool:
         if self.trained >= self.target:  # an estimate between syncs: a skipped step trains on nothing
@@ -236,7 +238,9 @@ class Run:
 
     def log(self, step: int, metrics) -> str | None:
         """Write step `step`'s metrics (and any skipped-step event); returns why to roll back, if so."""
-        values = _floats(fetch(metrics))  # waits for that step only: the next one is already queued
+        values = fetch(metrics)  # waits for that step only: the next one is already queued
+        trained = clock.value(values.pop("sequences"), self.batch)
+        values = {**_floats(values), "sequences": trained}
         elapsed = time.perf_counter() - self.mark_time
         tokens = sum(n for s, n in self.dispatched if s <= step)
         self.dispatched = [(s, n) for s, n in self.dispatched if s > step]
@@ -325,6 +329,10 @@ class Run:
         self.writer.close()
         if self.files is not None:
             self.files.close()
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    pass
 
 
 def _floats(values: dict) -> dict[str, float]:

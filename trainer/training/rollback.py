@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from trainer.errors import TrainingError
 from trainer.storage.checkpoint import Checkpointer
-from trainer.training import stability
+from trainer.training import clock, stability
 from trainer.training.state import TrainState
 
 
@@ -51,7 +51,8 @@ def roll_back(
         ckpt.set_aside(later, "rolled_back_checkpoints")
     state = restore(step)  # the data stream goes on from where it is
     stats = state.stability
-    skipped = data_read - int(jax.device_get(state.clock["data_read"]))
+    batch = cfg.train.global_batch_size
+    skipped = data_read - clock.value(jax.device_get(state.clock["data_read"]), batch)
     changes = {
         "lr_scale": jnp.float32(previous["lr_scale"] * cfg.stability.rollback_lr_factor),
         "rollbacks": jnp.int32(rollbacks),
@@ -59,5 +60,5 @@ def roll_back(
         "diverged_run": jnp.int32(0),
     }
     changes = {k: jax.device_put(v, replicated) for k, v in changes.items()}
-    clock = {**state.clock, "data_read": jax.device_put(jnp.int32(data_read), replicated)}
-    return state.replace(stability={**stats, **changes}, clock=clock), skipped / cfg.train.global_batch_size
+    counts = {**state.clock, "data_read": jax.device_put(clock.of(data_read, batch), replicated)}
+    return state.replace(stability={**stats, **changes}, clock=counts), skipped / batch

@@ -98,11 +98,13 @@ def adopt(saved: dict, cfg, step: int) -> dict:
     return out
 
 
-def drill_multipliers(cfg, data_read: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
-    """(loss multiplier, learning-rate multiplier) for a step that reads `rows` sequences from `data_read` on,
-    from the drills in `config.debug`, counted in global batches of the data stream; computed on the device."""
+def drill_multipliers(cfg, data_read: dict, rows: int) -> tuple[jax.Array, jax.Array]:
+    """(loss multiplier, learning-rate multiplier) for a step that reads `rows` sequences from `data_read` (a
+    count, trainer/training/clock.py) on, from the drills in `config.debug`, counted in global batches of the
+    data stream; computed on the device."""
     d, batch = cfg.debug, cfg.train.global_batch_size
-    first, last = data_read // batch, (data_read + rows - 1) // batch
+    first = data_read["batches"]
+    last = first + (data_read["rows"] + rows - 1) // batch
     poisoned = jnp.zeros((), bool)
     if d.poison_batches:
         batches = jnp.asarray(d.poison_batches, jnp.int32)

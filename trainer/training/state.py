@@ -20,7 +20,7 @@ import optax
 from parallelism.rules import LogicalSharding
 from trainer.model.decoder import ModelDef, init_params
 from trainer.model.spec import ModelSpec
-from trainer.training import precision, stability
+from trainer.training import clock, precision, stability
 
 
 @flax.struct.dataclass
@@ -40,8 +40,13 @@ _COUNTERS = ("clock", "loss_scale", "stability")
 def initial_counters(cfg) -> dict:
     """The clock, loss scale and stability entries of a fresh state."""
     return {
-        # Rollbacks skip data: the stream can be ahead of the sequences trained on.
-        "clock": {"sequences": jnp.int32(0), "data_read": jnp.int32(0)},
+        # Rollbacks skip data: the stream can be ahead of the sequences trained on. Two-word counts
+        # (trainer/training/clock.py) in global batches of `batch`, kept beside them for a resume.
+        "clock": {
+            "sequences": clock.zero(),
+            "data_read": clock.zero(),
+            "batch": jnp.int32(cfg.train.global_batch_size),
+        },
         "loss_scale": precision.LossScaling.from_config(cfg).initial_state(),
         "stability": stability.initial_state(cfg),
     }

@@ -34,7 +34,7 @@ from parallelism.rules import LogicalSharding
 from trainer.model.decoder import ModelDef
 from trainer.optim.optimizer import applied_learning_rate, with_hyperparams
 from trainer.optim.schedules import make_schedule
-from trainer.training import stability
+from trainer.training import clock, stability
 from trainer.training.precision import LossScaling
 from trainer.training.state import TrainState, param_shardings
 
@@ -96,9 +96,9 @@ def make_train_step(
     grad_shardings = param_shardings(model, shard) if shard.mesh is not None else None
 
     def train_step(state: TrainState, batch: dict):
-        stats, clock = state.stability, state.clock
+        stats, counts = state.stability, state.clock
         rows, positions = batch["tokens"].shape[0], batch["tokens"].size
-        loss_multiplier, lr_multiplier = stability.drill_multipliers(cfg, clock["data_read"], rows)
+        loss_multiplier, lr_multiplier = stability.drill_multipliers(cfg, counts["data_read"], rows)
         scale = state.loss_scale["scale"]
         # The token count comes out of the forward pass, not before it: counting up front adds a
         # collective that depends on nothing, which XLA:CPU may run beside the first weight
@@ -124,7 +124,7 @@ def make_train_step(
         ok, finite, spike = stability.judge(cfg, stats, loss, grad_norm)
         bad = ~ok & ~scaling.overflowed(loss, grad_norm, scale)
 
-        lr = schedule(clock["sequences"] / batch_size) * stats["lr_scale"] * lr_multiplier
+        lr = schedule(clock.in_batches(counts["sequences"], batch_size)) * stats["lr_scale"] * lr_multiplier
         opt_state = with_hyperparams(state.opt_state, learning_rate=lr, weight_decay=jnp.float32(weight_decay))
         updates, new_opt = tx.update(grads, opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
@@ -135,7 +135,8 @@ def make_train_step(
         params, opt_state = keep(new_params, state.params), keep(new_opt, state.opt_state)
         loss_scale = scaling.update(state.loss_scale, jnp.isfinite(grad_norm))
         stats = stability.update_statistics(cfg, stats, state.step, ok, bad, loss, grad_norm)
-        clock = {"sequences": clock["sequences"] + jnp.where(ok, rows, 0), "data_read": clock["data_read"] + rows}
+        counts = {**counts, "sequences": clock.add(counts["sequences"], jnp.where(ok, rows, 0), batch_size),
+                  "data_read": clock.add(counts["data_read"], rows, batch_size)}  # fmt: skip
         param_norm = optax.global_norm(params)
         metrics = {
             "loss": loss,
@@ -151,13 +152,13 @@ def make_train_step(
             "skipped_total": stats["skipped"],
             "bad_in_window": jnp.sum(stats["recent_bad"]),
             "diverged_run": stats["diverged_run"],
-            "sequences": clock["sequences"],
+            "sequences": counts["sequences"],  # two words: the loop makes them one number
             "loss_scale": loss_scale["scale"],
             "target_tokens": count,
         }
         if cfg.train.layer_grad_norms:
             metrics.update(_layer_norms(grads))
-        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, clock=clock,
+        new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, clock=counts,
                                   loss_scale=loss_scale, stability=stats)  # fmt: skip
         return new_state, metrics
 
