@@ -1,5 +1,6 @@
 """Real training processes killed at random moments end where an uninterrupted run ends, bit for bit."""
 
+import json
 import os
 import random
 import signal
@@ -107,13 +108,25 @@ def test_sigkill_at_random_moments_and_a_sigterm_lose_nothing(tmp_path, corpus_d
     for a, b in zip(jax.tree.leaves(final_params(workdir, corpus_dir)), jax.tree.leaves(uninterrupted), strict=True):
         np.testing.assert_array_equal(a, b)
 
+    # One history, in metrics.jsonl and in TensorBoard (which purges what a killed launch logged past its
+    # checkpoint), read as TensorBoard's own server reads it.
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        losses = {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+    assert list(losses) == list(range(1, STEPS + 1))
+    events = EventAccumulator(workdir, size_guidance={"tensors": 0})  # 0: every event, not a sample of 10
+    events.Reload()
+    drawn = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in events.Tensors("loss")]
+    assert [s for s, _ in drawn] == list(range(1, STEPS + 1))
+    assert dict(drawn) == pytest.approx(losses, rel=1e-6)
+
 
 def test_a_bucket_workdir_survives_a_kill_and_a_damaged_checkpoint(bucket, corpus_dir, uninterrupted, tmp_path):
     """train / kill / resume / eval / generate / export on gs://: checkpoints through TensorStore's GCS driver,
     every other file through etils.epath; a killed run resumes, a damaged checkpoint is set aside in the bucket,
     and the run ends with the uninterrupted local run's weights, bit for bit."""
-    import json
-
     import fsspec
 
     from trainer.storage import workdir as wd

@@ -115,12 +115,60 @@ def test_a_finished_run_rerun_does_nothing(tmp_path):
     assert records(workdir) == before
 
 
-def test_records_logged_after_the_restored_checkpoint_are_dropped(tmp_path):
+def test_records_logged_after_the_restored_checkpoint_are_moved_aside_not_dropped(tmp_path):
     with open(tmp_path / "metrics.jsonl", "w") as f:
-        for step in (2, 4, 6):
-            f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
+        for step in (2, 4, 6, 8):
+            f.write(json.dumps({"step": step, "loss": float(step)}) + "\n")
+        f.write('{"step": 10, "lo')  # cut short by a kill
     MetricsWriter(GrowingFiles(str(tmp_path)), resume_step=4).close()
     assert [r["step"] for r in records(tmp_path)] == [2, 4]
+    with open(tmp_path / "metrics.superseded.jsonl") as f:
+        assert f.read().splitlines() == ['{"step": 6, "loss": 6.0}', '{"step": 8, "loss": 8.0}', '{"step": 10, "lo']
+    MetricsWriter(GrowingFiles(str(tmp_path)), resume_step=0).close()  # a later fresh start: appended
+    assert records(tmp_path) == []
+    with open(tmp_path / "metrics.superseded.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f.read().splitlines()[3:]] == [2, 4]
+
+
+def test_a_fresh_start_over_an_earlier_runs_history_is_refused_and_a_short_one_kept_aside(tmp_path):
+    """No checkpoint, but records at step 2 x checkpoint.every_steps or later: a checkpoint was surely there
+    (moved or deleted), and starting afresh would bury its history; a shorter history is a run stopped before
+    its first save, moved to the side file as the new run starts."""
+    cfg = micro_config(train=dict(steps=4, log_every=1), checkpoint={"every_steps": 5})
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    history = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 11))
+    (workdir / "metrics.jsonl").write_text(history)
+    with pytest.raises(ConfigError, match=r"holds an earlier run's history \(10 records up to step 10 in metrics"):
+        train(cfg, str(workdir))
+    assert (workdir / "metrics.jsonl").read_text() == history and sorted(os.listdir(workdir)) == ["metrics.jsonl"]
+
+    (workdir / "metrics.jsonl").write_text(history[: history.index('{"step": 9')])  # steps 1..8 < 10
+    train(cfg, str(workdir))
+    assert [r["step"] for r in records(workdir) if "loss" in r] == [1, 2, 3, 4]
+    assert (workdir / "metrics.superseded.jsonl").read_text() == history[: history.index('{"step": 9')]
+
+
+def test_weights_and_biases_runs_belong_to_their_workdir(tmp_path, monkeypatch):
+    """The W&B id lives in the workdir: a resume continues its run, a fresh start in the same path and
+    another workdir each get their own; the run is named by the resolved path."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = micro_config(train=dict(trackers=("wandb",)))
+
+    def run_id(workdir, fresh):
+        writer = MetricsWriter(GrowingFiles(str(workdir)), cfg=cfg, workdir=str(workdir), fresh=fresh)
+        ident, name = writer._trackers[0]._run.id, writer._trackers[0]._run.name
+        writer.close()
+        return ident, name
+
+    monkeypatch.chdir(tmp_path)
+    first, name = run_id("runs/x", fresh=True)
+    assert name == str(tmp_path / "runs" / "x")
+    assert run_id(tmp_path / "runs" / "x", fresh=False)[0] == first  # the same workdir, spelt otherwise
+    assert run_id("runs/y", fresh=True)[0] != first
+    assert run_id("runs/x", fresh=True)[0] != first  # a new run in a reused path
 
 
 def test_profile_steps_writes_a_trace_of_those_steps(tmp_path, capsys):

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from parallelism.distributed import barrier, max_over_processes
+from parallelism.distributed import max_over_processes
 from trainer.errors import ConfigError, StorageError
 from trainer.storage import faults
 from trainer.storage.workdir import forget_listings, move, path

@@ -1,11 +1,13 @@
 """Where logged numbers and text go: the console, metrics.jsonl and the trackers (TensorBoard, W&B:
 trainer/storage/trackers.py).
 
-Only one process (jax.process_index() == 0) writes. On resume, records past
-the restored step (logged after the last checkpoint of an interrupted run) are
-dropped, so metrics.jsonl holds one history with no repeated steps. The files
-are written through the workdir's GrowingFiles (copied into a bucket whole,
-trainer/storage/workdir.py).
+Only one process (jax.process_index() == 0) writes. A run never deletes a
+record: on resume, records past the restored step (logged after the last
+checkpoint of an interrupted run) are moved to metrics.superseded.jsonl, so
+metrics.jsonl holds one history with no repeated steps and nothing is lost. A
+fresh start in a workdir whose history shows that a checkpoint was once there
+is refused (check_fresh_start). The files are written through the workdir's
+GrowingFiles (copied into a bucket whole, trainer/storage/workdir.py).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import json
 import math
 import os
 
+from trainer.errors import ConfigError
+from trainer.storage import workdir as wd
 from trainer.storage.trackers import TensorBoard, WandB
 from trainer.storage.workdir import GrowingFiles
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE, SUPERSEDED_FILE = "metrics.jsonl", "metrics.superseded.jsonl"
 
 
 def _finite_or_none(value):
@@ -32,29 +36,61 @@ def _step_of(line: str) -> int | None:
         return None
 
 
-class MetricsWriter:
-    """`files` None: a process that does not write (all but process 0). `cfg` None: no trackers."""
+def check_fresh_start(workdir: str, cfg) -> None:
+    """Refuse to start afresh (no checkpoint to resume) in a workdir whose history proves that a checkpoint
+    was there: records at step 2 x checkpoint.every_steps or later. The loop logs step 2e only after its
+    save at step 2e has returned, which waits for the save at step e to be committed. A shorter history
+    (a run stopped before its first checkpoint) is moved aside by the new run's MetricsWriter instead."""
+    file = wd.path(workdir) / METRICS_FILE
+    if not file.exists():
+        return
+    steps = [s for s in map(_step_of, file.read_text().splitlines()) if s is not None]
+    saved = wd.saved_config(workdir)
+    every = saved["checkpoint"]["every_steps"] if saved else cfg.checkpoint.every_steps
+    if steps and max(steps) >= 2 * every:
+        raise ConfigError(
+            f"{workdir} holds an earlier run's history ({len(steps)} records up to step {max(steps)} in "
+            f"{METRICS_FILE}) but no checkpoint to resume from; to start afresh there, move {METRICS_FILE} "
+            "aside first (nothing is deleted for you), or choose another --workdir."
+        )
 
-    def __init__(self, files: GrowingFiles | None, *, resume_step: int = 0, cfg=None, workdir: str = ""):
+
+class MetricsWriter:
+    """`files` None: a process that does not write (all but process 0). `cfg` None: no trackers.
+    `fresh`: a run that starts from step 0 (W&B then begins a new run, trainer/storage/trackers.py)."""
+
+    def __init__(
+        self, files: GrowingFiles | None, *, resume_step: int = 0, cfg=None, workdir: str = "", fresh: bool = False
+    ):
         self.files = files
         if files is None:
             return
         self.path = files.fetch(METRICS_FILE)
-        self._drop_records_after(resume_step)
+        self._set_aside_records_after(resume_step)
         self._jsonl = open(self.path, "a")
         names = cfg.train.trackers if cfg is not None else ()
-        self._trackers = ([TensorBoard(files.dir, cfg)] if "tensorboard" in names else []) + (
-            [WandB(files.dir, cfg, workdir)] if "wandb" in names else []
+        self._trackers = ([TensorBoard(files.dir, cfg, resume_step)] if "tensorboard" in names else []) + (
+            [WandB(files, cfg, workdir, fresh)] if "wandb" in names else []
         )
 
-    def _drop_records_after(self, step: int) -> None:
+    def _set_aside_records_after(self, step: int) -> None:
+        """Move the records past `step` (and lines cut short by a killed process) to the side file: appended
+        there first, then dropped here, so a kill in between repeats records but never loses one."""
         if not os.path.exists(self.path):
             return
         with open(self.path) as f:
-            lines = [line for line in f if _step_of(line) is not None and _step_of(line) <= step]
+            lines = f.readlines()
+        superseded = [_step_of(line) is None or _step_of(line) > step for line in lines]
+        later = [line for line, gone in zip(lines, superseded, strict=True) if gone]
+        if not later:
+            return
+        with open(self.files.fetch(SUPERSEDED_FILE), "a") as f:
+            f.writelines(line if line.endswith("\n") else line + "\n" for line in later)
+            f.flush()
+            os.fsync(f.fileno())
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
-            f.writelines(lines)
+            f.writelines(line for line, gone in zip(lines, superseded, strict=True) if not gone)
         os.replace(tmp, self.path)
 
     def write(self, step: int, metrics: dict[str, float], *, console: str | None = None) -> None:

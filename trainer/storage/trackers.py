@@ -4,23 +4,29 @@
 record (numbers as scalars; a skipped-step or rollback event as text and as
 `events/<kind>` scalars), evaluation results and the samples' text. Both take
 the step from the record, so a rollback that moves the step back draws the
-stretch again rather than being dropped. Only process 0 tracks.
+stretch again rather than being dropped. A resume shows one history: TensorBoard
+is told to purge what an interrupted launch logged past the restored step, W&B
+continues the workdir's own run. Only process 0 tracks.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import time
+import uuid
 
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.compat.proto.event_pb2 import SessionLog
 from tensorboard.plugins.scalar import metadata as scalar_metadata
 from tensorboard.plugins.text import metadata as text_metadata
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 
 from trainer.config import flatten
+
+WANDB_ID_FILE = "wandb_id.txt"
 
 
 def numbers(record: dict) -> dict[str, float]:
@@ -29,10 +35,16 @@ def numbers(record: dict) -> dict[str, float]:
 
 class TensorBoard:
     """Event files in the workdir. tensorboard's own `summary.Writer` has scalars only; text (config,
-    events, samples) needs the text plugin's summaries, written here with its event writer."""
+    events, samples) needs the text plugin's summaries, written here with its event writer.
 
-    def __init__(self, directory: str, cfg):
+    Each launch's file starts with a SessionLog.START at the step after the one it resumed from:
+    TensorBoard's reader then purges every earlier event from that step on (what a killed launch logged
+    past its last checkpoint), so a resumed run draws one line, not a zigzag."""
+
+    def __init__(self, directory: str, cfg, resume_step: int = 0):
         self._events = EventFileWriter(directory)
+        self._events.add_event(event_pb2.Event(wall_time=time.time(), step=resume_step + 1,
+                                               session_log=SessionLog(status=SessionLog.START)))  # fmt: skip
         self._scalar = summary_pb2.SummaryMetadata(
             plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=scalar_metadata.PLUGIN_NAME),
             data_class=summary_pb2.DataClass.DATA_CLASS_SCALAR,
@@ -70,18 +82,25 @@ class TensorBoard:
 
 
 class WandB:
-    """A W&B run named after the workdir, with an id derived from it, so a resumed run continues the same
-    W&B run. Project from `train.wandb_project`; entity, mode (WANDB_MODE=offline needs no network) and
-    the rest from W&B's own WANDB_* variables. Its files go in the workdir's `wandb/`."""
+    """A W&B run named after the resolved workdir, with an id the workdir keeps (wandb_id.txt): a resume
+    continues that W&B run, a fresh start (in a new workdir or a reused one) begins a new one, and two
+    workdirs never share one, whoever runs them. Project from `train.wandb_project`; entity, mode
+    (WANDB_MODE=offline needs no network) and the rest from W&B's own WANDB_* variables. Its files go
+    in the workdir's `wandb/`."""
 
-    def __init__(self, directory: str, cfg, workdir: str):
+    def __init__(self, files, cfg, workdir: str, fresh: bool):
         import wandb
 
-        name = workdir.rstrip("/").split("/")[-1]
-        run_id = hashlib.sha256(workdir.encode()).hexdigest()[:16]
+        from trainer.storage.workdir import path, write_file
+
+        id_file = files.fetch(WANDB_ID_FILE)
+        if fresh or not os.path.exists(id_file):
+            write_file(id_file, uuid.uuid4().hex[:16])
+        with open(id_file) as f:
+            run_id = f.read().strip()
         self._wandb = wandb
-        self._run = wandb.init(project=cfg.train.wandb_project, name=name, id=run_id, resume="allow",
-                               dir=directory, config=flatten(cfg))  # fmt: skip
+        self._run = wandb.init(project=cfg.train.wandb_project, name=str(path(workdir)), id=run_id, resume="allow",
+                               dir=files.dir, config=flatten(cfg))  # fmt: skip
         self._run.define_metric("*", step_metric="step")
 
     def log(self, step: int, record: dict) -> None:

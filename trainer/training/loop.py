@@ -33,7 +33,7 @@ from trainer.flops import count_params, flops_per_token, peak_flops
 from trainer.storage import resume
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
-from trainer.storage.metrics import MetricsWriter
+from trainer.storage.metrics import MetricsWriter, check_fresh_start
 from trainer.training import batch_ramp, clock, stability
 from trainer.training.preemption import watch_for_sigterm
 from trainer.training.profiling import StepProfiler
@@ -63,8 +63,10 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
     init = None
     if wd.saved_steps(workdir):
         resume.check_resume(workdir, cfg, setup)
-    elif cfg.checkpoint.init_from:
-        init = resume.load_init_params(cfg, setup)
+    else:
+        check_fresh_start(workdir, cfg)
+        if cfg.checkpoint.init_from:
+            init = resume.load_init_params(cfg, setup)
     wd.check_writable(workdir)
     return setup, init
 
@@ -153,7 +155,8 @@ class Run:
                                        workers=cfg.data.workers)  # fmt: skip
         self.data = streams.Prefetch(data, self._plan, self.data_read)
         self.files = wd.GrowingFiles(workdir) if self.primary else None
-        self.writer = MetricsWriter(self.files, resume_step=self.step, cfg=cfg, workdir=workdir)
+        fresh = not self.resumed
+        self.writer = MetricsWriter(self.files, resume_step=self.step, cfg=cfg, workdir=workdir, fresh=fresh)
         self.profiler = StepProfiler(t.profile_steps, self.files, workdir)
         self.flops_per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len)
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
