@@ -37,7 +37,7 @@ def test_save_then_restore_gives_back_every_array_and_the_data_position(tmp_path
     target_cfg = micro_config(mesh=target_mesh)
     target = build(target_cfg, jax.devices()[:n_devices])
     fresh = iter(streams.batches(streams.Stream.from_config(target_cfg), "train", rows, shuffle=True))
-    restored, _ = restore_state(ckpt, 2, target, fresh)
+    restored, *_ = restore_state(ckpt, 2, target, fresh)
     ckpt.close()
 
     assert int(restored.step) == 2

@@ -310,3 +310,22 @@ def test_the_clock_steps_past_two_to_the_31_sequences(tmp_path):
     meta = ckpt.restore_meta(steps, setup.shard.replicated())
     assert clock.value(meta["clock"]["data_read"], int(meta["clock"]["batch"])) == start + 24 == 2**31 + 16
     ckpt.close()
+
+
+def test_a_start_up_that_fails_late_leaves_no_thread_or_process_behind(tmp_path, corpus_dir, monkeypatch):
+    """W&B, the last thing a start-up opens, refuses: the data workers, the prefetch thread, TensorBoard's
+    writer and the checkpoint manager opened before it are all closed, and the refusal is one sentence."""
+    import multiprocessing
+    import threading
+
+    wandb = pytest.importorskip("wandb")
+    wandb.teardown()  # W&B reads its WANDB_* settings once per process, at its first run
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    cfg = text_config(corpus_dir, data=dict(workers=2), train=dict(steps=4, trackers=("tensorboard", "wandb")))
+    before = set(threading.enumerate())
+    with pytest.raises(ConfigError, match=r"W&B could not start a run .*or set WANDB_MODE=offline"):
+        train(cfg, str(tmp_path / "run"))
+    assert multiprocessing.active_children() == []
+    left = [t.name for t in set(threading.enumerate()) - before]
+    # W&B keeps one event-loop thread per process once imported, as after any finished run of its own.
+    assert [name for name in left if name != "wandb-AsyncioManager-main"] == []

@@ -101,7 +101,7 @@ def test_a_checkpoint_restores_across_stage_counts(tmp_path, saved, restored):
 
     target_cfg, target = setup_for(restored)
     fresh = iter(streams.batches(streams.Stream.from_config(target_cfg), "train", range(16), shuffle=True))
-    back, _ = restore_state(ckpt, 2, target, fresh)
+    back, *_ = restore_state(ckpt, 2, target, fresh)
     ckpt.close()
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back), strict=True):
         np.testing.assert_array_equal(np.asarray(jax.device_get(a)), np.asarray(jax.device_get(b)))

@@ -18,6 +18,7 @@ from conftest import REPO, micro_config
 
 from trainer.errors import ConfigError
 from trainer.storage.checkpoint import Checkpointer
+from trainer.storage.resume import reset_label, restore_state
 from trainer.training.loop import train
 from trainer.training.setup import build
 from trainer.training.state import abstract_params
@@ -141,7 +142,7 @@ def test_reset_optimizer_switches_optimisers_once_and_keeps_step_schedule_and_da
     train(config(), straight)
     workdir = copy_of(saved, tmp_path)
     switched = config(optim=dict(schedule="constant", warmup_steps=1, name="lion", lr=1e-3))
-    switched.checkpoint.reset_optimizer = True
+    switched.checkpoint.reset_optimizer = "true"
     assert train(switched, workdir)["step"] == 4
     out = capsys.readouterr().out
     assert "resumed from the checkpoint at step 2 with a fresh lion optimiser state" in out
@@ -154,6 +155,24 @@ def test_reset_optimizer_switches_optimisers_once_and_keeps_step_schedule_and_da
     switched.train.steps = 6
     train(switched, workdir)
     assert "fresh lion optimiser state" not in capsys.readouterr().out
+    # A later launch without the label keeps it done; a new label resets again, once.
+    switched.checkpoint.reset_optimizer, switched.train.steps = "", 8
+    train(switched, workdir)
+    switched.checkpoint.reset_optimizer, switched.train.steps = "2026-11-25", 10
+    train(switched, workdir)
+    switched.train.steps = 12
+    train(switched, workdir)
+    out = capsys.readouterr().out
+    assert out.count("fresh lion optimiser state") == 1
+    assert "resumed from the checkpoint at step 8 with a fresh lion optimiser state" in out
+    setup = build(switched)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    kept, reset, label = restore_state(ckpt, 12, setup, None)
+    assert not reset and label == reset_label("2026-11-25")
+    fresh, reset, _ = restore_state(ckpt, 12, setup, None, asked=reset_label("again"))
+    assert reset and all(not np.any(np.asarray(x)) for x in jax.tree.leaves(fresh.opt_state) if x.ndim)
+    assert any(np.any(np.asarray(x)) for x in jax.tree.leaves(kept.opt_state) if x.ndim)
+    ckpt.close()
 
 
 def test_init_from_starts_a_new_run_from_another_runs_weights_on_another_mesh(saved, tmp_path):
@@ -189,7 +208,7 @@ def test_init_from_refuses_bad_sources_and_changes_nothing(saved, tmp_path):
     with pytest.raises(ConfigError, match=r"layers.mlp.w_down has shape \(2, 128, 64\) in .* and \(2, 256, 64\)"):
         train(wider, str(tmp_path / "new"))
     both = config()
-    both.checkpoint.update(init_from=saved, reset_optimizer=True)
+    both.checkpoint.update(init_from=saved, reset_optimizer="true")
     with pytest.raises(ConfigError, match="not both"):
         train(both, str(tmp_path / "new"))
     assert not (tmp_path / "new").exists() and tree_digest(saved) == before

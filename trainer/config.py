@@ -149,8 +149,10 @@ def defaults() -> ml_collections.ConfigDict:
         "async": True,
         # A restore (or a bucket at start-up) whose storage answers 429/5xx or times out is retried this long.
         "retry_seconds": 300,
-        # Resume this run's weights, step, schedule and data with a fresh optimiser state (e.g. another optim.name).
-        "reset_optimizer": False,
+        # A label ("" = none) asking to resume this run's weights, step, schedule and data with a fresh optimiser
+        # state (e.g. another optim.name). Each new label resets once ("true" for a first, e.g. a date for each
+        # later one); the same label again, as a relaunch has it, resumes the state it reset to.
+        "reset_optimizer": "",
         # "DIR[@STEP]": start a new run from another run's weights, everything else fresh (fine-tuning).
         "init_from": "",
     }
@@ -216,6 +218,9 @@ def from_dict(saved: Mapping) -> ml_collections.ConfigDict:
     known = flatten(defaults())
     values = {RENAMED.get(k, k): v for k, v in _walk(saved)}
     values = {k: _as_tuple(v) if isinstance(known[k], tuple) else v for k, v in values.items() if k in known}
+    # A flag that became a label (checkpoint.reset_optimizer): true is the label "true".
+    values = {k: ("true" if v else "") if isinstance(known[k], str) and isinstance(v, bool) else v
+              for k, v in values.items()}  # fmt: skip
     return with_changes(defaults(), values)
 
 

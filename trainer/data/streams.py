@@ -44,7 +44,7 @@ from jax.sharding import NamedSharding
 from trainer.data import text_files
 from trainer.data.mixture import parse_mixture
 from trainer.data.tokenizers import load_tokenizer, made_with
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, TrainingError
 
 SYNTHETIC_DOCUMENTS = 2**62  # "infinite", yet a valid MapDataset length
 
@@ -280,10 +280,19 @@ class ProcessRows:
         for pipe, mine in zip(self._pipes, asked, strict=True):
             pipe.send(mine)
         windows, states = {}, dict(self._state["rows"])
-        for pipe, mine in zip(self._pipes, asked, strict=True):
-            kind, reply = pipe.recv()
+        for w, (pipe, mine) in enumerate(zip(self._pipes, asked, strict=True)):
+            try:
+                kind, reply = pipe.recv()
+            except (EOFError, OSError) as e:  # the worker process is gone
+                process = self._processes[w]
+                process.join(timeout=5)
+                raise TrainingError(
+                    f"data worker {w} (pid {process.pid}) exited with code {process.exitcode} while reading rows "
+                    f"{mine}; relaunch to resume from the newest checkpoint, or set data.workers=0 to read in the "
+                    "training process and see the error there."
+                ) from e
             if kind == "error":
-                raise RuntimeError(f"a data worker failed: {reply}")
+                raise TrainingError(f"data worker {w} failed: {reply}")
             batch, state = reply
             windows.update({r: {k: v[i] for k, v in batch.items()} for i, r in enumerate(mine)})
             states.update(state["rows"])
@@ -294,10 +303,20 @@ class ProcessRows:
         return self._state
 
     def close(self) -> None:
+        """Asks each worker to stop; one that has not within 10 s (stuck reading) is terminated, then killed."""
         for pipe in self._pipes:
-            pipe.send(None)
+            try:
+                pipe.send(None)
+            except OSError:  # that worker is gone already
+                pass
         for process in self._processes:
             process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
 
 
 def _serve_rows(pipe, stream: Stream, split: str, rows: list[int], state: dict, shuffle: bool) -> None:
@@ -403,8 +422,13 @@ class Prefetch:
                         break
                     except queue.Full:
                         pass
-        except Exception as e:  # handed to the training thread, which raises it
-            self._queue.put((None, e, None))
+        except Exception as e:  # handed to the training thread, which raises it, unless it has stopped
+            while not self._stop.is_set():
+                try:
+                    self._queue.put((None, e, None), timeout=0.1)
+                    return
+                except queue.Full:
+                    pass
 
     def next(self) -> tuple[int, dict[str, np.ndarray]]:
         """(rows, this process's part of the batch) for the next step."""

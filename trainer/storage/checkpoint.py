@@ -2,8 +2,8 @@
 
 A checkpoint is a step directory with up to four items:
 `params` and `opt_state` (each process writes its own shards), `meta` (step,
-RNG, clock, loss scale and stability state, the layout's `format` and whether
-the writing run had reset its optimiser) and `data` (the position of
+RNG, clock, loss scale and stability state, the layout's `format` and the
+label of the run's last optimiser reset) and `data` (the position of
 every global-batch row's data stream, as JSON, one file per process, merged on
 restore so any process layout can resume). Parameters are an item of their own
 so that evaluation and export read nothing else.
@@ -41,7 +41,8 @@ from trainer.training.state import TrainState
 PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
 # 3: the data position is keyed by global-batch row, and meta holds the clock (in sequences), the
 # loss scale and the stability state apart. 4: the clock in two words and its batch
-# (trainer/training/clock.py). Older layouts are read by storage/resume.py.
+# (trainer/training/clock.py), and `reset_optimizer` the label of the last reset, not a flag.
+# Older layouts are read by storage/resume.py.
 FORMAT = 4
 # Orbax and TensorStore report a missing, truncated or corrupt file with many exception types, a bare
 # Exception among them; these, though, are faults in the code, and setting checkpoints aside for one
@@ -166,10 +167,11 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state: TrainState, data_iterator, *, reset_optimizer: bool = False) -> None:
+    def save(self, step: int, state: TrainState, data_iterator, *, reset_label: int = 0) -> None:
+        """`reset_label`: the run's last honoured checkpoint.reset_optimizer (trainer/storage/resume.py)."""
         meta = {"step": state.step, "rng": state.rng, "clock": state.clock, "loss_scale": state.loss_scale,
                 "stability": state.stability, "format": np.int32(FORMAT),
-                "reset_optimizer": np.int32(reset_optimizer)}  # fmt: skip
+                "reset_optimizer": np.int32(reset_label)}  # fmt: skip
         items = {
             PARAMS: Save(state.params),
             OPT_STATE: Save(state.opt_state),

@@ -69,9 +69,15 @@ class MetricsWriter:
         self._set_aside_records_after(resume_step)
         self._jsonl = open(self.path, "a")
         names = cfg.train.trackers if cfg is not None else ()
-        self._trackers = ([TensorBoard(files.dir, cfg, resume_step)] if "tensorboard" in names else []) + (
-            [WandB(files, cfg, workdir, fresh)] if "wandb" in names else []
-        )
+        self._trackers = []
+        try:  # a tracker that fails to start leaves none of the others running
+            if "tensorboard" in names:
+                self._trackers.append(TensorBoard(files.dir, cfg, resume_step))
+            if "wandb" in names:
+                self._trackers.append(WandB(files, cfg, workdir, fresh))
+        except BaseException:
+            self.close()
+            raise
 
     def _set_aside_records_after(self, step: int) -> None:
         """Move the records past `step` (and lines cut short by a killed process) to the side file: appended

@@ -13,13 +13,15 @@ accumulation) resumes.
 
 A checkpoint is then read into the target shapes and shardings of whatever
 mesh the config now asks for. `checkpoint.reset_optimizer` keeps the weights,
-step, schedule and data position and starts the optimiser state afresh (once:
-a relaunch of the same command resumes the new state); `checkpoint.init_from`
-starts a new run from another run's weights.
+step, schedule and data position and starts the optimiser state afresh; it is a
+label, and each checkpoint records the label of its run's last reset, so each
+new label resets once and a relaunch of the same command resumes the new state;
+`checkpoint.init_from` starts a new run from another run's weights.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 
 import jax
@@ -95,8 +97,19 @@ def _optimizer_shapes(cfg, setup):
     return jax.tree.structure(abstract), [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)]
 
 
-def restore_state(ckpt: Checkpointer, step: int, setup, data_iterator, saved=None) -> tuple[TrainState, bool]:
-    """(the state saved at `step`, placed for this setup's mesh; whether the optimiser state was reset).
+def reset_label(label: str) -> int:
+    """checkpoint.reset_optimizer as the number a checkpoint records (0: none)."""
+    return zlib.crc32(label.encode()) & 0x7FFFFFFF or 1 if label else 0
+
+
+def restore_state(
+    ckpt: Checkpointer, step: int, setup, data_iterator, saved=None, asked: int | None = None
+) -> tuple[TrainState, bool, int]:
+    """(the state saved at `step`, placed for this setup's mesh; whether the optimiser state was reset; the
+    label of the run's last reset, to record in later checkpoints).
+
+    `asked`: the reset label asked for (reset_label(); default: the config's). The state is reset when
+    a label is asked that differs from the checkpoint's, or when it is asked and the state does not fit.
 
     Raises ConfigError for a checkpoint that does not fit the config (nothing is
     changed on disk); any other exception means its files cannot be read.
@@ -117,7 +130,11 @@ def restore_state(ckpt: Checkpointer, step: int, setup, data_iterator, saved=Non
                 "new run from its weights with --config.checkpoint.init_from."
             )
     fits = arrays(metadata[OPT_STATE]) == arrays(abstract.opt_state)
-    reset = cfg.checkpoint.reset_optimizer and (not int(meta.get("reset_optimizer", 0)) or not fits)
+    asked = reset_label(cfg.checkpoint.reset_optimizer) if asked is None else asked
+    done = int(meta.get("reset_optimizer", 0))
+    if int(meta.get("format", 0)) < 4 and done:  # a flag then: whether its run had asked, always with `true`
+        done = reset_label("true")
+    reset = bool(asked) and (asked != done or not fits)
     if not fits and not reset:
         raise ConfigError(
             f"the optimiser state in the checkpoint at step {step} in {ckpt.directory} does not fit this config's "
@@ -129,7 +146,7 @@ def restore_state(ckpt: Checkpointer, step: int, setup, data_iterator, saved=Non
         opt_state = jax.jit(setup.tx.init, out_shardings=setup.state_shardings.opt_state)(params)
     counters = _counters(meta, cfg, saved)
     on_mesh = jax.device_put({"step": meta["step"], "rng": meta["rng"], **counters}, replicated)
-    return TrainState(params=params, opt_state=opt_state, **on_mesh), reset
+    return TrainState(params=params, opt_state=opt_state, **on_mesh), reset, asked if reset else done
 
 
 def _counters(meta: dict, cfg, saved) -> dict:

@@ -25,6 +25,7 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.util import tensor_util
 
 from trainer.config import flatten
+from trainer.errors import ConfigError
 
 WANDB_ID_FILE = "wandb_id.txt"
 
@@ -99,8 +100,15 @@ class WandB:
         with open(id_file) as f:
             run_id = f.read().strip()
         self._wandb = wandb
-        self._run = wandb.init(project=cfg.train.wandb_project, name=str(path(workdir)), id=run_id, resume="allow",
-                               dir=files.dir, config=flatten(cfg))  # fmt: skip
+        try:
+            self._run = wandb.init(project=cfg.train.wandb_project, name=str(path(workdir)), id=run_id,
+                                   resume="allow", dir=files.dir, config=flatten(cfg))  # fmt: skip
+        except Exception as e:
+            detail = " ".join(str(e).split())[:300]
+            raise ConfigError(
+                f"W&B could not start a run ({type(e).__name__}: {detail}); check WANDB_API_KEY, WANDB_MODE and "
+                "the network, or set WANDB_MODE=offline to log on this machine (`wandb sync` uploads it later)."
+            ) from e
         self._run.define_metric("*", step_metric="step")
 
     def log(self, step: int, record: dict) -> None:

@@ -112,6 +112,17 @@ class Run:
     """One training run's moving parts, so that train() reads as the loop it is."""
 
     def __init__(self, cfg, workdir: str, setup: Setup, init: tuple | None = None):
+        """Everything it opens (threads, worker processes, the checkpoint manager, the bucket copier) is
+        closed again if a later part of the start-up fails: a long-lived process (the scaling sweep trains
+        many runs in one) keeps nothing of a run that did not start."""
+        self.ckpt = self.data = self.files = self.writer = self.profiler = None
+        try:
+            self._open(cfg, workdir, setup, init)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, cfg, workdir: str, setup: Setup, init: tuple | None) -> None:
         self.cfg, self.setup = cfg, setup
         self.process = jax.process_index()
         self.primary = self.process == 0
@@ -130,13 +141,14 @@ class Run:
 
         def restore(step: int):
             data = self._new_data()
-            state, reset = resume.restore_state(self.ckpt, step, setup, data, saved_cfg)
-            return state, data, reset
+            return (*resume.restore_state(self.ckpt, step, setup, data, saved_cfg), data)
 
         found = self.ckpt.restore_newest_intact(restore, self.say, cfg.checkpoint.retry_seconds)
-        self.resumed, self.reset_optimizer = found is not None, found is not None and found[1][2]
+        self.resumed = found is not None
+        # A new run takes the asked reset label as done: there is no optimiser state to reset yet.
+        self.reset_optimizer, self.reset_label = False, resume.reset_label(cfg.checkpoint.reset_optimizer)
         if found:
-            self.state, data = found[1][:2]
+            self.state, self.reset_optimizer, self.reset_label, data = found[1]
             if cfg.checkpoint.init_from:
                 self.say(f"checkpoint.init_from ignored: {workdir} holds checkpoints of its own; resuming them")
         elif init is not None:
@@ -282,7 +294,7 @@ class Run:
         from_step = self.step
 
         def restore(step):
-            return resume.restore_state(self.ckpt, step, self.setup, None, self.cfg)[0]
+            return resume.restore_state(self.ckpt, step, self.setup, None, self.cfg, self.reset_label)[0]
 
         self.state, skipped_batches = roll_back(self.cfg, self.ckpt, restore, self.state, self.data_read)
         self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
@@ -315,21 +327,26 @@ class Run:
             if self.samples is not None:
                 self.writer.samples(step, self.samples(self.state.params))
         if save:
-            self.ckpt.save(step, self.state, self.data, reset_optimizer=cfg.checkpoint.reset_optimizer)
+            self.ckpt.save(step, self.state, self.data, reset_label=self.reset_label)
             if self.files is not None:  # into a bucket: the metrics up to the checkpoint go with it
                 self.files.sync()
         self.mark_time += time.perf_counter() - paused
 
     def save_now(self) -> None:
         if self.step not in self.ckpt.steps():
-            self.ckpt.save(self.step, self.state, self.data, reset_optimizer=self.cfg.checkpoint.reset_optimizer)
+            self.ckpt.save(self.step, self.state, self.data, reset_label=self.reset_label)
 
     def close(self) -> None:
-        self.data.close()
-        self.profiler.stop()
-        self.ckpt.wait()
-        self.ckpt.close()
-        self.writer.close()
+        """Closes what is open, in an order that lets the last checkpoint commit before the files follow it."""
+        if self.data is not None:
+            self.data.close()
+        if self.profiler is not None:
+            self.profiler.stop()
+        if self.ckpt is not None:
+            self.ckpt.wait()
+            self.ckpt.close()
+        if self.writer is not None:
+            self.writer.close()
         if self.files is not None:
             self.files.close()
 
