@@ -349,3 +349,54 @@ def test_worker_processes_read_the_same_rows_and_state_as_the_training_process(c
     expected = local.read(rows)
     for key in expected:
         np.testing.assert_array_equal(expected[key], fresh.read(rows)[key])
+
+
+def test_a_prepared_corpus_knows_what_it_was_made_from(tmp_path, capsys):
+    """Other files or another text field under the same data.name are refused by name; the same files
+    under another glob (or moved elsewhere) are the same corpus, for a new run and for a resume; a cache
+    killed before its tokenizer was recorded is set aside and built again; a late JSON line without the
+    text field is named with its line."""
+    import shutil
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(150):
+        (corpus / f"doc{i:03d}.jsonl").write_text(json.dumps({"text": f"doc {i}", "body": f"b {i}"}) + "\n")
+
+    def config(paths, text_key="text", **data):
+        data = {"source": "text_files", "name": "mine", "paths": paths, "text_key": text_key,
+                "data_dir": str(tmp_path / "tfds"), **data}  # fmt: skip
+        return micro_config(data=data)
+
+    built = config(f"{corpus}/*.jsonl")
+    streams.prepare(built.data)
+    stamp = os.path.getmtime(tmp_path / "tfds" / "text_files" / "mine" / "1.0.0" / "made_from.json")
+    respelt = config(f"{corpus}/doc0*.jsonl,{corpus}/doc1*.jsonl")
+    streams.prepare(respelt.data)  # the same 150 files: accepted, nothing rebuilt
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(corpus, moved)
+    streams.prepare(config(f"{moved}/*.jsonl").data)
+    assert os.path.getmtime(tmp_path / "tfds" / "text_files" / "mine" / "1.0.0" / "made_from.json") == stamp
+    assert streams.Stream.from_config(respelt).identity() == streams.Stream.from_config(built).identity()
+
+    with pytest.raises(ConfigError, match=r"corpus 'mine' .* was made from other data than data.paths=.*doc00\*"
+                                          r".*\(140 of its 150 files are not among the 10 selected\)"):  # fmt: skip
+        streams.prepare(config(f"{corpus}/doc00*.jsonl").data)
+    (moved / "doc000.jsonl").write_text(json.dumps({"text": "edited", "body": "b"}) + "\n")
+    with pytest.raises(ConfigError, match=r"1 of its 150 files are not among the 150 selected"):
+        streams.prepare(config(f"{moved}/*.jsonl").data)
+    with pytest.raises(ConfigError, match=r"select \(its text was read from field 'text', not 'body'\); give this"):
+        streams.prepare(config(f"{corpus}/*.jsonl", text_key="body").data)
+
+    tokens = config(f"{corpus}/*.jsonl", tokenized=True)
+    streams.prepare(tokens.data)
+    cache = tmp_path / "tfds" / "text_files" / "mine-tokens" / "1.0.0"
+    (cache / "made_with_tokenizer.json").unlink()  # killed after TFDS finished, before the record
+    streams.prepare(tokens.data)
+    assert "was left unfinished; moved to" in capsys.readouterr().out
+    assert (cache / "made_with_tokenizer.json").exists() and len(list(cache.parent.glob("1.0.0.interrupted-*"))) == 1
+    streams.check_prepared(tokens.data, "train")
+
+    (corpus / "late.jsonl").write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"body": "b"}) + "\n")
+    with pytest.raises(ConfigError, match=r"line 2 of .*late.jsonl has no field 'text'; fix or remove that line"):
+        streams.prepare(config(f"{corpus}/*.jsonl", name="late").data)

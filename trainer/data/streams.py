@@ -87,8 +87,12 @@ class Stream:
         return {name: dataclasses.replace(self, name=name, mixture=()) for name, _ in self.mixture}
 
     def identity(self) -> dict:
-        """What the batches depend on: not where the corpus lives, nor whether its cache is read."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("data_dir", "tokenized")}
+        """What the batches depend on: not where the corpus lives, nor whether its cache is read, nor the globs
+        (and, for text files, the field) that selected its files: a prepared corpus records what it was made
+        from and refuses a config that selects anything else (trainer/data/text_files.py), so a glob spelt
+        otherwise over the same files resumes."""
+        ignored = {"data_dir", "tokenized", "paths"} | ({"text_key"} if self.source == "text_files" else set())
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
 
 
 def data_dir(data_cfg) -> str:

@@ -16,6 +16,14 @@ is the same builder over the same files, holding each document's token ids
 (begin and end marks included) instead of its text, as `text_files/<name>-tokens`;
 the tokenizer it was made with is written beside it (TOKENIZER_FILE), and a
 config with another one is refused.
+
+Each prepared corpus and cache also records what it was made from (MADE_FROM_FILE):
+the text field and every file's path below the corpus root, size and a digest of
+its first and last 64 KiB. A config whose data.paths or data.text_key select
+anything else is refused by name; a glob spelt otherwise over the same files, or
+the same files moved elsewhere, is the same corpus. A cache whose preparation was
+killed after TFDS finished but before its tokenizer was recorded is set aside
+(renamed, not deleted) and built again.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import hashlib
 import json
 import os
 import sysconfig
+import time
 
 import numpy as np
 import tensorflow_datasets as tfds
@@ -34,6 +43,8 @@ from trainer.errors import ConfigError
 VALIDATION_PER_MILLE = 20  # 2% of files held out
 TOKENS_SUFFIX = "-tokens"  # the tokenised cache of corpus <name> is corpus <name>-tokens
 TOKENIZER_FILE = "made_with_tokenizer.json"
+MADE_FROM_FILE = "made_from.json"
+EDGE_BYTES = 64 * 1024  # a file's digest covers its size and this much of its start and its end
 
 
 def stdlib_patterns() -> list[str]:
@@ -95,13 +106,26 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
             elif path.endswith(JSON_LINES):
                 for i, line in enumerate(_lines(path)):
                     if line.strip():
-                        yield f"{rel}:{i}", json.loads(line)[key], rel
+                        yield f"{rel}:{i}", _field(line, key, path, i + 1), rel
             else:
                 with open(path, "rb") as f:
                     yield rel, f.read().decode("utf-8", errors="replace"), rel
 
 
 JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
+
+
+def _field(line: str, key: str, path: str, number: int) -> str:
+    """A JSON line's text field, or one sentence naming the file and line that lack it."""
+    try:
+        record = json.loads(line)
+        return record[key]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        what = "is not a JSON object" if isinstance(e, json.JSONDecodeError) else f"has no field {key!r}"
+        raise ConfigError(
+            f"line {number} of {path} {what}; fix or remove that line, or set data.text_key to the field holding "
+            "the text."
+        ) from e
 
 
 def _lines(path: str):
@@ -152,6 +176,44 @@ def _check_text_key(path: str, key: str) -> None:
         )
 
 
+def made_from(files: list[tuple[str, str]], text_key: str) -> dict:
+    """What a corpus is made from: the text field and each file's (path below the root, size, digest)."""
+    return {"text_key": text_key, "files": [[rel, os.path.getsize(f), _edges_digest(f)] for f, rel in files]}
+
+
+def _edges_digest(path: str) -> str:
+    """A digest of a file's first and last EDGE_BYTES: cheap for any size, and it changes when the file does
+    in all but rare edits of its middle (which change its size, too, unless they replace bytes one for one)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        digest.update(f.read(EDGE_BYTES))
+        f.seek(max(0, os.path.getsize(path) - EDGE_BYTES))
+        digest.update(f.read(EDGE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def check_made_from(directory: str, wanted: dict, paths: str, name: str) -> None:
+    """Refuse a prepared corpus (or cache) made from other files or another text field than the config selects.
+    One prepared before files were recorded is taken as it is."""
+    record = os.path.join(directory, MADE_FROM_FILE)
+    if not os.path.exists(record):
+        return
+    with open(record) as f:
+        have = json.load(f)
+    if have == wanted:
+        return
+    files = {tuple(entry) for entry in have["files"]}
+    selected = {tuple(entry) for entry in wanted["files"]}
+    differ = f"{len(files - selected)} of its {len(files)} files are not among the {len(selected)} selected"
+    if files == selected:
+        differ = f"its text was read from field {have['text_key']!r}, not {wanted['text_key']!r}"
+    raise ConfigError(
+        f"the prepared corpus {name!r} ({directory}) was made from other data than data.paths={paths!r} and "
+        f"data.text_key={wanted['text_key']!r} select ({differ}); give this corpus another data.name to prepare "
+        "it from these, or move that directory away to rebuild it."
+    )
+
+
 def prepare(name: str, paths: str, data_dir: str, text_key: str = "text", tokenizer=None, made_with=None) -> str:
     """Build the corpus `name` from comma-separated globs ("" = the stdlib) unless it exists; with
     `tokenizer`, its tokenised cache `name`-tokens, recording `made_with` (the tokenizer's identity)."""
@@ -178,17 +240,35 @@ def prepare(name: str, paths: str, data_dir: str, text_key: str = "text", tokeni
         data_dir=data_dir,
         file_format="array_record",
     )
-    if tokenizer is not None and builder.is_prepared():
-        check_made_with(builder.data_dir, made_with)
-    if not builder.is_prepared():
-        for f in files:
-            _check_text_key(f, text_key)
-        tfds.disable_progress_bar()  # TFDS still prints one line when done; its bars would bury the log
-        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    wanted = made_from([(f, os.path.relpath(f, root)) for f in files], text_key)
+    if tokenizer is not None and builder.is_prepared() and not os.path.exists(
+        os.path.join(builder.data_dir, TOKENIZER_FILE)
+    ):  # killed after TFDS finished, before the tokenizer was recorded: which one made it is unknown
+        aside = f"{builder.data_dir}.interrupted-{int(time.time())}"
+        os.rename(builder.data_dir, aside)
+        print(f"the tokenised cache {builder.data_dir} was left unfinished; moved to {aside}, preparing it again")
+        builder = TextFiles(splits=splits, text_key=text_key, tokenizer=tokenizer, config=builder.builder_config,
+                            data_dir=data_dir, file_format="array_record")  # fmt: skip
+    if builder.is_prepared():
+        check_made_from(builder.data_dir, wanted, paths, config_name)
         if tokenizer is not None:
-            with open(os.path.join(builder.data_dir, TOKENIZER_FILE), "w") as f:
-                json.dump(made_with, f)
+            check_made_with(builder.data_dir, made_with)
+        return builder.data_dir
+    for f in files:
+        _check_text_key(f, text_key)
+    tfds.disable_progress_bar()  # TFDS still prints one line when done; its bars would bury the log
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+    # The records last, the tokenizer's after the files' (its absence marks a cache as unfinished).
+    _write_json(os.path.join(builder.data_dir, MADE_FROM_FILE), wanted)
+    if tokenizer is not None:
+        _write_json(os.path.join(builder.data_dir, TOKENIZER_FILE), made_with)
     return builder.data_dir
+
+
+def _write_json(path: str, value) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f)
+    os.replace(path + ".tmp", path)
 
 
 def check_made_with(directory: str, made_with: dict) -> None:
