@@ -241,8 +241,10 @@ def prepare(name: str, paths: str, data_dir: str, text_key: str = "text", tokeni
         file_format="array_record",
     )
     wanted = made_from([(f, os.path.relpath(f, root)) for f in files], text_key)
-    if tokenizer is not None and builder.is_prepared() and not os.path.exists(
-        os.path.join(builder.data_dir, TOKENIZER_FILE)
+    if (
+        tokenizer is not None
+        and builder.is_prepared()
+        and not os.path.exists(os.path.join(builder.data_dir, TOKENIZER_FILE))
     ):  # killed after TFDS finished, before the tokenizer was recorded: which one made it is unknown
         aside = f"{builder.data_dir}.interrupted-{int(time.time())}"
         os.rename(builder.data_dir, aside)
