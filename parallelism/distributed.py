@@ -17,6 +17,11 @@ jax 0.10.2: the runtime fails to pass it the status). So each process runs a
 Watchdog that notices first, names the lost process and exits. If process 0
 (the coordinator) dies, the runtime ends the others at once with its own
 "another task died" message: the coordinator held the service they report to.
+
+A process that stops on an error of its own says why under a key of the runtime's
+key-value store (`stop_all`): the others' watchdogs end them at once with that
+sentence, wherever they wait (a collective, a checkpoint barrier), instead of after
+a timeout or the dead-process wait.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import numpy as np
 from parallelism.errors import ConfigError
 
 LOST_SECONDS = 20  # a process silent this long is dead (a compile or a pause never silences the beating thread)
+STOPPED = "trainer/stopped/"  # + process index: why that process stopped
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
     "TRAINER_COORDINATOR",
     "TRAINER_NUM_PROCESSES",
@@ -131,9 +137,14 @@ class Watchdog(threading.Thread):
         while True:
             try:
                 self.client.key_value_increment(f"trainer/alive/{self.me}", 1)
-                lost = self._judge(last) if self.me == 0 else self._verdict()
+                stopped = stopped_peers(self.client, self.me)
+                lost = [] if stopped else self._judge(last) if self.me == 0 else self._verdict()
             except Exception:  # the runtime is shutting down (the run ended) or its coordinator is gone
                 return
+            if stopped:
+                p, why = stopped[0]
+                print(f"error: process {p} of {self.count} stopped: {why}", file=sys.stderr, flush=True)
+                _exit_together(self.me, self.beat)
             if lost:
                 print(
                     f"error: process{'es' if len(lost) > 1 else ''} {', '.join(map(str, lost))} of {self.count} "
@@ -141,10 +152,7 @@ class Watchdog(threading.Thread):
                     "the same command to resume from the newest complete checkpoint.",
                     file=sys.stderr, flush=True,
                 )  # fmt: skip
-                sys.stdout.flush()
-                if self.me == 0:
-                    time.sleep(3 * self.beat)  # the others read the verdict before the coordinator goes
-                os._exit(1)  # not sys.exit: the runtime's shutdown at exit would wait for the lost process
+                _exit_together(self.me, self.beat)
             time.sleep(self.beat)
 
     def _judge(self, last: dict) -> list[int]:
@@ -165,11 +173,48 @@ class Watchdog(threading.Thread):
             return []
 
 
+def _exit_together(me: int, beat: float) -> None:
+    """Ends this process now. Not sys.exit: the runtime's shutdown at exit would wait for the lost process."""
+    sys.stdout.flush()
+    if me == 0:
+        time.sleep(3 * beat)  # the others read the verdict before the coordinator, which holds it, goes
+    os._exit(1)
+
+
+def stopped_peers(client, me: int) -> list[tuple[int, str]]:
+    """(process, why) of the other processes that stopped on an error of their own."""
+    entries = client.key_value_dir_get(STOPPED)
+    return sorted((int(key.rsplit("/", 1)[1]), why) for key, why in entries if int(key.rsplit("/", 1)[1]) != me)
+
+
+def stop_all(why: str) -> None:
+    """In a multi-process run, end this process after `why` (already printed), telling the others so that
+    they end at once with it (their watchdogs read it); a single process returns and exits as usual."""
+    client = _client()
+    if client is None or jax.process_count() == 1:
+        return
+    try:
+        client.key_value_set(f"{STOPPED}{jax.process_index()}", why)
+    except Exception:  # the coordinator is gone: the others end by the runtime's own notice
+        pass
+    _exit_together(jax.process_index(), beat_seconds(jax.process_count()))
+
+
 def wait_if_a_process_died(error: BaseException) -> None:
     """A failed collective in a multi-process run may be a dead peer (gloo fails as soon as its connection
-    closes): give the watchdog the time to rule on it, which ends this process if so."""
-    if jax.process_count() > 1 and isinstance(error, jax.errors.JaxRuntimeError):
-        time.sleep(lost_seconds(jax.process_count()) + 5 * beat_seconds(jax.process_count()))
+    closes): if some process has stopped beating, give the watchdog the time to rule on it, which ends this
+    process if so. If all beat on, the error is this process's own, reported at once."""
+    if jax.process_count() == 1 or not isinstance(error, jax.errors.JaxRuntimeError) or _client() is None:
+        return
+    count, client = jax.process_count(), _client()
+    try:
+        before = dict(client.key_value_dir_get("trainer/alive/"))
+        time.sleep(3 * beat_seconds(count))
+        after = dict(client.key_value_dir_get("trainer/alive/"))
+    except Exception:
+        return
+    if stopped_peers(client, jax.process_index()) or any(after.get(k) == v for k, v in before.items()):
+        time.sleep(lost_seconds(count) + 5 * beat_seconds(count))
 
 
 def max_over_processes(value: int) -> int:

@@ -226,3 +226,41 @@ def test_a_set_aside_interrupted_at_any_object_leaves_one_whole_copy(bucket):
         folders = ("checkpoints/2", "damaged_checkpoints/2", "damaged_checkpoints/2.1")
         assert damaged in [objects(f"{root}/{folder}") for folder in folders], phase
         ckpt.close()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def test_a_data_worker_killed_mid_run_ends_the_run_in_one_sentence(tmp_path, corpus_dir):
+    """data.workers=2 read the rows in processes of their own; one is killed from outside: the run stops
+    with a sentence naming the worker, its pid and exit status, and leaves no worker behind."""
+    import signal
+
+    cfg = micro_config(data=dict(source="text_files", data_dir=corpus_dir, workers=2),
+                       train=dict(steps=400, log_every=1), checkpoint={"every_steps": 100})  # fmt: skip
+    workdir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "scripts/train.py", *cli_args(cfg), f"--workdir={workdir}"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (workdir / "metrics.jsonl").exists() or not (workdir / "metrics.jsonl").read_text().count("\n") >= 3:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    workers = [p for p in children(proc.pid) if "spawn" in open(f"/proc/{p}/cmdline").read()]
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert f"error: data worker 1 (pid {workers[1]}) exited with code -9 while reading rows" in out, out[-2000:]
+    assert "Traceback" not in out
+    assert not any(os.path.exists(f"/proc/{p}") for p in workers)

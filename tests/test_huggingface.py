@@ -154,3 +154,30 @@ def test_a_hugging_face_tokenizer_json_trains_exports_and_marks_documents_with_i
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"does not load as a Hugging Face tokenizer.json"):
         load_tokenizer(micro_config(data=dict(tokenizer="hf", tokenizer_path=str(tmp_path / "bad.json"))).data)
+
+
+def test_a_tokenizer_json_without_a_decoder_trains_and_decodes_as_its_file_does(tmp_path):
+    """A BPE built with the tokenizers library and no decoder set ("decoder": null in its file): it loads,
+    trains, and decodes as the library decodes that file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from trainer.data.tokenizers import load_tokenizer
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train([os.path.join(sysconfig.get_paths()["stdlib"], "os.py")],
+              trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"]))  # fmt: skip
+    os.makedirs(tmp_path / "tok")
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    assert '"decoder":null' in (tmp_path / "tok" / "tokenizer.json").read_text().replace(" ", "")
+    (tmp_path / "corpus").mkdir()
+    for i in range(60):
+        (tmp_path / "corpus" / f"{i}.txt").write_text(f"def f{i}(x): return x * {i}\n")
+    cfg = micro_config(data=dict(source="text_files", name="plain", paths=f"{tmp_path}/corpus/*.txt",
+                                 data_dir=str(tmp_path / "tfds"), tokenizer="hf", tokenizer_path=str(tmp_path / "tok")),
+                       train=dict(steps=2))  # fmt: skip
+    ours = load_tokenizer(cfg.data)
+    ids = ours.encode("def f(x): return x")
+    assert ids.tolist() == tok.encode("def f(x): return x").ids and ours.decode(ids) == tok.decode(ids.tolist())
+    assert (ours.bos_id, ours.eos_id) == (tok.token_to_id("<s>"), tok.token_to_id("</s>"))
+    assert train(cfg, str(tmp_path / "run"))["step"] == 2

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Callable
 
 from absl import app, flags, logging
@@ -74,6 +75,7 @@ def run(main: Callable[..., None], *, takes_args: bool = False, uses_devices: bo
             sys.exit(f"error: unexpected arguments {argv[1:]}; options are --flag=value.")
         # Orbax logs every file it renames and TFDS every custom config; our own lines are prints.
         logging.set_verbosity(logging.ERROR)
+        distributed = None  # scripts that use no devices run in one process
         try:
             if uses_devices:
                 from parallelism import distributed
@@ -81,6 +83,15 @@ def run(main: Callable[..., None], *, takes_args: bool = False, uses_devices: bo
                 distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MULTIHOST.value)
             main(argv[1:]) if takes_args else main()
         except (ConfigError, TrainingError) as e:
-            sys.exit(f"error: {e}")
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            if distributed is not None:  # several processes: the others end now, with this sentence
+                distributed.stop_all(str(e))
+            sys.exit(1)
+        except Exception as e:
+            if distributed is not None and distributed.runtime_started():
+                distributed.wait_if_a_process_died(e)  # a lost or stopped peer: the watchdog names it, ending this
+                traceback.print_exc()
+                distributed.stop_all(f"{type(e).__name__}: {' '.join(str(e).split())[:300]} (its log has the trace)")
+            raise
 
     app.run(wrapped, flags_parser=_parse)

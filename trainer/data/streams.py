@@ -131,6 +131,8 @@ def _open_corpus(data_cfg, corpus: str, split: str):
         corpus += text_files.TOKENS_SUFFIX
     name = f"text_files/{corpus}" if data_cfg.source == "text_files" else corpus
     try:
+        if data_cfg.source == "text_files" and not os.path.isdir(os.path.join(data_dir(data_cfg), name)):
+            raise tfds.core.registered.DatasetNotFoundError(name)  # TFDS would say its builder config is unknown
         source = tfds.data_source(name, split=split, data_dir=data_dir(data_cfg), download=False)
     except tfds.core.registered.DatasetNotFoundError as e:
         hint = (

@@ -149,8 +149,9 @@ class HuggingFaceTokenizer:
         self.pad_id = self.eos_id  # such files seldom have a padding token; nothing we train reads it
         pieces = [self._tok.id_to_token(i) or "" for i in range(self.vocab_size)]
         special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
-        # Byte-level vocabularies (GPT-2, Llama 3) spell each byte as one character; others spell text.
-        byte_level = json.loads(self._tok.to_str()).get("decoder", {}).get("type") == "ByteLevel"
+        # Byte-level vocabularies (GPT-2, Llama 3) spell each byte as one character; others spell text. A file
+        # may have no decoder at all ("decoder": null); the library then joins pieces with spaces on decoding.
+        byte_level = (json.loads(self._tok.to_str()).get("decoder") or {}).get("type") == "ByteLevel"
         self._bytes = np.array([
             0 if p in special else 1 if _BYTE_PIECE.fullmatch(p) else len(p) if byte_level
             else len(p.replace("\u2581", " ").encode("utf-8")) for p in pieces
