@@ -26,6 +26,7 @@ a timeout or the dead-process wait.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -131,10 +132,19 @@ class Watchdog(threading.Thread):
         super().__init__(name="trainer-watchdog", daemon=True)
         self.client, self.me, self.count = _client(), jax.process_index(), jax.process_count()
         self.beat, self.limit = beat_seconds(self.count), lost_seconds(self.count)
+        # Stopped before the interpreter shuts down (atexit runs this before JAX's own shutdown, registered
+        # earlier): a daemon thread still inside the runtime's C++ calls then aborts the process.
+        self._stopping = threading.Event()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self.is_alive():
+            self.join(timeout=5 * self.beat)
 
     def run(self):
         last = {p: (None, time.monotonic()) for p in range(1, self.count)}  # process 0's view of the others
-        while True:
+        while not self._stopping.is_set():
             try:
                 self.client.key_value_increment(f"trainer/alive/{self.me}", 1)
                 stopped = stopped_peers(self.client, self.me)
@@ -153,7 +163,7 @@ class Watchdog(threading.Thread):
                     file=sys.stderr, flush=True,
                 )  # fmt: skip
                 _exit_together(self.me, self.beat)
-            time.sleep(self.beat)
+            self._stopping.wait(self.beat)
 
     def _judge(self, last: dict) -> list[int]:
         now = time.monotonic()

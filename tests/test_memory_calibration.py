@@ -66,5 +66,7 @@ def test_a_recorded_compile_is_what_libtpu_compiles_today_and_the_arithmetic_cou
                == ("tiny", "v5p-8", "none", "data=2 x fsdp=2"))  # fmt: skip
     devices = target_devices(parse_target("v5p-8"))
     again = grid.measure(grid.config_for("tiny", "none", grid.MESHES["data=2 x fsdp=2"]), devices)
-    assert again["xla"] == row["xla"]
+    # Within 1%, not equal: the train state and step gained a few scalars after the grid was recorded (the
+    # clock's two-word counts, commit 1b6bab6), moving tiny's heap by 4 KB and its code by 20 KB of 7 MB.
+    assert again["xla"] == pytest.approx(row["xla"], rel=0.01)
     assert grid.arithmetic(row, devices)["total"] == pytest.approx(again["xla"]["total"], rel=0.1)

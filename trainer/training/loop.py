@@ -254,7 +254,8 @@ class Run:
     def log(self, step: int, metrics) -> str | None:
         """Write step `step`'s metrics (and any skipped-step event); returns why to roll back, if so."""
         values = fetch(metrics)  # waits for that step only: the next one is already queued
-        trained = clock.value(values.pop("sequences"), self.batch)
+        trained = clock.value({"batches": values.pop("sequences_batches"), "rows": values.pop("sequences_rows")},
+                              self.batch)  # fmt: skip
         values = {**_floats(values), "sequences": trained}
         elapsed = time.perf_counter() - self.mark_time
         tokens = sum(n for s, n in self.dispatched if s <= step)

@@ -152,7 +152,9 @@ def make_train_step(
             "skipped_total": stats["skipped"],
             "bad_in_window": jnp.sum(stats["recent_bad"]),
             "diverged_run": stats["diverged_run"],
-            "sequences": counts["sequences"],  # two words: the loop makes them one number
+            # The sequences trained on, in two words (trainer/training/clock.py): the loop makes them one number.
+            "sequences_batches": counts["sequences"]["batches"],
+            "sequences_rows": counts["sequences"]["rows"],
             "loss_scale": loss_scale["scale"],
             "target_tokens": count,
         }
