@@ -174,7 +174,7 @@ def test_transient_trouble_is_retried_and_outlasting_trouble_stops_with_everythi
     ],
 )  # fmt: skip
 def test_errors_are_told_apart(error, kind):
-    wrapped = Exception("Encountered error while reading array index: (slice(0, 2, 1),)")
+    wrapped = Exception("Encountered error while reading array index: (slice(0, 503, 1),)")
     wrapped.__cause__ = error
     assert faults.verdict(error) == kind
     assert faults.verdict(wrapped) == kind  # Orbax's bare Exception around the real one

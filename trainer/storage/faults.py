@@ -33,8 +33,9 @@ _REFUSED_CODES = ("RESOURCE_EXHAUSTED", "PERMISSION_DENIED", "UNAUTHENTICATED")
 _DAMAGE_CODES = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION")
 _HTTP_TRANSIENT = {408, 429, 500, 502, 503, 504}
 _HTTP_REFUSED = {401, 403}
-# An HTTP status as the clients write it: 'HTTP response code: 503', 'status=503', 'Forbidden', '..., 503'.
-_HTTP_STATUS = re.compile(r"(?:HTTP[^0-9]{0,20}|status[ =:]{1,3}|code[ =:]{1,3}|, )([1-5]\d\d)\b", re.IGNORECASE)
+# An HTTP status as TensorStore writes it ('HTTP response code: 503'); gcsfs's errors carry it as `.code`.
+# Nothing looser: a damaged array's message is full of numbers ('slice(0, 500, 1)').
+_HTTP_STATUS = re.compile(r"(?:HTTP[^0-9]{0,20}|status[ =:]{1,3}|code[ =:]{1,3})([1-5]\d\d)\b", re.IGNORECASE)
 
 
 def chain(error: BaseException) -> list[BaseException]:
