@@ -283,20 +283,17 @@ class ProcessRows:
 
     def read(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
         asked = [[r for r in rows if self._owner[r] == w] for w in range(len(self._pipes))]
-        for pipe, mine in zip(self._pipes, asked, strict=True):
-            pipe.send(mine)
+        for w, (pipe, mine) in enumerate(zip(self._pipes, asked, strict=True)):
+            try:
+                pipe.send(mine)
+            except OSError as e:  # the worker process is gone (a broken pipe)
+                self._gone(w, mine, e)
         windows, states = {}, dict(self._state["rows"])
         for w, (pipe, mine) in enumerate(zip(self._pipes, asked, strict=True)):
             try:
                 kind, reply = pipe.recv()
-            except (EOFError, OSError) as e:  # the worker process is gone
-                process = self._processes[w]
-                process.join(timeout=5)
-                raise TrainingError(
-                    f"data worker {w} (pid {process.pid}) exited with code {process.exitcode} while reading rows "
-                    f"{mine}; relaunch to resume from the newest checkpoint, or set data.workers=0 to read in the "
-                    "training process and see the error there."
-                ) from e
+            except (EOFError, OSError) as e:
+                self._gone(w, mine, e)
             if kind == "error":
                 raise TrainingError(f"data worker {w} failed: {reply}")
             batch, state = reply
@@ -304,6 +301,15 @@ class ProcessRows:
             states.update(state["rows"])
         self._state = {"rows": states}
         return {k: np.stack([windows[r][k] for r in rows]) for k in windows[rows[0]]}
+
+    def _gone(self, w: int, rows: list[int], error: Exception):
+        process = self._processes[w]
+        process.join(timeout=5)
+        raise TrainingError(
+            f"data worker {w} (pid {process.pid}) exited with code {process.exitcode} while reading rows {rows}; "
+            "relaunch to resume from the newest checkpoint, or set data.workers=0 to read in the training process "
+            "and see the error there."
+        ) from error
 
     def get_state(self) -> dict:
         return self._state
