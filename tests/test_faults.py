@@ -190,13 +190,25 @@ def test_a_gone_bucket_is_one_sentence(bucket):
 def test_a_set_aside_interrupted_at_any_object_leaves_one_whole_copy(bucket):
     """In a bucket a move is many requests: copies, checks, deletes. The storage refuses from the k-th on,
     for k inside each of those phases, then answers again: the relaunch resumes from the previous
-    checkpoint, and the damaged one is byte for byte in one folder."""
+    checkpoint, and the damaged one is byte for byte in one folder. Run in a process of its own, as a
+    training run would be: the TensorStore it drives against the emulator ends with it."""
+    drill = subprocess.run([sys.executable, "tests/test_faults.py", str(bucket.port)], cwd=REPO,
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert drill.returncode == 0 and drill.stdout.strip().endswith("moves checked"), (
+        drill.stdout[-3000:] + drill.stderr[-3000:]
+    )
+
+
+def interrupted_moves(port: int) -> None:
+    from types import SimpleNamespace
+
     from test_checkpoint import _restorer
 
     from trainer.storage import workdir as wd
     from trainer.storage.checkpoint import Checkpointer
     from trainer.training.setup import build
 
+    bucket = SimpleNamespace(port=port)
     cfg = micro_config(mesh=dict(fsdp=8))
     setup = build(cfg)
     state = setup.new_state()
@@ -226,6 +238,7 @@ def test_a_set_aside_interrupted_at_any_object_leaves_one_whole_copy(bucket):
         folders = ("checkpoints/2", "damaged_checkpoints/2", "damaged_checkpoints/2.1")
         assert damaged in [objects(f"{root}/{folder}") for folder in folders], phase
         ckpt.close()
+    print("moves checked")
 
 
 def children(pid: int) -> list[int]:
@@ -264,3 +277,7 @@ def test_a_data_worker_killed_mid_run_ends_the_run_in_one_sentence(tmp_path, cor
     assert f"error: data worker 1 (pid {workers[1]}) exited with code -9 while reading rows" in out, out[-2000:]
     assert "Traceback" not in out
     assert not any(os.path.exists(f"/proc/{p}") for p in workers)
+
+
+if __name__ == "__main__":  # the interrupted-move drill, started by its test with the emulator's environment
+    interrupted_moves(int(sys.argv[1]))
