@@ -60,18 +60,18 @@ def per_core(cfg, batches: int) -> dict:
     import jax
 
     from trainer.chips import CHIPS
-    from trainer.data import streams
+    from trainer.data import corpora
     from trainer.flops import flops_per_token
     from trainer.training.setup import build
 
-    streams.prepare(cfg.data)
+    corpora.prepare(cfg.data)
     setup = build(cfg, jax.devices()[:1])
     per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len)
     needed = 8 * CHIPS["h100"].peak_flops * 0.5 / per_token
     tokenize = pipeline_rate(cfg, batches)
     cached = cfg.copy_and_resolve_references()
     cached.data.tokenized = True
-    streams.prepare(cached.data)
+    corpora.prepare(cached.data)
     cache = pipeline_rate(cached, batches)
     return {
         "config": os.path.basename(cli.config_path()),
@@ -106,14 +106,14 @@ def loop_step_seconds(cfg, steps: int) -> float:
 def main():
     import jax
 
-    from trainer.data import streams
+    from trainer.data import corpora, streams
     from trainer.training.setup import build
 
     cfg = _CONFIG.value
     if _PER_CORE.value:
         report("input_pipeline_per_core", per_core(cfg, _BATCHES.value), append=_APPEND.value)
         return
-    streams.prepare(cfg.data)
+    corpora.prepare(cfg.data)
     setup = build(cfg)
     batch_size = cfg.train.global_batch_size
     tokens_per_step = batch_size * cfg.data.seq_len

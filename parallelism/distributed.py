@@ -236,6 +236,18 @@ def max_over_processes(value: int) -> int:
     return int(np.max(multihost_utils.process_allgather(np.array(value, np.int32))))
 
 
+def differing_from_first(value: bytes) -> list[tuple[int, bytes]]:
+    """(process, its value) for each process whose `value` (up to 32 bytes) is not process 0's (a
+    collective: every process must ask)."""
+    if jax.process_count() == 1:
+        return []
+    from jax.experimental import multihost_utils
+
+    padded = np.frombuffer(value.ljust(32, b"\0")[:32], np.uint8).astype(np.int32)
+    values = [bytes(row.astype(np.uint8)) for row in np.asarray(multihost_utils.process_allgather(padded))]
+    return [(p, v) for p, v in enumerate(values) if v != values[0]]
+
+
 def barrier(name: str) -> None:
     """Every process waits here until all have arrived."""
     if jax.process_count() > 1:

@@ -18,6 +18,7 @@ from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.sampling import make_generate
 from trainer.samples import completion, prompt_ids
+from trainer.storage import run_tokenizer
 from trainer.storage.resume import load_params
 
 _CONFIG = cli.define_config_flag()
@@ -36,8 +37,10 @@ def main():
     cfg = _CONFIG.value
     if _MAX_NEW.value < 1 or _TEMPERATURE.value < 0 or not 0 < _TOP_P.value <= 1 or _TOP_K.value < 0:
         raise ConfigError("need --max_new_tokens >= 1, --temperature >= 0, 0 < --top_p <= 1 and --top_k >= 0.")
+    workdir = _WORKDIR.value or cli.default_workdir()
+    cfg = run_tokenizer.settle(cfg, workdir)  # the run's own copy of its tokenizer
     tokenizer = load_tokenizer(cfg.data)
-    setup, step, params = load_params(cfg, _WORKDIR.value or cli.default_workdir(), _STEP.value)
+    setup, step, params = load_params(cfg, workdir, _STEP.value)
     prompt = prompt_ids(tokenizer, _PROMPT.value)[None]
     generate = make_generate(
         setup.spec, setup.shard, max_new_tokens=_MAX_NEW.value,

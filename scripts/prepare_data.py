@@ -9,7 +9,7 @@ with it: the same as --config.data.tokenized=true.
 from absl import flags
 
 from trainer import cli
-from trainer.data import streams
+from trainer.data import corpora
 
 _CONFIG = cli.define_config_flag()
 _TOKENIZE = flags.DEFINE_bool("tokenize", False, "Also write the tokenised cache (data.tokenized=true).")
@@ -19,9 +19,9 @@ def main():
     data = _CONFIG.value.data
     if _TOKENIZE.value:
         data.tokenized = True
-    streams.prepare(data)
-    sizes = {s: len(streams.open_split(data, s)) for s in (data.train_split, data.eval_split)}
-    print(f"{data.name} under {streams.data_dir(data)}: " + ", ".join(f"{k} {v:,} documents" for k, v in sizes.items()))
+    corpora.prepare(data)
+    sizes = {s: len(corpora.open_split(data, s)) for s in (data.train_split, data.eval_split)}
+    print(f"{data.name} under {corpora.data_dir(data)}: " + ", ".join(f"{k} {v:,} documents" for k, v in sizes.items()))
 
 
 if __name__ == "__main__":

@@ -57,12 +57,20 @@ def main(args):
                           list_only=_LIST.value, tokens_per_param=_TOKENS_PER_PARAM.value)  # fmt: skip
     elif command == "fit":
         result = scaling_lab.fit(_OUT.value, _POINTS.value, resamples=_RESAMPLES.value)
-        print(json.dumps(result) if _JSON.value else scaling_lab.describe_fit(result))
+        _say(json.dumps(result) if _JSON.value else scaling_lab.describe_fit(result))
     else:
         if _BUDGET.value is None or _BUDGET.value <= 0:
             raise ConfigError("predict needs --budget, a positive number of training FLOPs (e.g. --budget 1.2e14).")
         result = scaling_lab.predict(_OUT.value, _BUDGET.value, train=_TRAIN.value, neighbours=_NEIGHBOURS.value)
-        print(json.dumps(result) if _JSON.value else scaling_lab.describe_prediction(result))
+        _say(json.dumps(result) if _JSON.value else scaling_lab.describe_prediction(result))
+
+
+def _say(text: str) -> None:
+    """The result, once: on several processes every process computes it, process 0 prints it."""
+    import jax
+
+    if jax.process_index() == 0:
+        print(text)
 
 
 def _number(flag: str, text: str) -> float:

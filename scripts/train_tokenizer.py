@@ -11,7 +11,7 @@ import os
 from absl import flags
 
 from trainer import cli
-from trainer.data import streams
+from trainer.data import corpora
 from trainer.data.tokenizers import train_sentencepiece
 from trainer.errors import ConfigError
 
@@ -26,9 +26,9 @@ def main():
         raise ConfigError("set data.tokenizer_path to where the tokenizer model should be written.")
     if os.path.exists(path):
         raise ConfigError(f"{path} exists already; delete it or choose another data.tokenizer_path.")
-    streams.prepare(cfg.data)
-    source = streams.open_split(cfg.data, cfg.data.train_split)
-    key = streams.text_feature(cfg.data)
+    corpora.prepare(cfg.data)
+    source = corpora.open_split(cfg.data, cfg.data.train_split)
+    key = corpora.text_feature(cfg.data)
     texts = (source[i][key].decode("utf-8", errors="replace") for i in range(len(source)))
     train_sentencepiece(texts, _VOCAB.value or cfg.model.vocab_size, path)
     print(f"wrote {path}")

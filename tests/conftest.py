@@ -81,11 +81,11 @@ def bucket():
 @pytest.fixture(scope="session")
 def corpus_dir(tmp_path_factory):
     """The standard-library corpus, prepared once per test session."""
-    from trainer.data import streams
+    from trainer.data import corpora
 
     path = str(tmp_path_factory.mktemp("tfds"))
     cfg = micro_config(data=dict(source="text_files", data_dir=path))
-    streams.prepare(cfg.data)
+    corpora.prepare(cfg.data)
     return path
 
 

@@ -8,7 +8,9 @@ reference; without them an Orbax save fails with "Malformed StorageGeneration"):
 - a media download carries the object's generation in `x-goog-generation`;
 - `ifGenerationMatch` (0: the object must not exist) and
   `ifGenerationNotMatch` are preconditions: 412 when a write's or delete's
-  does not hold, 304 when a read's says the caller's copy is current.
+  does not hold, 304 when a read's says the caller's copy is current;
+- a suffix range (`Range: bytes=-N`, the last N bytes), with which ArrayRecord
+  reads a shard's footer: the emulator answers it with the whole object.
 
 The clients are pointed at it by their documented settings (see `environment`).
 
@@ -31,11 +33,12 @@ from gcp_storage_emulator.server import Response, Router
 
 
 def environment(port: int) -> dict[str, str]:
-    """The variables that point gcsfs (hence etils.epath) and TensorStore at the emulator."""
+    """The variables that point gcsfs (hence etils.epath), TensorStore and ArrayRecord at the emulator."""
     url = f"http://localhost:{port}"
     return {
         "STORAGE_EMULATOR_HOST": url,  # gcsfs
         "TENSORSTORE_GCS_HTTP_URL": url,
+        "CLOUD_STORAGE_EMULATOR_ENDPOINT": url,  # ArrayRecord, which reads a corpus's gs:// shards
         "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",  # TensorStore: no credentials lookup
         # gcsfs's hierarchical-namespace probe asks Google's control API, which an emulator does not serve.
         "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
@@ -58,9 +61,20 @@ def _failed(request, current: str) -> HTTPStatus | None:
     return None
 
 
+def _suffix_range(request, storage) -> None:
+    """Rewrite `bytes=-N` as the `bytes=START-` it means, which the emulator serves."""
+    wanted = request.get_header("range", "") or ""
+    if wanted.strip().startswith("bytes=-"):
+        size = len(storage.get_file(request.params["bucket_name"], request.params["object_id"]))
+        start = max(0, size - int(wanted.strip()[len("bytes=-") :]))
+        request._request_handler.headers.replace_header("range", f"bytes={start}-")
+
+
 def _reading(handler):
     def wrapped(request, response, storage, *args, **kwargs):
         current = _generation(storage, request)
+        if current != "0":
+            _suffix_range(request, storage)
         status = _failed(request, current) if current != "0" else None
         if status:
             response.status = status

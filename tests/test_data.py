@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
-from trainer.data import streams, text_files
+from trainer.data import corpora, streams, text_files
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
 from trainer.errors import ConfigError
 
@@ -40,7 +40,7 @@ def test_sentencepiece_trained_locally_round_trips_code(tmp_path):
 def test_missing_sentencepiece_model_is_a_clear_error():
     cfg = micro_config(data=dict(tokenizer="sentencepiece", tokenizer_path="/nonexistent/x.model", source="text_files"))
     with pytest.raises(ConfigError, match="train_tokenizer.py"):
-        streams.check_vocab(cfg)
+        corpora.check_vocab(cfg)
 
 
 def _write_corpus(root):
@@ -62,8 +62,8 @@ def test_text_files_builder_prepares_splits_by_file(tmp_path):
             data_dir=str(tmp_path / "tfds"),
         )
     )
-    streams.prepare(cfg.data)
-    train, val = streams.open_split(cfg.data, "train"), streams.open_split(cfg.data, "validation")
+    corpora.prepare(cfg.data)
+    train, val = corpora.open_split(cfg.data, "train"), corpora.open_split(cfg.data, "validation")
     sources = {"train": [], "validation": []}
     for name, split in (("train", train), ("validation", val)):
         for i in range(len(split)):
@@ -75,7 +75,7 @@ def test_text_files_builder_prepares_splits_by_file(tmp_path):
     assert {f"json line {i}" for i in range(5)} <= texts  # one document per jsonl line
     assert "document 7\n" * 3 in texts
     stamp = os.path.getmtime(os.path.join(tmp_path, "tfds", "text_files", "mine"))
-    streams.prepare(cfg.data)  # already there: untouched
+    corpora.prepare(cfg.data)  # already there: untouched
     assert os.path.getmtime(os.path.join(tmp_path, "tfds", "text_files", "mine")) == stamp
 
 
@@ -102,10 +102,10 @@ def test_parquet_and_compressed_json_lines_are_read_by_their_text_column(tmp_pat
         written.update(lines)
     cfg = micro_config(data=dict(source="text_files", name="shards", paths=f"{corpus}/*", text_key="content",
                                  data_dir=str(tmp_path / "tfds")))  # fmt: skip
-    streams.prepare(cfg.data)
+    corpora.prepare(cfg.data)
     read = set()
     for split in ("train", "validation"):
-        source = streams.open_split(cfg.data, split)
+        source = corpora.open_split(cfg.data, split)
         read.update(source[i]["text"].decode() for i in range(len(source)))
     assert read == written
 
@@ -113,22 +113,22 @@ def test_parquet_and_compressed_json_lines_are_read_by_their_text_column(tmp_pat
     other = micro_config(data=dict(source="text_files", name="other", paths=f"{corpus}/*", text_key="content",
                                    data_dir=str(tmp_path / "tfds")))  # fmt: skip
     with pytest.raises(ConfigError, match=r"other.parquet has no field 'content' \(it has body\); set data.text_key"):
-        streams.prepare(other.data)
+        corpora.prepare(other.data)
     assert not os.path.exists(tmp_path / "tfds" / "text_files" / "other")
 
 
 def test_text_files_errors(tmp_path):
     nothing = micro_config(data=dict(source="text_files", paths=f"{tmp_path}/none/*.txt", data_dir=str(tmp_path)))
     with pytest.raises(ConfigError, match="matches no files"):
-        streams.prepare(nothing.data)
+        corpora.prepare(nothing.data)
     (tmp_path / "one.txt").write_text("x")
     one = micro_config(data=dict(source="text_files", paths=f"{tmp_path}/one.txt", data_dir=str(tmp_path)))
     with pytest.raises(ConfigError, match="too few"):
-        streams.prepare(one.data)
+        corpora.prepare(one.data)
     assert not os.path.exists(tmp_path / "text_files")
     unprepared = micro_config(data=dict(source="tfds", name="not_a_dataset", data_dir=str(tmp_path)))
     with pytest.raises(ConfigError, match="not prepared"):
-        streams.open_split(unprepared.data, "train")
+        corpora.open_split(unprepared.data, "train")
 
 
 def _cfg(corpus_dir, **train):
@@ -145,7 +145,7 @@ def _take(cfg, rows, n, shuffle=True, split="train"):
 def test_windows_hold_whole_document_pieces_with_restarting_positions(corpus_dir):
     cfg = _cfg(corpus_dir)
     batches = _take(cfg, [0, 1, 2, 3], 6, shuffle=False)
-    source = streams.open_split(cfg.data, "train")
+    source = corpora.open_split(cfg.data, "train")
     tok = ByteTokenizer()
     for row in range(4):
         docs = [
@@ -218,7 +218,7 @@ def test_synthetic_source_is_deterministic_and_in_vocabulary():
 
 def test_stdlib_corpus_validation_is_held_out_by_file(corpus_dir):
     cfg = _cfg(corpus_dir)
-    train, val = streams.open_split(cfg.data, "train"), streams.open_split(cfg.data, "validation")
+    train, val = corpora.open_split(cfg.data, "train"), corpora.open_split(cfg.data, "validation")
     val_sources = {val[i]["source"] for i in range(len(val))}
     assert 0.01 < len(val) / (len(train) + len(val)) < 0.04
     assert all(text_files.is_validation(s.decode()) for s in val_sources)
@@ -232,7 +232,7 @@ def mixture_config(corpus_dir, tmp_path_factory):
     for i in range(400):
         (notes / f"note{i:03d}.txt").write_text(f"note {i}: " + "plain words, not code. " * (1 + i % 7))
     cfg = micro_config(data=dict(source="text_files", data_dir=corpus_dir, name="notes", paths=str(notes / "*.txt")))
-    streams.prepare(cfg.data)
+    corpora.prepare(cfg.data)
     cfg.data.update(name="python_stdlib", paths="", mixture=("python_stdlib:3", "notes:1"))
     return cfg
 
@@ -297,7 +297,7 @@ def test_a_tokenised_cache_gives_the_same_batches_with_no_tokenizer_and_refuses_
         (corpus / f"f{i:03d}.py").write_text(f"def f{i}(x):\n    return x * {i}  # ünïcode\n" * (1 + i % 5))
     cfg = micro_config(data=dict(source="text_files", data_dir=str(tmp_path / "tfds"), name="files",
                                  paths=str(corpus / "*.py")))  # fmt: skip
-    streams.prepare(cfg.data)
+    corpora.prepare(cfg.data)
 
     def first_batches(cfg, split, n=6):
         it = iter(streams.batches(streams.Stream.from_config(cfg), split, range(8), shuffle=split == "train"))
@@ -306,7 +306,7 @@ def test_a_tokenised_cache_gives_the_same_batches_with_no_tokenizer_and_refuses_
     on_the_fly = {split: first_batches(cfg, split) for split in ("train", "validation")}
     before = streams.Stream.from_config(cfg).identity()
     cfg.data.tokenized = True
-    streams.prepare(cfg.data)
+    corpora.prepare(cfg.data)
     assert os.path.isdir(tmp_path / "tfds" / "text_files" / "files-tokens" / "1.0.0")
     assert streams.Stream.from_config(cfg).identity() == before  # a run may resume with or without the cache
 
@@ -324,7 +324,7 @@ def test_a_tokenised_cache_gives_the_same_batches_with_no_tokenizer_and_refuses_
     train_sentencepiece([p.read_text() for p in sorted(corpus.iterdir())[:100]], 300, model)
     cfg.data.update(tokenizer="sentencepiece", tokenizer_path=model)
     with pytest.raises(ConfigError, match="files-tokens/1.0.0 was made with tokenizer .*'byte'.* this config uses"):
-        streams.check_prepared(cfg.data, "train")
+        corpora.check_prepared(cfg.data, "train")
 
 
 def test_worker_processes_read_the_same_rows_and_state_as_the_training_process(corpus_dir):
@@ -369,34 +369,34 @@ def test_a_prepared_corpus_knows_what_it_was_made_from(tmp_path, capsys):
         return micro_config(data=data)
 
     built = config(f"{corpus}/*.jsonl")
-    streams.prepare(built.data)
+    corpora.prepare(built.data)
     stamp = os.path.getmtime(tmp_path / "tfds" / "text_files" / "mine" / "1.0.0" / "made_from.json")
     respelt = config(f"{corpus}/doc0*.jsonl,{corpus}/doc1*.jsonl")
-    streams.prepare(respelt.data)  # the same 150 files: accepted, nothing rebuilt
+    corpora.prepare(respelt.data)  # the same 150 files: accepted, nothing rebuilt
     moved = tmp_path / "elsewhere"
     shutil.copytree(corpus, moved)
-    streams.prepare(config(f"{moved}/*.jsonl").data)
+    corpora.prepare(config(f"{moved}/*.jsonl").data)
     assert os.path.getmtime(tmp_path / "tfds" / "text_files" / "mine" / "1.0.0" / "made_from.json") == stamp
     assert streams.Stream.from_config(respelt).identity() == streams.Stream.from_config(built).identity()
 
     with pytest.raises(ConfigError, match=r"corpus 'mine' .* was made from other data than data.paths=.*doc00\*"
                                           r".*\(140 of its 150 files are not among the 10 selected\)"):  # fmt: skip
-        streams.prepare(config(f"{corpus}/doc00*.jsonl").data)
+        corpora.prepare(config(f"{corpus}/doc00*.jsonl").data)
     (moved / "doc000.jsonl").write_text(json.dumps({"text": "edited", "body": "b"}) + "\n")
     with pytest.raises(ConfigError, match=r"1 of its 150 files are not among the 150 selected"):
-        streams.prepare(config(f"{moved}/*.jsonl").data)
+        corpora.prepare(config(f"{moved}/*.jsonl").data)
     with pytest.raises(ConfigError, match=r"select \(its text was read from field 'text', not 'body'\); give this"):
-        streams.prepare(config(f"{corpus}/*.jsonl", text_key="body").data)
+        corpora.prepare(config(f"{corpus}/*.jsonl", text_key="body").data)
 
     tokens = config(f"{corpus}/*.jsonl", tokenized=True)
-    streams.prepare(tokens.data)
+    corpora.prepare(tokens.data)
     cache = tmp_path / "tfds" / "text_files" / "mine-tokens" / "1.0.0"
     (cache / "made_with_tokenizer.json").unlink()  # killed after TFDS finished, before the record
-    streams.prepare(tokens.data)
+    corpora.prepare(tokens.data)
     assert "was left unfinished; moved to" in capsys.readouterr().out
     assert (cache / "made_with_tokenizer.json").exists() and len(list(cache.parent.glob("1.0.0.interrupted-*"))) == 1
-    streams.check_prepared(tokens.data, "train")
+    corpora.check_prepared(tokens.data, "train")
 
     (corpus / "late.jsonl").write_text(json.dumps({"text": "a"}) + "\n" + json.dumps({"body": "b"}) + "\n")
     with pytest.raises(ConfigError, match=r"line 2 of .*late.jsonl has no field 'text'; fix or remove that line"):
-        streams.prepare(config(f"{corpus}/*.jsonl", name="late").data)
+        corpora.prepare(config(f"{corpus}/*.jsonl", name="late").data)

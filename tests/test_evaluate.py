@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import cli_args, micro_config
 
-from trainer.data import streams
+from trainer.data import corpora, streams
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer
 from trainer.errors import ConfigError
 from trainer.evaluate import evaluate_checkpoint
@@ -64,7 +64,7 @@ def test_reported_figures_are_consistent_and_written(trained, corpus_dir):
 
 def test_one_pass_covers_every_held_out_token_exactly_once(corpus_dir):
     cfg = text_cfg(corpus_dir)
-    source = streams.open_split(cfg.data, "validation")
+    source = corpora.open_split(cfg.data, "validation")
     tok = ByteTokenizer()
     expected = np.concatenate(
         [np.concatenate([[BOS_ID], tok.encode(source[i]["text"]), [EOS_ID]]) for i in range(len(source))]

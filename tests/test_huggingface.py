@@ -126,7 +126,7 @@ def test_a_hugging_face_tokenizer_json_trains_exports_and_marks_documents_with_i
     data = dict(source="text_files", name="short", paths=f"{tmp_path}/corpus/*.txt", data_dir=str(tmp_path / "tfds"),
                 tokenizer="hf", tokenizer_path=str(tmp_path / "tok"))  # fmt: skip
     cfg = micro_config(data=data, train=dict(steps=3))
-    from trainer.data import streams
+    from trainer.data import corpora, streams
     from trainer.data.tokenizers import load_tokenizer
 
     ours = load_tokenizer(cfg.data)
@@ -136,9 +136,9 @@ def test_a_hugging_face_tokenizer_json_trains_exports_and_marks_documents_with_i
     ids = ours.encode(text)
     assert ids.tolist() == hf_tok.encode(text).ids and ours.decode(ids) == text
     assert ours.token_bytes()[ids].sum() == len(text.encode())  # bits per byte count every byte once
-    streams.prepare(cfg.data)
+    corpora.prepare(cfg.data)
     stream = streams.Stream.from_config(cfg)
-    source = streams.open_split(cfg.data, "train")
+    source = corpora.open_split(cfg.data, "train")
     (doc,) = streams._documents(stream, "train", shuffle=False, endless=False)[:1]
     expected = hf_tok.encode(source[0]["text"].decode()).ids
     assert doc["tokens"].tolist() == [bos, *expected, eos]

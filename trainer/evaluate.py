@@ -24,10 +24,11 @@ import jax
 import numpy as np
 
 from parallelism.distributed import fetch
-from trainer.data import streams
+from trainer.data import corpora, streams
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.loss import target_weights
+from trainer.storage import run_tokenizer
 from trainer.storage.resume import load_params
 from trainer.storage.workdir import path, write_file
 from trainer.training.setup import Setup
@@ -113,9 +114,10 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     `max_batches` > 0 stops early (and is required for a synthetic source).
     The result is also written to <workdir>/eval/<split>_step<N>.json.
     """
-    streams.check_vocab(cfg)
+    cfg = run_tokenizer.settle(cfg, workdir)
+    corpora.check_vocab(cfg)
     if cfg.data.source != "synthetic":
-        streams.open_split(cfg.data, cfg.data.eval_split)
+        corpora.open_split(cfg.data, cfg.data.eval_split)
     elif not max_batches:
         raise ConfigError("a synthetic source has no end; pass a number of batches to evaluate.")
     setup, step, params = load_params(cfg, workdir, step, devices)

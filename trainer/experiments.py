@@ -14,15 +14,15 @@ import numpy as np
 
 from parallelism.distributed import fetch
 from trainer import config
-from trainer.data import streams
+from trainer.data import corpora, streams
 from trainer.training.setup import build
 
 
 def fixed_batches(cfg, steps: int) -> list[dict]:
     """The first `steps` global batches of the config's training stream (one process)."""
-    streams.check_vocab(cfg)
+    corpora.check_vocab(cfg)
     if cfg.data.source != "synthetic":
-        streams.prepare(cfg.data)
+        corpora.prepare(cfg.data)
     rows = range(cfg.train.global_batch_size)
     stream = iter(streams.batches(streams.Stream.from_config(cfg), cfg.data.train_split, rows, shuffle=True))
     return [next(stream) for _ in range(steps)]

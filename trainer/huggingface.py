@@ -15,10 +15,12 @@ import json
 import os
 
 import numpy as np
+from etils import epath
 
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.spec import Architecture
+from trainer.storage import run_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -180,7 +182,7 @@ def write_tokenizer(data_cfg, out_dir: str) -> None:
 
     if data_cfg.tokenizer == "hf":  # the user's own file, with its own marks
         ours = load_tokenizer(data_cfg)
-        tok = Tokenizer.from_file(ours.file)
+        tok = Tokenizer.from_str(epath.Path(ours.file).read_text())
         bos, eos = tok.id_to_token(ours.bos_id), tok.id_to_token(ours.eos_id)
         pad = tok.id_to_token(ours.pad_id)
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad)
@@ -219,7 +221,7 @@ def _sentencepiece_tokenizer(path, Tokenizer, models, decoders, normalizers):
     """SentencePiece BPE as a `tokenizers` pipeline: '▁' for spaces plus a leading one, as our training does."""
     import sentencepiece as spm
 
-    sp = spm.SentencePieceProcessor(model_file=os.path.expanduser(path))
+    sp = spm.SentencePieceProcessor(model_proto=epath.Path(path).expanduser().read_bytes())
     vocab = {sp.id_to_piece(i): i for i in range(sp.get_piece_size())}
     tok = Tokenizer(
         models.BPE(vocab=vocab, merges=bpe_merges(vocab), byte_fallback=True, fuse_unk=True, unk_token="<unk>")
@@ -255,6 +257,7 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
         raise ConfigError(f"{out_dir} is not empty; export into a new directory.")
     if jax.process_count() > 1:
         raise ConfigError("export in a single process: it gathers the whole model onto one host anyway.")
+    cfg = run_tokenizer.settle(cfg, workdir)  # the run's own copy of its tokenizer
     setup, step, params = load_params(cfg, workdir, step)
     tensors = to_hf_tensors(jax.device_get(params), setup.spec.arch)
     os.makedirs(out_dir, exist_ok=True)
@@ -298,6 +301,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     state = state_from_params(params, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.counters)
     wd.check_writable(workdir)
     wd.write_config(workdir, cfg)
+    run_tokenizer.store(cfg, workdir)
     ckpt = Checkpointer(wd.checkpoint_dir(workdir), keep=cfg.checkpoint.keep)
     ckpt.save(0, state, None)
     ckpt.wait()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -37,13 +36,12 @@ from collections.abc import Callable, Iterator, Sequence
 import grain
 import jax
 import numpy as np
-import tensorflow_datasets as tfds
 from grain.experimental import ConcatThenSplitIterDataset
 from jax.sharding import NamedSharding
 
-from trainer.data import text_files
+from trainer.data.corpora import open_corpus, text_feature
 from trainer.data.mixture import parse_mixture
-from trainer.data.tokenizers import load_tokenizer, made_with
+from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError, TrainingError
 
 SYNTHETIC_DOCUMENTS = 2**62  # "infinite", yet a valid MapDataset length
@@ -87,76 +85,14 @@ class Stream:
         return {name: dataclasses.replace(self, name=name, mixture=()) for name, _ in self.mixture}
 
     def identity(self) -> dict:
-        """What the batches depend on: not where the corpus lives, nor whether its cache is read, nor the globs
-        (and, for text files, the field) that selected its files: a prepared corpus records what it was made
-        from and refuses a config that selects anything else (trainer/data/text_files.py), so a glob spelt
-        otherwise over the same files resumes."""
-        ignored = {"data_dir", "tokenized", "paths"} | ({"text_key"} if self.source == "text_files" else set())
+        """What the batches depend on: not where the corpus or the tokenizer lives, nor whether its cache is
+        read, nor the globs (and, for text files, the field) that selected its files: a prepared corpus records
+        what it was made from and refuses a config that selects anything else (trainer/data/text_files.py), so
+        a glob spelt otherwise over the same files resumes; the tokenizer's file is held to the run's copy
+        (trainer/storage/run_tokenizer.py)."""
+        ignored = {"data_dir", "tokenized", "paths", "tokenizer_path"}
+        ignored |= {"text_key"} if self.source == "text_files" else set()
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
-
-
-def data_dir(data_cfg) -> str:
-    return os.path.expanduser(data_cfg.data_dir or "~/tensorflow_datasets")
-
-
-def prepare(data_cfg) -> None:
-    """Build a text_files corpus if it is not on disk yet (and, with data.tokenized, its tokenised cache);
-    other sources need nothing."""
-    if data_cfg.source == "text_files":
-        text_files.prepare(data_cfg.name, data_cfg.paths, data_dir(data_cfg), data_cfg.text_key)
-        if data_cfg.tokenized:
-            text_files.prepare(data_cfg.name, data_cfg.paths, data_dir(data_cfg), data_cfg.text_key,
-                               load_tokenizer(data_cfg), made_with(data_cfg))  # fmt: skip
-
-
-def text_feature(data_cfg) -> str:
-    """The prepared examples' text feature: a text_files corpus stores `text`, whichever field of its
-    files held it (data.text_key); a TFDS dataset has its own."""
-    return "text" if data_cfg.source == "text_files" else data_cfg.text_key
-
-
-def open_split(data_cfg, split: str):
-    """A random-access source of examples (dicts) for one split of data.name."""
-    return _open_corpus(data_cfg, data_cfg.name, split)
-
-
-def check_prepared(data_cfg, split: str) -> None:
-    """Refuse, in one sentence, a corpus the run reads (data.name, or each of a mixture) that is not prepared."""
-    for corpus in [name for name, _ in parse_mixture(data_cfg.mixture)] or [data_cfg.name]:
-        _open_corpus(data_cfg, corpus, split)
-
-
-def _open_corpus(data_cfg, corpus: str, split: str):
-    if data_cfg.tokenized:
-        corpus += text_files.TOKENS_SUFFIX
-    name = f"text_files/{corpus}" if data_cfg.source == "text_files" else corpus
-    try:
-        if data_cfg.source == "text_files" and not os.path.isdir(os.path.join(data_dir(data_cfg), name)):
-            raise tfds.core.registered.DatasetNotFoundError(name)  # TFDS would say its builder config is unknown
-        source = tfds.data_source(name, split=split, data_dir=data_dir(data_cfg), download=False)
-    except tfds.core.registered.DatasetNotFoundError as e:
-        hint = (
-            "run scripts/prepare_data.py with this config"
-            if data_cfg.source == "text_files"
-            else "prepare it with TFDS in array_record format"
-        )
-        raise ConfigError(f"dataset {name!r} is not prepared under {data_dir(data_cfg)}; {hint}.") from e
-    except (KeyError, ValueError) as e:
-        raise ConfigError(f"dataset {name!r} has no split {split!r} ({e}).") from e
-    if data_cfg.tokenized:
-        text_files.check_made_with(os.path.join(data_dir(data_cfg), name, "1.0.0"), made_with(data_cfg))
-    return source
-
-
-def check_vocab(cfg) -> None:
-    if cfg.data.source == "synthetic":
-        return
-    size = load_tokenizer(cfg.data).vocab_size
-    if size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"the {cfg.data.tokenizer} tokenizer has {size} ids but model.vocab_size={cfg.model.vocab_size}; "
-            f"raise model.vocab_size to at least {size} (a multiple of 128 shards best)."
-        )
 
 
 def _documents(stream: Stream, split: str, shuffle: bool, endless: bool = True, tag: int | None = None):
@@ -171,7 +107,7 @@ def _documents(stream: Stream, split: str, shuffle: bool, endless: bool = True, 
 
         return grain.MapDataset.range(SYNTHETIC_DOCUMENTS).map(random_doc)
 
-    docs = grain.MapDataset.source(_open_corpus(stream, stream.name, split))
+    docs = grain.MapDataset.source(open_corpus(stream, stream.name, split))
     if shuffle:
         docs = docs.shuffle(seed=seed)
     if endless:
@@ -215,8 +151,8 @@ def batches(stream: Stream, split: str, rows: Sequence[int], *, shuffle: bool) -
     else:
         length["source"] = stream.seq_len
         drawn = [(i, weight) for i, (_, weight) in enumerate(stream.mixture) if weight > 0]
-        corpora = list(stream.sources().values())
-        docs = {i: _documents(corpora[i], split, shuffle, tag=i) for i, _ in drawn}
+        sources = list(stream.sources().values())
+        docs = {i: _documents(sources[i], split, shuffle, tag=i) for i, _ in drawn}
         weights = [weight for _, weight in drawn]
         row_docs = lambda r: grain.MapDataset.mix([docs[i][r :: stream.rows] for i, _ in drawn], weights)
     return _RowBatches(

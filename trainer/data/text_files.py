@@ -33,12 +33,16 @@ import hashlib
 import json
 import os
 import sysconfig
+import tempfile
 import time
 
 import numpy as np
 import tensorflow_datasets as tfds
+from etils import epath
 
+from trainer.data.tokenizers import same_tokenizer
 from trainer.errors import ConfigError
+from trainer.storage.workdir import is_remote
 
 VALIDATION_PER_MILLE = 20  # 2% of files held out
 TOKENS_SUFFIX = "-tokens"  # the tokenised cache of corpus <name> is corpus <name>-tokens
@@ -195,11 +199,10 @@ def _edges_digest(path: str) -> str:
 def check_made_from(directory: str, wanted: dict, paths: str, name: str) -> None:
     """Refuse a prepared corpus (or cache) made from other files or another text field than the config selects.
     One prepared before files were recorded is taken as it is."""
-    record = os.path.join(directory, MADE_FROM_FILE)
-    if not os.path.exists(record):
+    record = epath.Path(directory) / MADE_FROM_FILE
+    if not record.exists():
         return
-    with open(record) as f:
-        have = json.load(f)
+    have = json.loads(record.read_text())
     if have == wanted:
         return
     files = {tuple(entry) for entry in have["files"]}
@@ -232,7 +235,40 @@ def prepare(name: str, paths: str, data_dir: str, text_key: str = "text", tokeni
             "validation; give more files (split a large file into several)."
         )
     config_name = name + TOKENS_SUFFIX if tokenizer is not None else name
-    builder = TextFiles(
+    remote = is_remote(data_dir)
+    builder = _builder(splits, text_key, tokenizer, config_name, patterns, data_dir)
+    wanted = made_from([(f, os.path.relpath(f, root)) for f in files], text_key)
+    if (
+        tokenizer is not None
+        and not remote  # a bucket's copy is not prepared until its last file is (see _upload)
+        and builder.is_prepared()
+        and not os.path.exists(os.path.join(builder.data_dir, TOKENIZER_FILE))
+    ):  # killed after TFDS finished, before the tokenizer was recorded: which one made it is unknown
+        aside = f"{builder.data_dir}.interrupted-{int(time.time())}"
+        os.rename(builder.data_dir, aside)
+        print(f"the tokenised cache {builder.data_dir} was left unfinished; moved to {aside}, preparing it again")
+        builder = _builder(splits, text_key, tokenizer, config_name, patterns, data_dir)
+    if builder.is_prepared():
+        check_made_from(builder.data_dir, wanted, paths, config_name)
+        if tokenizer is not None:
+            check_made_with(builder.data_dir, made_with)
+        return str(builder.data_dir)
+    for f in files:
+        _check_text_key(f, text_key)
+    if not remote:
+        _build(builder, wanted, made_with if tokenizer is not None else None)
+        return builder.data_dir
+    # ArrayRecord writes local files only: build into a local directory, then upload it.
+    _check_bucket_writable(data_dir)
+    with tempfile.TemporaryDirectory(prefix="trainer-corpus-") as local:
+        staged = _builder(splits, text_key, tokenizer, config_name, patterns, local)
+        _build(staged, wanted, made_with if tokenizer is not None else None)
+        _upload(staged.data_dir, str(builder.data_dir))
+    return str(builder.data_dir)
+
+
+def _builder(splits, text_key, tokenizer, config_name, patterns, data_dir) -> TextFiles:
+    return TextFiles(
         splits=splits,
         text_key=text_key,
         tokenizer=tokenizer,
@@ -240,31 +276,38 @@ def prepare(name: str, paths: str, data_dir: str, text_key: str = "text", tokeni
         data_dir=data_dir,
         file_format="array_record",
     )
-    wanted = made_from([(f, os.path.relpath(f, root)) for f in files], text_key)
-    if (
-        tokenizer is not None
-        and builder.is_prepared()
-        and not os.path.exists(os.path.join(builder.data_dir, TOKENIZER_FILE))
-    ):  # killed after TFDS finished, before the tokenizer was recorded: which one made it is unknown
-        aside = f"{builder.data_dir}.interrupted-{int(time.time())}"
-        os.rename(builder.data_dir, aside)
-        print(f"the tokenised cache {builder.data_dir} was left unfinished; moved to {aside}, preparing it again")
-        builder = TextFiles(splits=splits, text_key=text_key, tokenizer=tokenizer, config=builder.builder_config,
-                            data_dir=data_dir, file_format="array_record")  # fmt: skip
-    if builder.is_prepared():
-        check_made_from(builder.data_dir, wanted, paths, config_name)
-        if tokenizer is not None:
-            check_made_with(builder.data_dir, made_with)
-        return builder.data_dir
-    for f in files:
-        _check_text_key(f, text_key)
+
+
+def _build(builder: TextFiles, wanted: dict, made_with: dict | None) -> None:
     tfds.disable_progress_bar()  # TFDS still prints one line when done; its bars would bury the log
     builder.download_and_prepare(download_config=tfds.download.DownloadConfig(try_download_gcs=False))
     # The records last, the tokenizer's after the files' (its absence marks a cache as unfinished).
     _write_json(os.path.join(builder.data_dir, MADE_FROM_FILE), wanted)
-    if tokenizer is not None:
+    if made_with is not None:
         _write_json(os.path.join(builder.data_dir, TOKENIZER_FILE), made_with)
-    return builder.data_dir
+
+
+def _check_bucket_writable(data_dir: str) -> None:
+    probe = epath.Path(data_dir) / f".write_probe_{os.getpid()}"
+    try:
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write the corpus into data.data_dir={data_dir} ({e}); give a bucket this machine may write."
+        ) from e
+
+
+def _upload(local: str, remote: str) -> None:
+    """Copy a prepared corpus into a bucket, dataset_info.json last: TFDS takes a version directory without
+    it for an unprepared one, so a copy cut short is prepared again, never read half-made."""
+    import fsspec
+
+    fs = fsspec.filesystem("gcs")
+    names = sorted(os.listdir(local), key=lambda n: n == "dataset_info.json")
+    for name in names:
+        fs.put_file(os.path.join(local, name), f"{remote}/{name}")
+    fs.invalidate_cache()
 
 
 def _write_json(path: str, value) -> None:
@@ -275,9 +318,8 @@ def _write_json(path: str, value) -> None:
 
 def check_made_with(directory: str, made_with: dict) -> None:
     """Refuse a tokenised cache made with another tokenizer than the config's."""
-    with open(os.path.join(directory, TOKENIZER_FILE)) as f:
-        recorded = json.load(f)
-    if recorded != made_with:
+    recorded = json.loads((epath.Path(directory) / TOKENIZER_FILE).read_text())
+    if not same_tokenizer(recorded, made_with):
         raise ConfigError(
             f"the tokenised cache {directory} was made with tokenizer {recorded}, and this config uses "
             f"{made_with}; set data.tokenized=false, or give the corpus another data.name and prepare its cache."

@@ -3,6 +3,11 @@
 Ours (byte, sentencepiece) reserve id 0 for padding, 1 for beginning- and 2 for
 end-of-document. A Hugging Face `tokenizer.json` keeps its own ids: its
 begin/end-of-text tokens become our begin/end of document.
+
+A tokenizer file is read through etils.epath, so `data.tokenizer_path` may be a
+local path or a `gs://` object: a run keeps its own copy in its run directory
+(trainer/storage/run_tokenizer.py), which every host reads. A tokenizer is known
+by its kind and the digest of its file, not by where the file lies.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ class SentencePieceTokenizer:
     def __init__(self, path: str):
         import sentencepiece as spm
 
-        self._sp = spm.SentencePieceProcessor(model_file=path)
+        self._sp = spm.SentencePieceProcessor(model_proto=_path(path).read_bytes())
         self.vocab_size = self._sp.get_piece_size()
 
     def encode(self, text: str | bytes) -> np.ndarray:
@@ -134,16 +139,16 @@ class HuggingFaceTokenizer:
     def __init__(self, path: str):
         from tokenizers import Tokenizer
 
-        self.file = file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        self.file = file = tokenizer_file("hf", path)
         try:
-            self._tok = Tokenizer.from_file(file)
+            self._tok = Tokenizer.from_str(_path(file).read_text())
         except Exception as e:  # the library reports a bad file with a bare Exception
             raise ConfigError(
                 f"data.tokenizer_path={path!r}: {file} does not load as a Hugging Face tokenizer.json ({e}); "
                 "point it at a tokenizer.json or a directory holding one."
             ) from e
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        named = _config_tokens(os.path.dirname(file))
+        named = _config_tokens(_path(file).parent)
         self.bos_id = self._special(named.get("bos_token"), BOS_NAMES, "begin", path)
         self.eos_id = self._special(named.get("eos_token"), EOS_NAMES, "end", path)
         self.pad_id = self.eos_id  # such files seldom have a padding token; nothing we train reads it
@@ -180,13 +185,12 @@ class HuggingFaceTokenizer:
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # byte fallback pieces (Llama 2, Mistral)
 
 
-def _config_tokens(directory: str) -> dict:
+def _config_tokens(directory) -> dict:
     """bos_token / eos_token from a tokenizer_config.json, as plain strings; {} without one."""
-    path = os.path.join(directory, "tokenizer_config.json")
-    if not os.path.exists(path):
+    path = directory / HF_CONFIG
+    if not path.exists():
         return {}
-    with open(path) as f:
-        config = json.load(f)
+    config = json.loads(path.read_text())
     out = {}
     for key in ("bos_token", "eos_token"):
         value = config.get(key)
@@ -194,15 +198,31 @@ def _config_tokens(directory: str) -> dict:
     return out
 
 
+HF_CONFIG = "tokenizer_config.json"  # beside a tokenizer.json: names its begin/end tokens
+
+
+def _path(location: str):
+    from etils import epath
+
+    return epath.Path(location).expanduser()
+
+
+def tokenizer_file(kind: str, location: str) -> str:
+    """The file a tokenizer is read from: the path given, or a Hugging Face directory's tokenizer.json."""
+    if kind == "hf" and _path(location).is_dir():
+        return str(_path(location) / "tokenizer.json")
+    return str(_path(location))
+
+
 def load_tokenizer(data_cfg) -> Tokenizer:
     if data_cfg.tokenizer == "byte":
         return ByteTokenizer()
-    path = os.path.expanduser(data_cfg.tokenizer_path)
+    path = data_cfg.tokenizer_path
     if data_cfg.tokenizer == "hf":
         if importlib.util.find_spec("tokenizers") is None:
             raise ConfigError('data.tokenizer=hf needs the tokenizers library: pip install -e ".[hf]".')
         return HuggingFaceTokenizer(path)
-    if not os.path.exists(path):
+    if not _path(path).exists():
         raise ConfigError(
             f"no SentencePiece model at data.tokenizer_path={path!r}; "
             "train one with scripts/train_tokenizer.py --config <your config>."
@@ -210,21 +230,25 @@ def load_tokenizer(data_cfg) -> Tokenizer:
     return SentencePieceTokenizer(path)
 
 
-def identity(data_cfg) -> tuple[str, str]:
-    """What decides which ids a text becomes: the settings load_tokenizer reads."""
-    return data_cfg.tokenizer, data_cfg.tokenizer_path if data_cfg.tokenizer != "byte" else ""
+def digest(data_cfg) -> str:
+    """The sha256 of the tokenizer's file ("" for the byte tokenizer, which has none): a file retrained
+    under the same path makes other ids, and the same file anywhere makes the same ones."""
+    import hashlib
+
+    if data_cfg.tokenizer == "byte":
+        return ""
+    file = _path(tokenizer_file(data_cfg.tokenizer, data_cfg.tokenizer_path))
+    if not file.exists():
+        raise ConfigError(f"no tokenizer file at data.tokenizer_path={data_cfg.tokenizer_path!r}.")
+    return hashlib.sha256(file.read_bytes()).hexdigest()
 
 
 def made_with(data_cfg) -> dict:
-    """What a tokenised cache records of its tokenizer: the settings, and the file's digest (a file
-    retrained under the same path makes other ids)."""
-    import hashlib
+    """What a tokenised cache records of its tokenizer: its kind, where it was read from, its digest."""
+    path = "" if data_cfg.tokenizer == "byte" else str(_path(data_cfg.tokenizer_path))
+    return {"tokenizer": data_cfg.tokenizer, "tokenizer_path": path, "sha256": digest(data_cfg)}
 
-    kind, path = identity(data_cfg)
-    digest = ""
-    if path:
-        path = os.path.expanduser(path)
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        with open(file, "rb") as f:
-            digest = hashlib.sha256(f.read()).hexdigest()
-    return {"tokenizer": kind, "tokenizer_path": path, "sha256": digest}
+
+def same_tokenizer(a: dict, b: dict) -> bool:
+    """Whether two made_with records name the same tokenizer: the path is where it was, not what it is."""
+    return (a["tokenizer"], a["sha256"]) == (b["tokenizer"], b["sha256"])

@@ -14,25 +14,39 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
 import time
 
+import jax
 import numpy as np
+from etils import epath
 
 from trainer.errors import ConfigError
 from trainer.planning import scaling_fit, scaling_sweep
 from trainer.planning.scaling import Law
+from trainer.storage import workdir as wd
 
 FIT_FILE = "fit.json"
 POINTS_FILE = "points.csv"
+
+
+def _primary() -> bool:
+    """Whether this process writes and speaks for the lab: every process trains, process 0 alone writes."""
+    return jax.process_index() == 0
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    pass
 
 
 def run_points(points: list[scaling_sweep.Point], say=print) -> list[float]:
     """Train each point not yet finished; returns every point's final eval loss."""
     from trainer.training.loop import train
 
+    say = say if _primary() else _quiet
     todo = sum(p.flops for p in points if scaling_sweep.final_loss(p.workdir) is None)
     done_flops, seconds, losses = 0.0, 0.0, []
     for i, p in enumerate(points, 1):
@@ -58,6 +72,7 @@ def run_points(points: list[scaling_sweep.Point], say=print) -> list[float]:
 def sweep(base, budgets: list[float], sizes: int, out: str, script_args: list[str], list_only: bool = False,
           tokens_per_param: float = 20.0, say=print) -> None:  # fmt: skip
     points = scaling_sweep.plan_points(base, budgets, sizes, out, tokens_per_param)
+    say = say if _primary() else _quiet
     if list_only:
         for p in points:
             say(scaling_sweep.command_line(p, script_args))
@@ -75,16 +90,15 @@ def read_points(out: str, table: str | None) -> list[dict]:
             raise ConfigError(f"{out} has no finished points (no run there has its final evaluation); "
                               "run `scaling.py sweep` on it first, or pass --points with a table.")  # fmt: skip
         return rows
-    if not os.path.exists(table):
+    if not epath.Path(table).exists():
         raise ConfigError(f"--points {table} does not exist; pass a CSV file with columns n_params, tokens, loss.")
-    with open(table, newline="") as f:
-        reader = csv.DictReader(f)
-        missing = [c for c in ("n_params", "tokens", "loss") if c not in (reader.fieldnames or [])]
-        if missing:
-            found = ", ".join(reader.fieldnames or []) or "none"
-            raise ConfigError(f"--points {table} has no column {', '.join(missing)}; it needs n_params, tokens "
-                              f"and loss (flops optional), found {found}.")  # fmt: skip
-        rows = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in reader]
+    reader = csv.DictReader(io.StringIO(epath.Path(table).read_text()))
+    missing = [c for c in ("n_params", "tokens", "loss") if c not in (reader.fieldnames or [])]
+    if missing:
+        found = ", ".join(reader.fieldnames or []) or "none"
+        raise ConfigError(f"--points {table} has no column {', '.join(missing)}; it needs n_params, tokens "
+                          f"and loss (flops optional), found {found}.")  # fmt: skip
+    rows = [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in reader]
     for r in rows:
         r.setdefault("flops", 6 * r["n_params"] * r["tokens"])
     return rows
@@ -122,18 +136,20 @@ def fit(out: str, table: str | None = None, resamples: int = 200, plots: bool = 
     }
     if a2 is None:
         result["approach2_error"] = a2_error
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, FIT_FILE), "w") as f:
-        json.dump(result, f, indent=2)
-    if table is None:
-        with open(os.path.join(out, POINTS_FILE), "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=scaling_sweep.POINT_COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
     if plots:
         from trainer.planning import scaling_plots
 
-        result["plots"] = scaling_plots.write_all(out, n, tokens, flops, loss, a2, law, fpt)
+        result["plots"] = [os.path.join(out, name) for name in scaling_plots.NAMES]
+        if _primary():
+            scaling_plots.write_all(out, n, tokens, flops, loss, a2, law, fpt)
+    if _primary():
+        wd.write_file(wd.path(out) / FIT_FILE, json.dumps(result, indent=2))
+        if table is None:
+            table_text = io.StringIO()
+            writer = csv.DictWriter(table_text, fieldnames=scaling_sweep.POINT_COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+            wd.write_file(wd.path(out) / POINTS_FILE, table_text.getvalue())
     return result
 
 
@@ -149,11 +165,10 @@ def _optima(c: float, a2: dict | None, law: Law, fpt) -> dict:
 
 
 def read_fit(out: str) -> dict:
-    path = os.path.join(out, FIT_FILE)
-    if not os.path.exists(path):
+    file = wd.path(out) / FIT_FILE
+    if not file.exists():
         raise ConfigError(f"{out} has no {FIT_FILE}; run `scaling.py fit --out {out}` first.")
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(file.read_text())
 
 
 def predict(out: str, budget: float, train: bool = False, neighbours: int = 1, say=print) -> dict:
@@ -161,6 +176,7 @@ def predict(out: str, budget: float, train: bool = False, neighbours: int = 1, s
     that model and `neighbours` rungs either side trained at the budget, and every size trained there so far
     (under <out>/check/C<budget>/) compared with the prediction, with the measured profile's vertex."""
     fitted, record = read_fit(out), scaling_sweep.read_sweep(out)
+    say = say if _primary() else _quiet
     base = record["base"]
     rungs = scaling_sweep.ladder(base, budget)
     fpt = scaling_sweep.flops_per_token_of(
@@ -195,8 +211,8 @@ def predict(out: str, budget: float, train: bool = False, neighbours: int = 1, s
     best = int(np.argmin(losses))
     measured["best_trained"] = {"d_model": points[best].rung.d_model, "n_params": points[best].rung.n_params}
     result["measured"] = measured
-    with open(os.path.join(out, f"check_{scaling_sweep.point_name(budget)}.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    if _primary():
+        wd.write_file(wd.path(out) / f"check_{scaling_sweep.point_name(budget)}.json", json.dumps(result, indent=2))
     return result
 
 
@@ -212,17 +228,18 @@ def _check_dir(out: str, budget: float, rung) -> str:
 def _write_config_file(out: str, point, result: dict) -> str:
     path = os.path.join(out, f"predicted_{scaling_sweep.point_name(point.budget)}.py")
     a3 = result["approach3"]
-    with open(path, "w") as f:
-        f.write(
-            f'"""The compute-optimal model for {point.budget:.3g} training FLOPs, by the Approach 3 fit in {out}.\n\n'
-            f"The fit's optimum: N = {a3['n_params']:,.0f}, D = {a3['tokens']:,.0f} tokens, loss {a3['loss']:.4f}.\n"
-            f"This is the sweep ladder's nearest model: d_model {point.rung.d_model}, {point.rung.n_layers} layers,"
-            f" N = {point.rung.n_params:,},\ntrained {point.steps} steps ({point.tokens:,} tokens); predicted eval "
-            f"loss {result['model']['predicted_loss']:.4f}.\n\n"
-            f"    python scripts/train.py --config {path} --workdir {point.workdir}\n"
-            '"""\n\nfrom trainer.config import from_dict\n\n\ndef get_config():\n'
-            f"    return from_dict({point.cfg.to_dict()!r})\n"
-        )
+    text = (
+        f'"""The compute-optimal model for {point.budget:.3g} training FLOPs, by the Approach 3 fit in {out}.\n\n'
+        f"The fit's optimum: N = {a3['n_params']:,.0f}, D = {a3['tokens']:,.0f} tokens, loss {a3['loss']:.4f}.\n"
+        f"This is the sweep ladder's nearest model: d_model {point.rung.d_model}, {point.rung.n_layers} layers,"
+        f" N = {point.rung.n_params:,},\ntrained {point.steps} steps ({point.tokens:,} tokens); predicted eval "
+        f"loss {result['model']['predicted_loss']:.4f}.\n\n"
+        f"    python scripts/train.py --config {path} --workdir {point.workdir}\n"
+        '"""\n\nfrom trainer.config import from_dict\n\n\ndef get_config():\n'
+        f"    return from_dict({point.cfg.to_dict()!r})\n"
+    )
+    if _primary():
+        wd.write_file(wd.path(path), text)
     return path
 
 

@@ -9,12 +9,14 @@
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
 
 from trainer.planning import scaling_fit
 from trainer.planning.scaling import Law
+from trainer.storage.workdir import write_file
 
 
 def _pyplot():
@@ -26,10 +28,13 @@ def _pyplot():
     return plt
 
 
+NAMES = ("isoflops.png", "frontier.png", "contours.png")
+
+
 def write_all(out: str, n, tokens, flops, loss, a2: dict | None, law: Law, flops_per_token) -> list[str]:
-    """Write the three PNGs into `out`; returns their paths."""
+    """Write the three PNGs into `out` (a directory or a bucket); returns their paths."""
     plt = _pyplot()
-    paths = [os.path.join(out, name) for name in ("isoflops.png", "frontier.png", "contours.png")]
+    paths = [os.path.join(out, name) for name in NAMES]
     colours = plt.cm.viridis(np.linspace(0, 0.9, len(scaling_fit.group_by_budget(flops))))
 
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -79,5 +84,7 @@ def _save(plt, fig, ax, path: str) -> None:
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    image = io.BytesIO()
+    fig.savefig(image, format="png", dpi=100)
     plt.close(fig)
+    write_file(path, image.getvalue())

@@ -17,7 +17,10 @@ of C = 6 N D: an untied input embedding (a lookup) is not counted.
 
 Each point is an ordinary run directory, <out>/C<budget>/d<d_model>, with its
 config.json and metrics.jsonl: it resumes like any run, and a finished one
-(its final evaluation written) is skipped when the sweep runs again.
+(its final evaluation written) is skipped when the sweep runs again. `out` may be
+a local directory or a `gs://` bucket (every path goes through etils.epath); on
+several processes every process trains each point and process 0 alone writes
+the lab's own files.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 from trainer import config
 from trainer.errors import ConfigError
 from trainer.flops import count_params, flops_per_token
+from trainer.storage import workdir as wd
 from trainer.storage.metrics import METRICS_FILE
 from trainer.storage.workdir import saved_config
 from trainer.training.setup import build
@@ -154,17 +158,16 @@ def make_point(base, budget: float, rung: Rung, workdir: str) -> Point:
 def final_loss(workdir: str) -> float | None:
     """The run's evaluation at its last step, once it has trained all its batches; None until then."""
     cfg_dict = saved_config(workdir)
-    path = os.path.join(workdir, METRICS_FILE)
-    if cfg_dict is None or not os.path.exists(path):
+    file = wd.path(workdir) / METRICS_FILE
+    if cfg_dict is None or not file.exists():
         return None
     target = cfg_dict["train"]["steps"] * cfg_dict["train"]["global_batch_size"]
     records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a line cut short by a killed process
+    for line in file.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a killed process
     done = [r["step"] for r in records if (r.get("sequences") or 0) >= target]
     evals = [r["eval_loss"] for r in records if done and r["step"] >= done[0] and r.get("eval_loss") is not None]
     return evals[-1] if evals else None
@@ -178,30 +181,28 @@ def command_line(point: Point, script_args: list[str]) -> str:
 
 
 def write_sweep(out: str, base, script_args: list[str], budgets: list[float], sizes: int) -> None:
-    """What `predict` needs later: the base config and the flags the sweep was run with."""
-    os.makedirs(out, exist_ok=True)
+    """What `predict` needs later: the base config and the flags the sweep was run with (process 0 writes)."""
     record = {"config": base.to_dict(), "script_args": script_args, "budgets": budgets, "sizes": sizes}
-    with open(os.path.join(out, SWEEP_FILE), "w") as f:
-        json.dump(record, f, indent=2, default=list)
+    if jax.process_index() == 0:
+        wd.write_file(wd.path(out) / SWEEP_FILE, json.dumps(record, indent=2, default=list))
 
 
 def read_sweep(out: str) -> dict:
-    path = os.path.join(out, SWEEP_FILE)
-    if not os.path.exists(path):
+    file = wd.path(out) / SWEEP_FILE
+    if not file.exists():
         raise ConfigError(f"{out} holds no sweep ({SWEEP_FILE} is missing); run `scaling.py sweep --out {out}` first.")
-    with open(path) as f:
-        record = json.load(f)
+    record = json.loads(file.read_text())
     record["base"] = config.from_dict(record["config"])
     return record
 
 
 def finished_points(out: str) -> list[dict]:
     """One row per finished point under <out>/C*/d*: budget, N, D, C, final eval loss and shape."""
-    rows = []
-    for budget_dir in sorted(os.listdir(out)) if os.path.isdir(out) else []:
+    rows, root = [], wd.path(out)
+    for budget_dir in sorted(d.name for d in root.iterdir()) if root.is_dir() else []:
         if not budget_dir.startswith("C"):
             continue
-        for name in sorted(os.listdir(os.path.join(out, budget_dir))):
+        for name in sorted(d.name for d in (root / budget_dir).iterdir()):
             workdir = os.path.join(out, budget_dir, name)
             loss = final_loss(workdir)
             if loss is None:

@@ -29,7 +29,6 @@ import numpy as np
 
 from trainer.config import flatten, from_dict, with_changes
 from trainer.data.streams import Stream
-from trainer.data.tokenizers import identity as tokenizer_identity
 from trainer.errors import ConfigError, StorageError
 from trainer.model.spec import Architecture
 from trainer.optim.optimizer import make_optimizer
@@ -58,11 +57,12 @@ def changed_keys(saved, cfg, view: Callable) -> list[str]:
 
 
 def check_architecture(workdir: str, cfg, saved=None) -> None:
-    """Refuse a config whose model (or tokenizer) would read the saved weights differently."""
+    """Refuse a config whose model (or kind of tokenizer) would read the saved weights differently; the
+    tokenizer's file is checked against the run's copy of it (trainer/storage/run_tokenizer.py)."""
     saved = saved if saved is not None else saved_config(workdir)
     if saved is None:
         return
-    differ = changed_keys(saved, cfg, lambda c: (Architecture.from_config(c), tokenizer_identity(c.data)))
+    differ = changed_keys(saved, cfg, lambda c: (Architecture.from_config(c), c.data.tokenizer))
     if differ:
         raise ConfigError(
             f"{workdir} belongs to another run ({'; '.join(differ)}); use its values or another --workdir."

@@ -37,17 +37,17 @@ def path(location) -> epath.Path:
     return epath.Path(location if is_remote(location) else os.path.abspath(location))
 
 
-def wait_for_storage(workdir: str, seconds: float, say) -> None:
-    """That a bucket workdir's storage answers, before anything else is read or written: a bucket that
+def wait_for_storage(location: str, seconds: float, say, setting: str = "--workdir") -> None:
+    """That a bucket's storage answers, before anything else is read or written there: a bucket that
     answers 429 or 5xx is waited for (with backoff, for up to `seconds`); one that refuses, or does not
-    exist, stops the run in one sentence."""
-    if not is_remote(workdir):
+    exist, stops the run in one sentence naming the `setting` that gave it."""
+    if not is_remote(location):
         return
-    bucket = path(BUCKET + str(workdir)[len(BUCKET) :].split("/")[0])
+    bucket = path(BUCKET + str(location)[len(BUCKET) :].split("/")[0])
     try:
         faults.retrying(f"reading {bucket}", lambda: next(iter(bucket.iterdir()), None), seconds, say)
     except FileNotFoundError as e:
-        raise ConfigError(f"the bucket {bucket} does not exist; create it, or choose another --workdir.") from e
+        raise ConfigError(f"the bucket {bucket} does not exist; create it, or choose another {setting}.") from e
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -91,17 +91,15 @@ def check_writable(workdir: str) -> None:
         ) from e
 
 
-def write_file(location, text: str) -> None:
+def write_file(location, content: str | bytes) -> None:
     """Write a whole file that no reader sees half-written: a bucket replaces an object whole; a local file
     is written beside its name and renamed over it."""
     file = path(location)
     file.parent.mkdir(parents=True, exist_ok=True)
-    if is_remote(location):
-        file.write_text(text)
-        return
-    tmp = file.parent / (file.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(file)
+    target = file if is_remote(location) else file.parent / (file.name + ".tmp")
+    target.write_bytes(content.encode() if isinstance(content, str) else content)
+    if target != file:
+        target.replace(file)
 
 
 def move(source: epath.Path, target: epath.Path) -> None:

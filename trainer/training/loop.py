@@ -18,6 +18,7 @@ a process that dies ends the others, naming it (parallelism/distributed.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -26,11 +27,11 @@ import numpy as np
 from parallelism.distributed import barrier, fetch, wait_if_a_process_died
 from trainer import samples
 from trainer.config import microbatch_size
-from trainer.data import streams
+from trainer.data import corpora, streams
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, peak_flops
-from trainer.storage import resume
+from trainer.storage import resume, run_tokenizer
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.metrics import MetricsWriter, check_fresh_start
@@ -46,20 +47,25 @@ from trainer.training.step import abstract_batch, memory_per_device
 def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
     """Every check that can fail, before anything is compiled; the workdir is created last.
 
-    Returns the setup and, for a new run with `checkpoint.init_from`, the weights to start from.
+    Returns the setup (whose config reads the run's copy of its tokenizer, trainer/storage/run_tokenizer.py)
+    and, for a new run with `checkpoint.init_from`, the weights to start from.
     """
     setup = build(cfg)
-    wd.wait_for_storage(workdir, cfg.checkpoint.retry_seconds, print if jax.process_index() == 0 else _quiet)
-    streams.check_vocab(cfg)
-    if cfg.train.sample_prompts:
-        samples.check_prompts(cfg, load_tokenizer(cfg.data))
+    primary = jax.process_index() == 0
+    say = print if primary else _quiet
+    wd.wait_for_storage(workdir, cfg.checkpoint.retry_seconds, say)
+    cfg = run_tokenizer.settle(cfg, workdir)
+    if primary:  # the other hosts may not hold the tokenizer yet: they read the run's copy, made below
+        corpora.check_vocab(cfg)
+        if cfg.train.sample_prompts:
+            samples.check_prompts(cfg, load_tokenizer(cfg.data))
     if cfg.data.source != "synthetic":
-        if jax.process_index() == 0:
-            streams.prepare(cfg.data)
+        wd.wait_for_storage(corpora.data_dir(cfg.data), cfg.checkpoint.retry_seconds, say, "data.data_dir")
+        if primary:
+            corpora.prepare(cfg.data)
         barrier("dataset prepared")
-        streams.check_prepared(cfg.data, cfg.data.train_split)
-        if cfg.train.eval_every:
-            streams.check_prepared(cfg.data, cfg.data.eval_split)
+        splits = [cfg.data.train_split] + ([cfg.data.eval_split] if cfg.train.eval_every else [])
+        corpora.check_every_host_reads_it(cfg.data, splits)
     init = None
     if wd.saved_steps(workdir):
         resume.check_resume(workdir, cfg, setup)
@@ -68,12 +74,16 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
         if cfg.checkpoint.init_from:
             init = resume.load_init_params(cfg, setup)
     wd.check_writable(workdir)
-    return setup, init
+    if primary:
+        run_tokenizer.store(cfg, workdir)
+    barrier("tokenizer stored")
+    return dataclasses.replace(setup, cfg=run_tokenizer.use_copy(cfg, workdir)), init
 
 
 def train(cfg, workdir: str) -> dict:
     """Train, or resume from the newest readable checkpoint in `workdir`; returns the last logged values."""
-    run = Run(cfg, workdir, *prepare_run(cfg, workdir))
+    setup, init = prepare_run(cfg, workdir)
+    run = Run(setup.cfg, workdir, setup, init)
     try:
         if run.finished():
             run.say(f"already trained to step {run.step}; raise train.steps to go on")

@@ -1,0 +1,100 @@
+"""The tokenizer a run trains with, kept in its run directory (<workdir>/tokenizer/), so the run is
+self-contained.
+
+At a run's first start process 0 copies the tokenizer's file there (for a Hugging
+Face tokenizer, its tokenizer.json and any tokenizer_config.json beside it), then
+a record of where it came from and its sha256, last. From then on every reader of
+the run reads that copy: every host of the run (hosts of a pod that never had the
+file), a resume, eval.py, generate.py and convert_hf.py on another machine. A
+config whose `data.tokenizer_path` holds a different file is refused by name: the
+run's weights mean nothing under other ids. The byte tokenizer has no file.
+
+A run started before copies were kept gets its copy at its next start, from the
+path its config.json names (another path is refused, as it always was).
+"""
+
+from __future__ import annotations
+
+import json
+
+from etils import epath
+
+from trainer.data.tokenizers import HF_CONFIG, digest, tokenizer_file
+from trainer.errors import ConfigError
+from trainer.storage import workdir as wd
+
+COPY_DIR = "tokenizer"
+RECORD = "copied_from.json"  # written last: a copy without it is unfinished
+
+
+def _record(workdir: str) -> dict | None:
+    file = wd.path(workdir) / COPY_DIR / RECORD
+    return json.loads(file.read_text()) if file.exists() else None
+
+
+def _with_path(cfg, location: str):
+    out = cfg.copy_and_resolve_references()
+    out.data.tokenizer_path = location
+    return out
+
+
+def settle(cfg, workdir: str):
+    """`cfg` reading the run's copy of its tokenizer, where the run has started and has one; else `cfg` as
+    it is. Refuses a file at data.tokenizer_path (where this process has one) that is not that copy."""
+    if cfg.data.tokenizer == "byte" or wd.saved_config(workdir) is None:
+        return cfg
+    record = _record(workdir)
+    given = cfg.data.tokenizer_path
+    if record is None:  # a run from before copies were kept: its config names its tokenizer
+        saved = wd.saved_config(workdir)["data"].get("tokenizer_path", "")
+        if saved != given:
+            raise ConfigError(
+                f"{workdir} was trained with data.tokenizer_path={saved!r} and keeps no copy of it; use that path."
+            )
+        return cfg
+    copy = _location(workdir, record)
+    if record["tokenizer"] == cfg.data.tokenizer and given and _exists(cfg):
+        have = digest(cfg.data)
+        if have != record["sha256"]:
+            raise ConfigError(
+                f"data.tokenizer_path={given!r} is another tokenizer (sha256 {have[:12]}) than the one {workdir} "
+                f"was trained with ({record['from']}, sha256 {record['sha256'][:12]}, copied to {copy}); point "
+                "data.tokenizer_path at that copy, or train another run (another --workdir)."
+            )
+    return _with_path(cfg, copy)
+
+
+def _exists(cfg) -> bool:
+    return epath.Path(tokenizer_file(cfg.data.tokenizer, cfg.data.tokenizer_path)).exists()
+
+
+def store(cfg, workdir: str) -> None:
+    """Copy the config's tokenizer into the run directory, unless the run has started with a copy already
+    (process 0, once every check has passed). Nothing is stored for a file this machine does not have:
+    a run that reads no text (a synthetic source) may name one it never opens."""
+    if cfg.data.tokenizer == "byte" or not _exists(cfg):
+        return
+    if wd.saved_config(workdir) is not None and _record(workdir) is not None:
+        return
+    source = epath.Path(tokenizer_file(cfg.data.tokenizer, cfg.data.tokenizer_path))
+    target = wd.path(workdir) / COPY_DIR
+    files = [source]
+    if cfg.data.tokenizer == "hf" and (source.parent / HF_CONFIG).exists():
+        files.append(source.parent / HF_CONFIG)
+    for file in files:
+        wd.write_file(target / file.name, file.read_bytes())
+    # A Hugging Face tokenizer is read from its directory (its config beside it); SentencePiece from its file.
+    name = "" if cfg.data.tokenizer == "hf" else source.name
+    record = {"tokenizer": cfg.data.tokenizer, "from": str(source), "name": name, "sha256": digest(cfg.data)}
+    wd.write_file(target / RECORD, json.dumps(record))
+
+
+def use_copy(cfg, workdir: str):
+    """`cfg` reading the run's copy, once process 0 has stored it (every process, after a barrier)."""
+    record = _record(workdir) if cfg.data.tokenizer != "byte" else None
+    return cfg if record is None else _with_path(cfg, _location(workdir, record))
+
+
+def _location(workdir: str, record: dict) -> str:
+    copy = wd.path(workdir) / COPY_DIR
+    return str(copy / record["name"] if record["name"] else copy)
