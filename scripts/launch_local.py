@@ -52,7 +52,9 @@ def main() -> int:
         )
         if args.devices_per_process:
             env["JAX_PLATFORMS"] = "cpu"
-            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices_per_process}"
+            # See tests/conftest.py: XLA:CPU's concurrency-optimised schedule can deadlock simulated devices.
+            env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={args.devices_per_process} "
+                                "--xla_cpu_enable_concurrency_optimized_scheduler=false")  # fmt: skip
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     threads = [threading.Thread(target=forward, args=(p, i), daemon=True) for i, p in enumerate(procs)]
     for t in threads:

@@ -9,7 +9,13 @@ import sys
 import tempfile
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+# XLA:CPU's concurrency-optimised scheduler lets one device's thread run an all-gather while another
+# runs an independent all-reduce; with every one of the pool's threads in one of the two, neither gathers
+# its participants and the process aborts after the collective timeout (seen: a train step on 8 simulated
+# devices, 2 threads in an all-gather, 6 in an all-reduce). The memory-optimised schedule never did (5 of
+# 5 runs of tests/test_huggingface.py, against 3 aborts in 5 without).
+CPU_FLAGS = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count=8 {CPU_FLAGS}"
 # Many tests compile the same small programs, in this process and in the training processes
 # they start: a compilation cache shared through the environment compiles each once per session.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jax-cache-"))

@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import cli_args, micro_config
+from conftest import CPU_FLAGS, cli_args, micro_config
 
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
@@ -126,7 +126,7 @@ def launch(args, logs, homes=None):
     for i in range(2):
         env = {**os.environ, "TRAINER_COORDINATOR": f"localhost:{port}", "TRAINER_NUM_PROCESSES": "2",
                "TRAINER_PROCESS_ID": str(i), "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+               "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {CPU_FLAGS}",
                **({"HOME": str(homes[i])} if homes else {})}  # fmt: skip
         with open(os.path.join(logs, f"{i}.log"), "w") as log:
             procs.append(subprocess.Popen([sys.executable, "scripts/train.py", *args], cwd=REPO, env=env,

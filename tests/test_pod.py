@@ -15,7 +15,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import CPU_FLAGS, REPO
 
 from trainer.evaluate import evaluate_checkpoint
 from trainer.storage import workdir as wd
@@ -25,7 +25,7 @@ from trainer.training.setup import build
 from trainer.training.state import abstract_params
 
 STDLIB = sysconfig.get_paths()["stdlib"]
-CONFIG = f'''"""The drill's recipe: a micro model on part of the standard library, a SentencePiece tokenizer of its own."""
+CONFIG = f'''"""The drill's recipe: a micro model on part of the standard library, its own SentencePiece tokenizer."""
 
 from trainer.config import defaults
 
@@ -61,8 +61,9 @@ def host(tmp_path, name: str) -> dict:
 
 
 def script(machine: dict, name: str, *args, timeout=300) -> str:
-    out = subprocess.run([sys.executable, os.path.join(REPO, "scripts", name), "--config", "pod.py", *args],
-                         cwd=machine["cwd"], env=machine["env"], capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    command = [sys.executable, os.path.join(REPO, "scripts", name), "--config", "pod.py", *args]
+    out = subprocess.run(command, cwd=machine["cwd"], env=machine["env"], capture_output=True, text=True,
+                         timeout=timeout)  # fmt: skip
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -77,7 +78,7 @@ def launch(machines: list[dict], args: list[str], logs) -> tuple[list[subprocess
     for i, machine in enumerate(machines):
         env = {**machine["env"], "TRAINER_COORDINATOR": f"localhost:{port}", "TRAINER_NUM_PROCESSES": "2",
                "TRAINER_PROCESS_ID": str(i), "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}  # fmt: skip
+               "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {CPU_FLAGS}"}  # fmt: skip
         files.append(str(logs / f"{i}.log"))
         with open(files[-1], "w") as log:
             procs.append(subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "train.py"), "--config",
@@ -180,3 +181,45 @@ def test_a_corpus_on_one_host_disk_is_refused_naming_the_host_without_it_before_
         assert "scripts/prepare_data.py" in text(log) and "Traceback" not in text(log)
         assert "compiled the train step" not in text(log)
     assert not wd.path(workdir).exists()
+
+
+def test_a_tokenizer_file_other_than_the_runs_copy_is_refused_by_name(tmp_path):
+    """A started run keeps its tokenizer; a config whose path now holds another file is refused, naming it, and
+    a config whose path holds nothing reads the copy. A run from before copies were kept keeps its path."""
+    from trainer.data.tokenizers import train_sentencepiece
+    from trainer.errors import ConfigError
+    from trainer.storage import run_tokenizer
+
+    texts = [open(os.path.join(STDLIB, name)).read() for name in ("abc.py", "ast.py", "base64.py", "bisect.py")]
+    model = str(tmp_path / "tok.model")
+    train_sentencepiece(texts, 384, model)
+    cfg, workdir = pod_config(), str(tmp_path / "run")
+    cfg.data.tokenizer_path = model
+    assert run_tokenizer.settle(cfg, workdir) is cfg  # not started: the config's own file
+    wd.write_config(workdir, cfg)  # the run starts, as prepare_run and Run do
+    run_tokenizer.store(cfg, workdir)
+    copy = os.path.join(workdir, "tokenizer", "tok.model")
+    assert run_tokenizer.settle(cfg, workdir).data.tokenizer_path == copy
+    train_sentencepiece(texts[:3], 384, str(tmp_path / "other.model"))
+    os.replace(tmp_path / "other.model", model)
+    with pytest.raises(ConfigError, match=f"data.tokenizer_path='{model}' is another tokenizer .* copied to {copy}"):
+        run_tokenizer.settle(cfg, workdir)
+    os.remove(model)
+    assert run_tokenizer.settle(cfg, workdir).data.tokenizer_path == copy
+
+    old = str(tmp_path / "old")
+    wd.write_config(old, cfg)
+    cfg.data.tokenizer_path = str(tmp_path / "elsewhere.model")
+    with pytest.raises(ConfigError, match=f"trained with data.tokenizer_path='{tmp_path}/tok.model' and keeps no copy"):
+        run_tokenizer.settle(cfg, old)
+
+
+def test_a_data_directory_in_a_bucket_that_does_not_exist_is_one_sentence_before_anything_runs(tmp_path, bucket):
+    from trainer.errors import ConfigError
+
+    cfg = pod_config()
+    cfg.data.update(data_dir="gs://nosuchbucket/tfds", tokenizer="byte", tokenizer_path="")
+    with pytest.raises(ConfigError, match=r"^the bucket gs://nosuchbucket does not exist; create it, or choose "
+                                          r"another data.data_dir.$"):  # fmt: skip
+        train(cfg, str(tmp_path / "run"))
+    assert not os.path.exists(tmp_path / "run")

@@ -1,7 +1,7 @@
 """The scaling-law lab: fits recover a known law, and a micro sweep runs sweep -> fit -> predict for real."""
 
 import csv
-import importlib.util
+import io
 import json
 import math
 import os
@@ -15,6 +15,7 @@ from conftest import REPO, micro_config
 from trainer.errors import ConfigError
 from trainer.planning import scaling_lab, scaling_sweep
 from trainer.planning.scaling import Law
+from trainer.storage import workdir as wd
 
 TRUE = Law(E=1.8, A=300.0, B=2000.0, alpha=0.35, beta=0.4)
 
@@ -101,25 +102,31 @@ def test_the_ladder_scales_the_base_shape_by_its_documented_rule(corpus_dir):
         scaling_sweep.plan_points(base, [1e9], 3, "unused")
 
 
-def run_script(*args, timeout=900):
-    """scripts/scaling.py on one CPU device (the 8 simulated ones would only add collectives to tiny models)."""
+def run_script(*args, timeout=900, processes=1):
+    """scripts/scaling.py on one CPU device per process (the 8 simulated ones would only add collectives to tiny
+    models); with `processes`, that many cooperating processes through the local launcher."""
     env = {**os.environ, "XLA_FLAGS": ""}
-    out = subprocess.run([sys.executable, "scripts/scaling.py", *args], cwd=REPO, capture_output=True, text=True,
-                         timeout=timeout, env=env)  # fmt: skip
+    command = [sys.executable, "scripts/scaling.py", *args]
+    if processes > 1:
+        command = [sys.executable, "scripts/launch_local.py", "-n", str(processes), "--devices_per_process", "1",
+                   "--", *command]  # fmt: skip
+    out = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     return out.stdout
 
 
-def test_a_micro_sweep_fits_and_checks_its_prediction(corpus_dir, tmp_path):
-    """One budget of three sizes, through the script: sweep, resume, fit, predict and check the prediction.
-    (Two budgets would fit Approach 2 as well, at twice the CI time; the synthetic test covers it.)"""
-    base, out, budget = micro_base(corpus_dir), str(tmp_path / "sweep"), 4e10
+def test_a_micro_sweep_on_a_bucket_fits_and_checks_its_prediction(corpus_dir, bucket):
+    """One budget of three sizes, through the script, with --out in a bucket: the sweep on two processes (each
+    point trained by both, the lab's files written and its lines said by process 0 alone), then resumed, then
+    fit and predict with a check of the prediction. (Two budgets would fit Approach 2 as well, at twice the
+    CI time; the synthetic test covers it.)"""
+    base, out, budget = micro_base(corpus_dir), f"{bucket.url}/sweep", 4e10
     flags = ["--config", "configs/tiny.py", *MICRO_FLAGS, f"--config.data.data_dir={corpus_dir}", "--out", out]
-    log = run_script("sweep", *flags, "--budgets", "4e10", "--sizes", "3")
+    log = run_script("sweep", *flags, "--budgets", "4e10", "--sizes", "3", processes=2)
     points = scaling_sweep.plan_points(base, [budget], 3, out)
-    assert len(points) == 3 and log.count("ETA") == 3
+    assert len(points) == 3 and log.count("[0] [") == 3 and log.count("ETA") == 3 and "[1] [" not in log
     for p in points:
-        metrics = [json.loads(x) for x in open(os.path.join(p.workdir, "metrics.jsonl"))]
+        metrics = [json.loads(x) for x in (wd.path(p.workdir) / "metrics.jsonl").read_text().splitlines()]
         trained = [m for m in metrics if "loss" in m]
         # Each point trains budget / FLOPs-per-token tokens (to within half a step) ...
         per_step = base.train.global_batch_size * base.data.seq_len * p.rung.flops_per_token
@@ -138,18 +145,18 @@ def test_a_micro_sweep_fits_and_checks_its_prediction(corpus_dir, tmp_path):
     fitted = json.loads(run_script("fit", "--out", out, "--resamples", "20", "--json"))
     assert fitted["points"] == 3 and math.isfinite(fitted["approach3"]["alpha"])
     assert fitted["approach2"] is None and "two budgets" in fitted["approach2_error"]
-    assert len(list(csv.DictReader(open(os.path.join(out, "points.csv"))))) == 3
+    assert len(list(csv.DictReader(io.StringIO((wd.path(out) / "points.csv").read_text())))) == 3
+    assert all(wd.path(plot).read_bytes().startswith(b"\x89PNG") for plot in fitted["plots"])
 
     # At a budget the sweep covered, the check takes the sweep's own points: nothing is trained again.
     output = run_script("predict", "--out", out, "--budget", "4e10", "--train", "--neighbours", "0", "--json")
-    assert "compiled" not in output and not os.path.exists(os.path.join(out, "check"))
+    assert "compiled" not in output and not (wd.path(out) / "check").exists()
     result = json.loads(output.strip().splitlines()[-1])
     assert len(result["measured"]["points"]) == 3
     m = result["model"]
-    spec = importlib.util.spec_from_file_location("predicted", result["config_file"])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    predicted_cfg = module.get_config()
+    namespace = {}
+    exec(wd.path(result["config_file"]).read_text(), namespace)  # noqa: S102 - the file the lab wrote
+    predicted_cfg = namespace["get_config"]()
     assert (predicted_cfg.model.d_model, predicted_cfg.train.steps) == (m["d_model"], m["steps"])
     workdir = result["command"].split("--workdir ")[1]
     assert result["measured"]["loss_of_predicted_model"] == scaling_sweep.final_loss(workdir)
