@@ -42,7 +42,7 @@ from etils import epath
 
 from trainer.data.tokenizers import same_tokenizer
 from trainer.errors import ConfigError
-from trainer.storage.workdir import is_remote
+from trainer.storage.workdir import is_remote, try_writing
 
 VALIDATION_PER_MILLE = 20  # 2% of files held out
 TOKENS_SUFFIX = "-tokens"  # the tokenised cache of corpus <name> is corpus <name>-tokens
@@ -288,10 +288,8 @@ def _build(builder: TextFiles, wanted: dict, made_with: dict | None) -> None:
 
 
 def _check_bucket_writable(data_dir: str) -> None:
-    probe = epath.Path(data_dir) / f".write_probe_{os.getpid()}"
     try:
-        probe.write_text("ok")
-        probe.unlink()
+        try_writing(data_dir)
     except OSError as e:
         raise ConfigError(
             f"cannot write the corpus into data.data_dir={data_dir} ({e}); give a bucket this machine may write."

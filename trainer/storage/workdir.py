@@ -75,16 +75,21 @@ def saved_config(workdir: str) -> dict | None:
     return json.loads(file.read_text()) if file.exists() else None
 
 
-def check_writable(workdir: str) -> None:
-    """Create the workdir and its checkpoint directory now, so a bad path fails before training, not after."""
+def try_writing(directory) -> None:
+    """Write and remove a small file in `directory` (made if need be); raises OSError where that fails.
+    One probe per process: several processes check the same shared directory at once."""
     import jax
 
-    # One probe per process: several processes check the same shared directory at once.
-    probe = path(checkpoint_dir(workdir)) / f".write_probe_{jax.process_index()}"
+    probe = path(directory) / f".write_probe_{jax.process_index()}"
+    probe.parent.mkdir(parents=True, exist_ok=True)
+    probe.write_text("ok")
+    probe.unlink()
+
+
+def check_writable(workdir: str) -> None:
+    """Create the workdir and its checkpoint directory now, so a bad path fails before training, not after."""
     try:
-        probe.parent.mkdir(parents=True, exist_ok=True)
-        probe.write_text("ok")
-        probe.unlink()
+        try_writing(checkpoint_dir(workdir))
     except OSError as e:
         raise ConfigError(
             f"cannot write checkpoints under {workdir} ({e.strerror or e}); choose a writable --workdir."
