@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, urlparse
 
 from gcp_storage_emulator.exceptions import NotFound
 from gcp_storage_emulator.handlers import objects
-from gcp_storage_emulator.server import Response, Router
+from gcp_storage_emulator.server import APIThread, Response, Router
 
 
 def environment(port: int) -> dict[str, str]:
@@ -88,7 +88,7 @@ def _reading(handler):
 
 
 def _writing(handler, object_name):
-    # The emulator serves one request at a time, so a precondition holds until the write is done.
+    # Writes are served one at a time (_one_at_a_time), so a precondition holds until the write is done.
     def wrapped(request, response, storage, *args, **kwargs):
         name = object_name(request)
         if name is not None:
@@ -142,7 +142,38 @@ def _faulty(handle):
     return wrapped
 
 
-Router.handle = _faulty(Router.handle)
+def _one_at_a_time(handle):
+    """Every request but a media download is served alone (a write's precondition holds until it is done).
+    Downloads run side by side: ArrayRecord opens a shard with `bytes=START-` and reads only what it needs,
+    leaving the connection open, and a server that sends one response at a time then waits on that socket,
+    stalling every other client (seen: a data worker's read hung a process's exit for a minute)."""
+    lock = threading.Lock()
+
+    def wrapped(router, method):
+        if method == "GET" and "alt=media" in router._request_handler.path:
+            return handle(router, method)
+        with lock:
+            return handle(router, method)
+
+    return wrapped
+
+
+Router.handle = _one_at_a_time(_faulty(Router.handle))
+
+
+def _serve_threaded(self):
+    from functools import partial
+    from http.server import ThreadingHTTPServer
+
+    from gcp_storage_emulator.server import RequestHandler
+
+    self._httpd = ThreadingHTTPServer((self._host, self._port), partial(RequestHandler, self._storage))
+    self._httpd.daemon_threads = True
+    self.is_running.set()
+    self._httpd.serve_forever()
+
+
+APIThread.run = _serve_threaded
 
 if __name__ == "__main__":
     from gcp_storage_emulator.server import create_server  # after the handlers are wrapped: it routes to them
