@@ -69,9 +69,12 @@ def names(data_cfg) -> list[str]:
 
 def open_corpus(data_cfg, corpus: str, split: str):
     """A random-access source of one split of `corpus` (a name of data.name's kind, without the cache suffix)."""
-    if data_cfg.tokenized:
-        corpus += text_files.TOKENS_SUFFIX
-    name = f"text_files/{corpus}" if data_cfg.source == "text_files" else corpus
+    suffix = text_files.TOKENS_SUFFIX if data_cfg.tokenized else ""
+    return _open(data_cfg, f"text_files/{corpus}{suffix}" if data_cfg.source == "text_files" else corpus, split)
+
+
+def _open(data_cfg, name: str, split: str):
+    """One split of the prepared dataset TFDS calls `name` (names() gives the run's)."""
     try:
         if data_cfg.source == "text_files" and not (_directory(data_cfg, name) / "dataset_info.json").exists():
             raise tfds.core.registered.DatasetNotFoundError(name)  # TFDS would say its builder config is unknown
@@ -95,20 +98,24 @@ def check_prepared(data_cfg, split: str) -> None:
     """Refuse, in one sentence, a corpus the run reads that is not prepared, or a tokenised cache made with
     another tokenizer (this process must hold the tokenizer)."""
     for name in names(data_cfg):
-        open_corpus(data_cfg, name.removeprefix("text_files/").removesuffix(text_files.TOKENS_SUFFIX), split)
-        if data_cfg.tokenized:
+        _open(data_cfg, name, split)
+    _check_made_with(data_cfg)
+
+
+def _check_made_with(data_cfg) -> None:
+    if data_cfg.tokenized:
+        for name in names(data_cfg):
             text_files.check_made_with(str(_directory(data_cfg, name)), made_with(data_cfg))
 
 
 def statement(data_cfg, splits: list[str]) -> str:
     """What this process finds of the corpora the run reads: each split's shard lengths and bytes, and what
-    a text_files corpus records of its files and tokenizer. Equal statements, equal data."""
+    a text_files corpus records of its files and tokenizer. Equal statements, equal data. Raises ConfigError
+    for a corpus this process does not find."""
     found = []
     for name in names(data_cfg):
         for split in splits:
-            source = open_corpus(data_cfg, name.removeprefix("text_files/").removesuffix(text_files.TOKENS_SUFFIX),
-                                 split)  # fmt: skip
-            info = source.dataset_info.splits[split]
+            info = _open(data_cfg, name, split).dataset_info.splits[split]
             found.append([name, split, list(info.shard_lengths), info.num_bytes])
         if data_cfg.source == "text_files":
             for record in (text_files.MADE_FROM_FILE, text_files.TOKENIZER_FILE):
@@ -125,15 +132,14 @@ def check_every_host_reads_it(data_cfg, splits: list[str]) -> None:
     collective: every process calls it, after process 0 has prepared it). Process 0 also checks a tokenised
     cache against its tokenizer."""
     me = jax.process_index()
-    if me == 0:
-        for split in splits:
-            check_prepared(data_cfg, split)
     try:
         mine = statement(data_cfg, splits)
     except ConfigError:
         if me == 0:
             raise
         mine = MISSING
+    if me == 0:
+        _check_made_with(data_cfg)
     if jax.process_count() == 1:
         return
     differ = differing_from_first(hashlib.sha256(mine.encode()).digest())

@@ -41,12 +41,13 @@ def _with_path(cfg, location: str):
 def settle(cfg, workdir: str):
     """`cfg` reading the run's copy of its tokenizer, where the run has started and has one; else `cfg` as
     it is. Refuses a file at data.tokenizer_path (where this process has one) that is not that copy."""
-    if cfg.data.tokenizer == "byte" or wd.saved_config(workdir) is None:
+    saved_cfg = wd.saved_config(workdir) if cfg.data.tokenizer != "byte" else None
+    if saved_cfg is None:
         return cfg
     record = _record(workdir)
     given = cfg.data.tokenizer_path
     if record is None:  # a run from before copies were kept: its config names its tokenizer
-        saved = wd.saved_config(workdir)["data"].get("tokenizer_path", "")
+        saved = saved_cfg["data"].get("tokenizer_path", "")
         if saved != given:
             raise ConfigError(
                 f"{workdir} was trained with data.tokenizer_path={saved!r} and keeps no copy of it; use that path."
