@@ -2,8 +2,9 @@
 
     python scripts/eval.py --config configs/tiny.py --workdir runs/tiny [--step N] [--config.mesh.tensor=2]
 
-Restores parameters only and reads data.eval_split once through (override
---config.data.* to evaluate another dataset). Prints one JSON line
+Restores parameters only and reads data.eval_split once through, each process
+its own rows' documents (override --config.data.* to evaluate another dataset);
+says how far it has got, then how many documents and tokens it read. Prints one JSON line
 {"step", "loss", "perplexity", "bits_per_byte", ...} last and writes it to
 <workdir>/eval/<split>_step<N>.json.
 """

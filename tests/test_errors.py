@@ -72,6 +72,18 @@ CASES = {
         lambda: micro_config(data=dict(source="text_files", mixture=("python_stdlib:0", "notes:0"))),
         "the weights must sum to a positive number",
     ),
+    "validation share out of range": (
+        lambda: micro_config(data=dict(source="text_files", validation_fraction=0.6)),
+        r"data.validation_fraction=0.6 must be in \(0, 0.5\]",
+    ),
+    "no validation share": (
+        lambda: micro_config(data=dict(source="text_files", validation_fraction=0.0)),
+        r"data.validation_fraction=0.0 must be in \(0, 0.5\]",
+    ),
+    "unknown mixture unit": (
+        lambda: micro_config(data=dict(source="text_files", mixture_unit="bytes")),
+        "data.mixture_unit='bytes' is not one of tokens, documents",
+    ),
     "mixture corpus that is not prepared": (
         lambda: micro_config(data=dict(source="tfds", data_dir="/nonexistent", mixture=("a:1", "b:1"))),
         "dataset 'a' is not prepared under /nonexistent",

@@ -69,14 +69,22 @@ def test_one_pass_covers_every_held_out_token_exactly_once(corpus_dir):
     expected = np.concatenate(
         [np.concatenate([[BOS_ID], tok.encode(source[i]["text"]), [EOS_ID]]) for i in range(len(source))]
     )
-    got = np.concatenate(
-        [
-            b["tokens"][b["segment_ids"] > 0]
-            for b in streams.one_pass(streams.Stream.from_config(cfg), "validation", range(8))
-        ]
-    )
+    stream = streams.Stream.from_config(cfg)
+    passes = streams.one_pass(stream, "validation", range(8))
+    whole = list(itertools.takewhile(lambda b: b["segment_ids"].any(), passes))
+    got = np.concatenate([b["tokens"][b["segment_ids"] > 0] for b in whole])
     assert len(got) == len(expected)
     np.testing.assert_array_equal(np.bincount(got, minlength=259), np.bincount(expected, minlength=259))
+    # Row r packs documents r, r+8, ... alone, so two processes holding rows 0-3 and 4-7 read each its own
+    # documents and together make the same batches.
+    for row in range(8):
+        mine = np.concatenate([b["tokens"][row][b["segment_ids"][row] > 0] for b in whole])
+        theirs = np.concatenate([[BOS_ID], *([*tok.encode(source[i]["text"]), EOS_ID, BOS_ID]
+                                             for i in range(row, len(source), 8))])[:-1]  # fmt: skip
+        np.testing.assert_array_equal(mine, theirs)
+    first_half, second_half = (streams.one_pass(stream, "validation", rows) for rows in (range(4), range(4, 8)))
+    for b, first, second in zip(whole, first_half, second_half, strict=False):  # the halves go on with padding
+        np.testing.assert_array_equal(b["tokens"], np.concatenate([first["tokens"], second["tokens"]]))
 
 
 def test_eval_refuses_bad_steps_empty_workdirs_and_other_models(trained, corpus_dir, tmp_path):
@@ -103,3 +111,31 @@ def test_the_scripts_print_their_json(trained, corpus_dir):
     assert gen.returncode == 0, gen.stderr[-2000:]
     line = json.loads(gen.stdout.strip().splitlines()[-1])
     assert line["prompt"] == "def f(" and isinstance(line["completion"], str)
+
+
+def test_a_one_file_parquet_corpus_and_a_one_file_zstd_json_lines_corpus_train_and_evaluate(tmp_path):
+    """A user's own corpus as one file (400 documents): each is split by document, trains, and is evaluated
+    over its whole held-out split, every document read once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    rng = np.random.default_rng(0)
+    texts = [f"def f{i}(x):\n    return x * {int(rng.integers(1000))}\n" * int(rng.integers(1, 4)) for i in range(400)]
+    pq.write_table(pa.table({"id": list(range(400)), "content": texts}), tmp_path / "export.parquet")
+    with zstandard.open(tmp_path / "dump.jsonl.zst", "wt") as f:
+        f.writelines(json.dumps({"content": t}) + "\n" for t in texts)
+    for name in ("export.parquet", "dump.jsonl.zst"):
+        cfg = micro_config(data=dict(source="text_files", name=name.split(".")[0], paths=str(tmp_path / name),
+                                     text_key="content", data_dir=str(tmp_path / "tfds")),
+                           train=dict(steps=2))  # fmt: skip
+        workdir = str(tmp_path / f"run-{name}")
+        assert train(cfg, workdir)["step"] == 2
+        result = evaluate_checkpoint(cfg, workdir)
+        held = corpora.open_split(cfg.data, "validation")
+        lengths = [len(held[i]["text"]) + 2 for i in range(len(held))]  # bytes, with BOS and EOS
+        assert 0 < len(held) < 20 and result["documents"] == len(held)
+        # Each document predicts all but its first token, less one per window boundary it crosses.
+        windows = sum(lengths) // cfg.data.seq_len + cfg.train.global_batch_size
+        assert sum(lengths) - len(held) - windows <= result["tokens"] <= sum(lengths) - len(held)
+        assert math.isfinite(result["loss"]) and result["loss"] < math.log(cfg.model.vocab_size)

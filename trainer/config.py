@@ -28,6 +28,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("text_files", "tfds", "synthetic")
 TOKENIZERS = ("byte", "sentencepiece", "hf")
 TRACKERS = ("tensorboard", "wandb")
+MIXTURE_UNITS = ("tokens", "documents")
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -78,6 +79,8 @@ def defaults() -> ml_collections.ConfigDict:
         seq_len=256,
         packing="concat",  # documents concatenated and split into seq_len windows
         mixture=(),  # ("corpus:weight", ...): train on these prepared corpora of `source`, drawn by weight
+        mixture_unit="tokens",  # one of MIXTURE_UNITS: what a mixture's weights are shares of
+        validation_fraction=0.02,  # text_files: the share of documents held out (by a hash of each one's place)
         tokenized=False,  # text_files: read the corpus's tokenised cache (made once), no tokenizer in the loop
         workers=0,  # processes that read and tokenise the batch rows; 0 = a thread of the training process
     )
@@ -162,6 +165,9 @@ def defaults() -> ml_collections.ConfigDict:
 
 # Keys that were renamed: refused with their new name, and read from an older run's config.json.
 RENAMED = {"train.microbatches": "train.pipeline_microbatches"}
+# Keys added with a default that differs from what runs did before them: an older run's config.json, which
+# lacks the key, is read with the value that run had in effect.
+BEFORE = {"data.mixture_unit": "documents"}
 
 
 def _walk(node, prefix=""):
@@ -213,10 +219,11 @@ def from_dict(saved: Mapping) -> ml_collections.ConfigDict:
 
     Renamed keys are read under their new names; keys an older trainer wrote
     and this one no longer has are dropped; keys it did not have yet keep their
-    defaults; JSON's lists become the tuples they were.
+    defaults, or what its runs did before them (BEFORE); JSON's lists become the
+    tuples they were.
     """
     known = flatten(defaults())
-    values = {RENAMED.get(k, k): v for k, v in _walk(saved)}
+    values = {**BEFORE, **{RENAMED.get(k, k): v for k, v in _walk(saved)}}
     values = {k: _as_tuple(v) if isinstance(known[k], tuple) else v for k, v in values.items() if k in known}
     # A flag that became a label (checkpoint.reset_optimizer): true is the label "true".
     values = {k: ("true" if v else "") if isinstance(known[k], str) and isinstance(v, bool) else v

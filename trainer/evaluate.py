@@ -19,6 +19,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -55,16 +57,30 @@ def _sum_over_processes(value):
     return multihost_utils.process_allgather(np.asarray(value)).sum(axis=0)
 
 
-def evaluate(setup: Setup, step_fn, params, local_batches, token_bytes: np.ndarray | None = None) -> dict:
-    """Loss sum, token count and batches over `local_batches` (this process's rows of each global
-    batch); with `token_bytes`, also the UTF-8 bytes of the predicted tokens, over all processes."""
-    total, count, n_bytes, n_batches = 0.0, 0.0, 0, 0
+def evaluate(setup: Setup, step_fn, params, local_batches, token_bytes: np.ndarray | None = None,
+             progress: Callable[[dict], None] | None = None, bos_id: int | None = None) -> dict:  # fmt: skip
+    """Loss sum, token count, documents begun and batches over `local_batches` (this process's rows of each
+    global batch), over all processes; with `token_bytes`, also the UTF-8 bytes of the predicted tokens.
+
+    A batch with nothing to predict on any process ends the pass uncounted (streams.one_pass's end: every
+    process sees the same global count, so all stop together). `progress` gets the sums so far after each batch.
+    """
+    sums = {"total": 0.0, "count": 0.0, "batches": 0, "bytes": 0, "documents": 0}
     for local in local_batches:
         s, n = fetch(step_fn(params, streams.to_global(local, setup.batch_sharding, setup.cfg.train.global_batch_size)))
-        total, count, n_batches = total + float(s), count + float(n), n_batches + 1
+        if not n:
+            break
+        sums["total"] += float(s)
+        sums["count"] += float(n)
+        sums["batches"] += 1
+        sums["documents"] += int(streams.document_starts(local, bos_id).sum())
         if token_bytes is not None:
-            n_bytes += int(token_bytes[_targets(local)].sum())
-    return {"total": total, "count": count, "batches": n_batches, "bytes": int(_sum_over_processes(n_bytes))}
+            sums["bytes"] += int(token_bytes[_targets(local)].sum())
+        if progress is not None:
+            progress(sums)
+    sums["bytes"], sums["documents"] = (int(x) for x in _sum_over_processes(np.array([sums["bytes"],
+                                                                                      sums["documents"]])))  # fmt: skip
+    return sums
 
 
 class Evaluator:
@@ -72,7 +88,9 @@ class Evaluator:
 
     With a mixture, each corpus is evaluated on its own (`eval_loss/<corpus>`,
     `unigram_loss/<corpus>`), and `eval_loss` / `unigram_loss` are their means
-    weighted as the mixture draws them.
+    weighted by the mixture's weights: with data.mixture_unit=tokens, the loss per
+    token of held-out text mixed as training mixes it; with `documents`, the
+    weights as they were given (shares of documents).
     """
 
     def __init__(self, setup: Setup, rows: list[int]):
@@ -108,8 +126,11 @@ class Evaluator:
         return float(-(p * np.log(p)).sum())
 
 
-def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches: int = 0, devices=None) -> dict:
-    """Loss, perplexity and bits per byte of a checkpoint on `data.eval_split`, once through.
+def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches: int = 0, devices=None,
+                        say: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """Loss, perplexity and bits per byte of a checkpoint on `data.eval_split`, once through, each process
+    reading its own rows' documents (streams.one_pass); process 0 says how far it has got every half minute,
+    and at the end how many documents and tokens were read.
 
     `max_batches` > 0 stops early (and is required for a synthetic source).
     The result is also written to <workdir>/eval/<split>_step<N>.json.
@@ -129,10 +150,13 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
         local_batches = streams.one_pass(stream, cfg.data.eval_split, rows)
     if max_batches:
         local_batches = itertools.islice(local_batches, max_batches)
-    token_bytes = (
-        np.ones(cfg.model.vocab_size) if cfg.data.source == "synthetic" else load_tokenizer(cfg.data).token_bytes()
-    )
-    sums = evaluate(setup, eval_step(setup), params, local_batches, token_bytes)
+    tokenizer = load_tokenizer(cfg.data) if cfg.data.source != "synthetic" else None
+    token_bytes = np.ones(cfg.model.vocab_size) if tokenizer is None else tokenizer.token_bytes()
+    primary = jax.process_index() == 0
+    if primary:
+        say(f"evaluating step {step} on {cfg.data.eval_split}" + (f", {max_batches} batches" if max_batches else ""))
+    sums = evaluate(setup, eval_step(setup), params, local_batches, token_bytes, _Progress(say) if primary else None,
+                    None if tokenizer is None else tokenizer.bos_id)  # fmt: skip
     total, count, n_bytes = sums["total"], sums["count"], sums["bytes"]
     loss = total / max(count, 1.0)
     result = {
@@ -142,10 +166,24 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
         "bits_per_byte": total / math.log(2) / max(n_bytes, 1),
         "tokens": int(count),
         "bytes": n_bytes,
+        "documents": sums["documents"],
         "batches": sums["batches"],
         "split": cfg.data.eval_split,
         "mesh": dict(setup.mesh.shape),
     }
-    if jax.process_index() == 0:
+    if primary:
+        say(f"read {sums['documents']:,} documents, {int(count):,} predicted tokens in {sums['batches']} batches")
         write_file(path(workdir) / "eval" / f"{cfg.data.eval_split}_step{step}.json", json.dumps(result))
     return result
+
+
+class _Progress:
+    """Says, at most every `seconds`, how many batches and tokens an evaluation has read."""
+
+    def __init__(self, say: Callable[[str], None], seconds: float = 30.0):
+        self._say, self._seconds, self._last = say, seconds, time.monotonic()
+
+    def __call__(self, sums: dict) -> None:
+        if time.monotonic() - self._last >= self._seconds:
+            self._last = time.monotonic()
+            self._say(f"  {sums['batches']} batches, {int(sums['count']):,} tokens so far")

@@ -19,6 +19,7 @@ from trainer.config import (
     ATTENTION_IMPLS,
     DTYPES,
     LOSS_SCALING,
+    MIXTURE_UNITS,
     OPTIMIZERS,
     REMAT_POLICIES,
     RENAMED,
@@ -67,6 +68,12 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("data.source", d.source, SOURCES)
     _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
     _choice("data.packing", d.packing, ("concat",))
+    _choice("data.mixture_unit", d.mixture_unit, MIXTURE_UNITS)
+    if not 0 < d.validation_fraction <= 0.5:
+        raise ConfigError(
+            f"data.validation_fraction={d.validation_fraction} must be in (0, 0.5]: the share of documents held out "
+            "for validation, e.g. 0.02."
+        )
     for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
         _positive(f"model.{key}", m[key])
     for key in ("steps", "global_batch_size", "grad_accum_steps", "pipeline_microbatches", "log_every", "eval_batches"):

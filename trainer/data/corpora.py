@@ -43,10 +43,11 @@ def prepare(data_cfg) -> None:
     """Build a text_files corpus if it is not prepared yet (and, with data.tokenized, its tokenised cache);
     other sources need nothing."""
     if data_cfg.source == "text_files":
-        text_files.prepare(data_cfg.name, data_cfg.paths, data_dir(data_cfg), data_cfg.text_key)
-        if data_cfg.tokenized:
-            text_files.prepare(data_cfg.name, data_cfg.paths, data_dir(data_cfg), data_cfg.text_key,
-                               load_tokenizer(data_cfg), made_with(data_cfg))  # fmt: skip
+        d = data_cfg
+        text_files.prepare(d.name, d.paths, data_dir(d), d.text_key, validation_fraction=d.validation_fraction)
+        if d.tokenized:
+            text_files.prepare(d.name, d.paths, data_dir(d), d.text_key, load_tokenizer(d), made_with(d),
+                               d.validation_fraction)  # fmt: skip
 
 
 def text_feature(data_cfg) -> str:

@@ -18,17 +18,21 @@ accumulation.
 
 A mixture (`data.mixture`: prepared corpora with weights) gives every row a
 stream of its own from each corpus (each shuffled from the seed) and draws the
-row's documents from them by weight with Grain's `MapDataset.mix`, a
-deterministic interleave: the same documents in the same order whatever the
-processes, and the same checkpointable row state. Each window then also
-carries which corpus each of its tokens came from (`source`), for the
-realised proportions the loop logs; it never reaches the device.
+row's documents from them by weight, deterministically: the same documents in
+the same order whatever the processes, and the same checkpointable row state.
+With `data.mixture_unit=tokens` (the default) the weights are shares of tokens:
+each row counts the tokens it has taken from each corpus and takes its next
+document from the one furthest below its share (`_TokenMix`, whose counts are
+part of the row's state), so a corpus of long documents gets its weight's
+share, not more. With `documents` (runs from before the unit existed) they
+are shares of documents, drawn with Grain's `MapDataset.mix`. Each window then
+also carries which corpus each of its tokens came from (`source`), for the
+realised shares the loop logs (`mixture_counts`); it never reaches the device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -65,6 +69,7 @@ class Stream:
     rows: int  # train.global_batch_size: one document stream per row
     vocab_size: int  # the synthetic source draws tokens below it
     mixture: tuple[tuple[str, float], ...] = ()  # (corpus, weight); () = `name` alone
+    mixture_unit: str = "tokens"  # what the weights are shares of: "tokens" or "documents"
     tokenized: bool = False  # read the tokenised cache: the same ids, no tokenizer in the loop
     data_dir: str = ""
 
@@ -75,7 +80,8 @@ class Stream:
             source=d.source, name=d.name, paths=d.paths, text_key=d.text_key, tokenizer=d.tokenizer,
             tokenizer_path=d.tokenizer_path, seq_len=d.seq_len, packing=d.packing, train_split=d.train_split,
             seed=cfg.train.seed, rows=cfg.train.global_batch_size, vocab_size=cfg.model.vocab_size,
-            mixture=parse_mixture(d.mixture), tokenized=d.tokenized, data_dir=d.data_dir,
+            mixture=parse_mixture(d.mixture), mixture_unit=d.mixture_unit, tokenized=d.tokenized,
+            data_dir=d.data_dir,
         )  # fmt: skip
 
     def sources(self) -> dict[str, Stream]:
@@ -89,9 +95,10 @@ class Stream:
         read, nor the globs (and, for text files, the field) that selected its files: a prepared corpus records
         what it was made from and refuses a config that selects anything else (trainer/data/text_files.py), so
         a glob spelt otherwise over the same files resumes; the tokenizer's file is held to the run's copy
-        (trainer/storage/run_tokenizer.py)."""
+        (trainer/storage/run_tokenizer.py). The mixture's unit only where there is a mixture."""
         ignored = {"data_dir", "tokenized", "paths", "tokenizer_path"}
         ignored |= {"text_key"} if self.source == "text_files" else set()
+        ignored |= set() if self.mixture else {"mixture_unit"}
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
 
 
@@ -147,17 +154,71 @@ def batches(stream: Stream, split: str, rows: Sequence[int], *, shuffle: bool) -
     length = {"tokens": stream.seq_len}
     if not stream.mixture:
         docs = _documents(stream, split, shuffle)
-        row_docs = lambda r: docs[r :: stream.rows]
+        row_docs = lambda r: docs[r :: stream.rows].to_iter_dataset()
     else:
         length["source"] = stream.seq_len
         drawn = [(i, weight) for i, (_, weight) in enumerate(stream.mixture) if weight > 0]
         sources = list(stream.sources().values())
         docs = {i: _documents(sources[i], split, shuffle, tag=i) for i, _ in drawn}
         weights = [weight for _, weight in drawn]
-        row_docs = lambda r: grain.MapDataset.mix([docs[i][r :: stream.rows] for i, _ in drawn], weights)
-    return _RowBatches(
-        {r: ConcatThenSplitIterDataset(row_docs(r).to_iter_dataset(), length_struct=length) for r in rows}
-    )
+        if stream.mixture_unit == "tokens":
+            row_docs = lambda r: _TokenMix([docs[i][r :: stream.rows] for i, _ in drawn], weights)
+        else:
+            row_docs = lambda r: grain.MapDataset.mix([docs[i][r :: stream.rows] for i, _ in drawn],
+                                                      weights).to_iter_dataset()  # fmt: skip
+    return _RowBatches({r: ConcatThenSplitIterDataset(row_docs(r), length_struct=length) for r in rows})
+
+
+class _TokenMix(grain.IterDataset):
+    """A row's documents drawn from several corpora (endless MapDatasets) so that each corpus's share of the
+    tokens taken follows its weight: the next document comes from the corpus furthest below its share of the
+    tokens taken so far (the first in data.mixture on a tie). The state is where each corpus's stream stands
+    and the tokens taken from each, so a resume continues the same draw."""
+
+    def __init__(self, parents: list[grain.MapDataset], weights: list[float]):
+        super().__init__(parents)
+        self._parents = parents
+        self._shares = np.asarray(weights, np.float64) / sum(weights)
+
+    def __iter__(self) -> _TokenMixIterator:
+        return _TokenMixIterator(self._parents, self._shares)
+
+
+class _TokenMixIterator(grain.DatasetIterator):
+    def __init__(self, parents: list[grain.MapDataset], shares: np.ndarray):
+        super().__init__()
+        self._parents, self._shares = parents, shares
+        self._next = [0] * len(parents)
+        self._taken = [0] * len(parents)
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        behind = self._shares * sum(self._taken) - np.asarray(self._taken, np.float64)
+        i = int(np.argmax(behind))
+        doc = self._parents[i][self._next[i]]
+        self._next[i] += 1
+        self._taken[i] += len(doc["tokens"])
+        return doc
+
+    def get_state(self) -> dict:
+        return {"next": list(self._next), "taken": list(self._taken)}
+
+    def set_state(self, state: dict) -> None:
+        self._next, self._taken = [int(n) for n in state["next"]], [int(n) for n in state["taken"]]
+
+
+def mixture_counts(local: dict[str, np.ndarray], unit: str, corpora: int, bos_id: int) -> np.ndarray:
+    """What each corpus gave a batch (this process's rows), in the mixture's unit: tokens trained on, or
+    documents begun."""
+    counted = document_starts(local, bos_id) if unit == "documents" else local["segment_ids"] > 0
+    return np.bincount(local["source"][counted], minlength=corpora)
+
+
+def document_starts(local: dict[str, np.ndarray], bos_id: int | None) -> np.ndarray:
+    """Where documents begin in a batch: at their BOS (the loader puts one before every document; a piece
+    of a document continued from the last window restarts its positions but has none); with no tokenizer
+    (the synthetic source, one window per document) at position 0."""
+    real = local["segment_ids"] > 0
+    return real & (local["tokens"] == bos_id if bos_id is not None else local["positions"] == 0)
 
 
 class _RowBatches(grain.IterDataset):
@@ -294,26 +355,22 @@ def _slices_as_tuples(state):
 
 
 def one_pass(stream: Stream, split: str, rows: Sequence[int]) -> Iterator[dict[str, np.ndarray]]:
-    """Every document of the split exactly once, in order, packed into windows dealt out to the rows.
-
-    One stream packs the whole split, and window i goes to row i mod B (B the
-    global batch), so the rows end together and only the last batch carries
-    padding (segment id 0, no loss). Every process packs the same stream and
-    keeps its own rows, so the batches do not depend on the number of
-    processes; a held-out split is small enough for each process to read it whole.
+    """Every document of the split once, in order, each process reading only its rows' documents: row r of
+    the global batch (B rows) packs documents r, r+B, r+2B, ... into windows, as training's rows do. A row
+    whose documents are done is padding (segment id 0, no loss) from then on, and the batches go on, all
+    padding once every row is done: the caller stops at the first batch with nothing to predict
+    (trainer/evaluate.py), which every process reaches together. The batches depend on B, not on the number
+    of processes.
     """
     if stream.source == "synthetic":
         raise ConfigError("a synthetic source has no end; evaluate a fixed number of batches instead.")
-    docs = _documents(stream, split, shuffle=False, endless=False).to_iter_dataset()
-    windows = iter(ConcatThenSplitIterDataset(docs, length_struct={"tokens": stream.seq_len}))
+    docs = _documents(stream, split, shuffle=False, endless=False)
+    length = {"tokens": stream.seq_len}
+    windows = {r: iter(ConcatThenSplitIterDataset(docs[r :: stream.rows].to_iter_dataset(), length_struct=length))
+               for r in rows}  # fmt: skip
     padding = {k: np.zeros(stream.seq_len, np.int32) for k in ("tokens", "tokens_segment_ids", "tokens_positions")}
-    size = stream.rows
     while True:
-        batch = list(itertools.islice(windows, size))
-        if not batch:
-            return
-        batch += [padding] * (size - len(batch))
-        yield _stack([batch[r] for r in rows])
+        yield _stack([next(windows[r], padding) for r in rows])
 
 
 def process_rows(sharding: NamedSharding, global_batch: int, seq_len: int) -> list[int]:

@@ -4,9 +4,14 @@ Preparing needs no TensorFlow and no network. Each text file is one document;
 each line of a .jsonl, .jsonl.gz or .jsonl.zst file is one document, and so is
 each row of a .parquet file (its `data.text_key` field or column, default
 `text`; checked in every Parquet file and every JSON-lines file's first line
-before anything is built). Files are split
-into train and validation by a hash of their path relative to the corpus
-root, so the split is stable across machines and file orders.
+before anything is built). Documents are split into train and validation by a
+hash of each one's place (its file's path relative to the corpus root, and its
+row or line in the file), `data.validation_fraction` of them held out: stable
+across machines and file orders, and one file holds out some of its documents.
+A corpus too small to hold out one document is refused, saying how many it has.
+The rule is recorded with the corpus (SPLIT_BY_FILE for one prepared before it
+was: whole files, 2% of them), and a corpus and its cache keep the rule they were
+first prepared with, so a run resumes on the documents it started with.
 
 The corpus lives at <data_dir>/text_files/<name>/1.0.0 and is read back with
 `tfds.data_source("text_files/<name>")`, like any other prepared TFDS dataset.
@@ -18,8 +23,8 @@ the tokenizer it was made with is written beside it (TOKENIZER_FILE), and a
 config with another one is refused.
 
 Each prepared corpus and cache also records what it was made from (MADE_FROM_FILE):
-the text field and every file's path below the corpus root, size and a digest of
-its first and last 64 KiB. A config whose data.paths or data.text_key select
+the text field, the split rule and every file's path below the corpus root, size
+and a digest of its first and last 64 KiB. A config whose data.paths or data.text_key select
 anything else is refused by name; a glob spelt otherwise over the same files, or
 the same files moved elsewhere, is the same corpus. A cache whose preparation was
 killed after TFDS finished but before its tokenizer was recorded is set aside
@@ -44,7 +49,8 @@ from trainer.data.tokenizers import same_tokenizer
 from trainer.errors import ConfigError
 from trainer.storage.workdir import is_remote, try_writing
 
-VALIDATION_PER_MILLE = 20  # 2% of files held out
+# The rule of corpora prepared before the rule was recorded: whole files held out, 2% of them.
+SPLIT_BY_FILE = {"by": "file", "fraction": 0.02}
 TOKENS_SUFFIX = "-tokens"  # the tokenised cache of corpus <name> is corpus <name>-tokens
 TOKENIZER_FILE = "made_with_tokenizer.json"
 MADE_FROM_FILE = "made_from.json"
@@ -62,9 +68,18 @@ def list_files(patterns: list[str]) -> list[str]:
     return [f for f in files if f"{os.sep}site-packages{os.sep}" not in f]
 
 
-def is_validation(relative_path: str) -> bool:
-    digest = hashlib.sha256(relative_path.encode()).digest()
-    return int.from_bytes(digest[:4], "big") % 1000 < VALIDATION_PER_MILLE
+def split_by_document(fraction: float) -> dict:
+    return {"by": "document", "fraction": fraction}
+
+
+def is_validation(rule: dict, relative_path: str, index: int) -> bool:
+    """Whether document `index` (its row or line) of the file at `relative_path` below the corpus root is held
+    out under `rule`: a hash of its place, so the split is the same on every machine and in any file order."""
+    if rule["by"] == "file":
+        digest = hashlib.sha256(relative_path.encode()).digest()
+        return int.from_bytes(digest[:4], "big") % 1000 < round(rule["fraction"] * 1000)
+    digest = hashlib.sha256(f"{relative_path}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < rule["fraction"] * 2**64
 
 
 class TextFiles(tfds.core.GeneratorBasedBuilder):
@@ -72,10 +87,12 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
 
     VERSION = tfds.core.Version("1.0.0")
 
-    def __init__(self, *, splits: dict[str, list[tuple[str, str]]] | None = None, text_key: str = "text",
+    def __init__(self, *, files: list[tuple[str, str]] = (), rule: dict = SPLIT_BY_FILE, text_key: str = "text",
                  tokenizer=None, **kwargs):  # fmt: skip
-        """With `tokenizer`, documents are stored as token ids (the tokenised cache) instead of text."""
-        self._splits = splits or {}  # split -> [(absolute path, path relative to the corpus root)]
+        """`files`: [(absolute path, path relative to the corpus root)]. With `tokenizer`, documents are stored
+        as token ids (the tokenised cache) instead of text."""
+        self._files = files
+        self._rule = rule
         self._text_key = text_key
         self._tokenizer = tokenizer
         super().__init__(**kwargs)
@@ -89,10 +106,13 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
         return tfds.core.DatasetInfo(builder=self, features=features)
 
     def _split_generators(self, dl_manager):
-        return {split: self._generate_examples(files) for split, files in self._splits.items()}
+        return {split: self._generate_examples(split == "validation") for split in ("train", "validation")}
 
-    def _generate_examples(self, files):
-        for key, text, rel in self._documents(files):
+    def _generate_examples(self, held_out: bool):
+        rule = self._rule
+        files = [(path, rel) for path, rel in self._files  # a file held out whole is read for its split alone
+                 if rule["by"] == "document" or is_validation(rule, rel, 0) == held_out]  # fmt: skip
+        for key, text, rel in _documents(files, self._text_key, lambda rel, i: is_validation(rule, rel, i) == held_out):
             if self._tokenizer is None:
                 yield key, {"text": text, "source": rel}
             else:
@@ -100,20 +120,35 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
                 yield key, {"tokens": np.concatenate([[tok.bos_id], tok.encode(text), [tok.eos_id]]).astype(np.int32),
                             "source": rel}  # fmt: skip
 
-    def _documents(self, files):
-        """(example key, text, file) of every document, in file order."""
-        key = self._text_key
-        for path, rel in files:
-            if path.endswith(".parquet"):
-                for i, text in enumerate(_parquet_texts(path, key)):
+
+def _documents(files, text_key: str, wanted):
+    """(example key, text, file) of every document whose place (file below the root, row or line) is
+    `wanted`, in file order; the others are not parsed."""
+    for path, rel in files:
+        if path.endswith(".parquet"):
+            for i, text in enumerate(_parquet_texts(path, text_key)):
+                if wanted(rel, i):
                     yield f"{rel}:{i}", text, rel
-            elif path.endswith(JSON_LINES):
-                for i, line in enumerate(_lines(path)):
-                    if line.strip():
-                        yield f"{rel}:{i}", _field(line, key, path, i + 1), rel
-            else:
-                with open(path, "rb") as f:
-                    yield rel, f.read().decode("utf-8", errors="replace"), rel
+        elif path.endswith(JSON_LINES):
+            for i, line in enumerate(_lines(path)):
+                if line.strip() and wanted(rel, i):
+                    yield f"{rel}:{i}", _field(line, text_key, path, i + 1), rel
+        elif wanted(rel, 0):
+            with open(path, "rb") as f:
+                yield rel, f.read().decode("utf-8", errors="replace"), rel
+
+
+def _places(path: str, rel: str):
+    """(rel, index) of each document of a file, without reading its text: a Parquet file's rows from its
+    footer, a JSON-lines file's non-blank lines, a text file's one."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        yield from ((rel, i) for i in range(pq.ParquetFile(path).metadata.num_rows))
+    elif path.endswith(JSON_LINES):
+        yield from ((rel, i) for i, line in enumerate(_lines(path)) if line.strip())
+    else:
+        yield rel, 0
 
 
 JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -180,9 +215,11 @@ def _check_text_key(path: str, key: str) -> None:
         )
 
 
-def made_from(files: list[tuple[str, str]], text_key: str) -> dict:
-    """What a corpus is made from: the text field and each file's (path below the root, size, digest)."""
-    return {"text_key": text_key, "files": [[rel, os.path.getsize(f), _edges_digest(f)] for f, rel in files]}
+def made_from(files: list[tuple[str, str]], text_key: str, rule: dict) -> dict:
+    """What a corpus is made from: the text field, the split rule and each file's (path below the root, size,
+    digest)."""
+    return {"text_key": text_key, "split": rule,
+            "files": [[rel, os.path.getsize(f), _edges_digest(f)] for f, rel in files]}  # fmt: skip
 
 
 def _edges_digest(path: str) -> str:
@@ -198,12 +235,12 @@ def _edges_digest(path: str) -> str:
 
 def check_made_from(directory: str, wanted: dict, paths: str, name: str) -> None:
     """Refuse a prepared corpus (or cache) made from other files or another text field than the config selects.
-    One prepared before files were recorded is taken as it is."""
+    One prepared before files were recorded is taken as it is; the split rule is settled before (_settled_rule)."""
     record = epath.Path(directory) / MADE_FROM_FILE
     if not record.exists():
         return
     have = json.loads(record.read_text())
-    if have == wanted:
+    if (have["text_key"], have["files"]) == (wanted["text_key"], wanted["files"]):
         return
     files = {tuple(entry) for entry in have["files"]}
     selected = {tuple(entry) for entry in wanted["files"]}
@@ -217,7 +254,47 @@ def check_made_from(directory: str, wanted: dict, paths: str, name: str) -> None
     )
 
 
-def prepare(name: str, paths: str, data_dir: str, text_key: str = "text", tokenizer=None, made_with=None) -> str:
+def _settled_rule(data_dir: str, name: str, fraction: float) -> dict:
+    """The split rule to prepare corpus `name` (or its cache) with: the one the corpus or its cache was first
+    prepared with, so that both hold the same documents for training; else data.validation_fraction's."""
+    for config_name in (name, name + TOKENS_SUFFIX):
+        directory = epath.Path(data_dir) / "text_files" / config_name / str(TextFiles.VERSION)
+        if not (directory / "dataset_info.json").exists():
+            continue
+        record = directory / MADE_FROM_FILE
+        rule = json.loads(record.read_text()).get("split", SPLIT_BY_FILE) if record.exists() else SPLIT_BY_FILE
+        if rule["fraction"] != fraction:
+            raise ConfigError(
+                f"the prepared corpus {config_name!r} ({directory}) holds out {rule['fraction']:g} of its "
+                f"{rule['by']}s for validation, and data.validation_fraction={fraction:g} asks for another share; "
+                f"set data.validation_fraction={rule['fraction']:g} to read it, or give the corpus another data.name "
+                "to prepare it with this one."
+            )
+        return rule
+    return split_by_document(fraction)
+
+
+def _check_split(files: list[tuple[str, str]], rule: dict, paths: str) -> None:
+    """Refuse, before anything is written, a corpus whose split would leave validation or training empty."""
+    if rule["by"] == "file":
+        places = ((rel, 0) for _, rel in files)
+    else:
+        places = (place for path, rel in files for place in _places(path, rel))
+    count = held = 0
+    for place in places:
+        count, held = count + 1, held + is_validation(rule, *place)
+    if 0 < held < count:
+        return
+    change = "raise data.validation_fraction (at most 0.5)" if held == 0 else "lower data.validation_fraction"
+    raise ConfigError(
+        f"data.paths={paths!r} gives {count} {rule['by']}{'' if count == 1 else 's'}, too few to hold out a share "
+        f"of {rule['fraction']:g} for validation and train on the rest ({held} would be held out); give more "
+        f"{rule['by']}s, or {change}."
+    )
+
+
+def prepare(name: str, paths: str, data_dir: str, text_key: str = "text", tokenizer=None, made_with=None,
+            validation_fraction: float = 0.02) -> str:  # fmt: skip
     """Build the corpus `name` from comma-separated globs ("" = the stdlib) unless it exists; with
     `tokenizer`, its tokenised cache `name`-tokens, recording `made_with` (the tokenizer's identity)."""
     patterns = [p.strip() for p in paths.split(",") if p.strip()] or stdlib_patterns()
@@ -225,19 +302,12 @@ def prepare(name: str, paths: str, data_dir: str, text_key: str = "text", tokeni
     if not files:
         raise ConfigError(f"data.paths={paths!r} matches no files; give globs such as 'corpus/**/*.txt'.")
     root = os.path.commonpath([os.path.dirname(f) for f in files])
-    splits = {"train": [], "validation": []}
-    for f in files:
-        rel = os.path.relpath(f, root)
-        splits["validation" if is_validation(rel) else "train"].append((f, rel))
-    if not splits["train"] or not splits["validation"]:
-        raise ConfigError(
-            f"data.paths={paths!r} gives {len(files)} files, too few to hold out ~2% of them for "
-            "validation; give more files (split a large file into several)."
-        )
+    files = [(f, os.path.relpath(f, root)) for f in files]
+    rule = _settled_rule(data_dir, name, validation_fraction)
     config_name = name + TOKENS_SUFFIX if tokenizer is not None else name
     remote = is_remote(data_dir)
-    builder = _builder(splits, text_key, tokenizer, config_name, patterns, data_dir)
-    wanted = made_from([(f, os.path.relpath(f, root)) for f in files], text_key)
+    builder = _builder(files, rule, text_key, tokenizer, config_name, patterns, data_dir)
+    wanted = made_from(files, text_key, rule)
     if (
         tokenizer is not None
         and not remote  # a bucket's copy is not prepared until its last file is (see _upload)
@@ -247,29 +317,31 @@ def prepare(name: str, paths: str, data_dir: str, text_key: str = "text", tokeni
         aside = f"{builder.data_dir}.interrupted-{int(time.time())}"
         os.rename(builder.data_dir, aside)
         print(f"the tokenised cache {builder.data_dir} was left unfinished; moved to {aside}, preparing it again")
-        builder = _builder(splits, text_key, tokenizer, config_name, patterns, data_dir)
+        builder = _builder(files, rule, text_key, tokenizer, config_name, patterns, data_dir)
     if builder.is_prepared():
         check_made_from(builder.data_dir, wanted, paths, config_name)
         if tokenizer is not None:
             check_made_with(builder.data_dir, made_with)
         return str(builder.data_dir)
-    for f in files:
+    for f, _ in files:
         _check_text_key(f, text_key)
+    _check_split(files, rule, paths)
     if not remote:
         _build(builder, wanted, made_with if tokenizer is not None else None)
         return builder.data_dir
     # ArrayRecord writes local files only: build into a local directory, then upload it.
     _check_bucket_writable(data_dir)
     with tempfile.TemporaryDirectory(prefix="trainer-corpus-") as local:
-        staged = _builder(splits, text_key, tokenizer, config_name, patterns, local)
+        staged = _builder(files, rule, text_key, tokenizer, config_name, patterns, local)
         _build(staged, wanted, made_with if tokenizer is not None else None)
         _upload(staged.data_dir, str(builder.data_dir))
     return str(builder.data_dir)
 
 
-def _builder(splits, text_key, tokenizer, config_name, patterns, data_dir) -> TextFiles:
+def _builder(files, rule, text_key, tokenizer, config_name, patterns, data_dir) -> TextFiles:
     return TextFiles(
-        splits=splits,
+        files=files,
+        rule=rule,
         text_key=text_key,
         tokenizer=tokenizer,
         config=tfds.core.BuilderConfig(name=config_name, description=f"text files from {patterns}"),

@@ -186,7 +186,8 @@ class Run:
         self.samples = samples.Samples(setup, load_tokenizer(cfg.data)) if t.sample_prompts else None
         self.compiled: dict = {}
         self.dispatched: list[tuple[int, int]] = []  # (step, tokens) of the steps not yet logged
-        self.mixture_tokens = np.zeros(len(self.stream.mixture), np.int64)
+        self.mixture_taken = np.zeros(len(self.stream.mixture), np.int64)
+        self.bos_id = load_tokenizer(cfg.data).bos_id if cfg.data.source != "synthetic" else None
         self.mark_step, self.mark_time = self.step, time.perf_counter()
         self.last: dict = {}
 
@@ -248,9 +249,9 @@ class Run:
     def take_step(self):
         """Dispatch one step (no waiting on the device); returns its metrics, still on the device."""
         size, local = self.data.next()
-        if "source" in local:  # a mixture: count this process's trained tokens by corpus
-            counted = local["source"][local["segment_ids"] > 0]
-            self.mixture_tokens += np.bincount(counted, minlength=len(self.stream.mixture))
+        if "source" in local:  # a mixture: count what each corpus gave this process's rows
+            self.mixture_taken += streams.mixture_counts(local, self.stream.mixture_unit, len(self.stream.mixture),
+                                                         self.bos_id)  # fmt: skip
         batch = streams.to_global(local, self.setup.batch_sharding, size)
         self.profiler.before(self.step + 1)
         self.state, metrics = self._step_fn(size)(self.state, batch)
@@ -293,12 +294,12 @@ class Run:
         return stability.trouble(self.cfg, int(values["bad_in_window"]), int(values["diverged_run"]))
 
     def _mixture_shares(self) -> dict[str, float]:
-        """`mixture/<corpus>`: the share of the tokens trained on since this launch that came from each
-        corpus (this process's rows, up to the step just dispatched)."""
-        total = self.mixture_tokens.sum()
+        """`mixture/<corpus>`: each corpus's share of what was trained on since this launch, in the mixture's
+        unit (tokens, or documents begun), over this process's rows up to the step just dispatched."""
+        total = self.mixture_taken.sum()
         if not total:
             return {}
-        return {f"mixture/{name}": float(n / total) for (name, _), n in zip(self.stream.mixture, self.mixture_tokens,
+        return {f"mixture/{name}": float(n / total) for (name, _), n in zip(self.stream.mixture, self.mixture_taken,
                                                                              strict=True)}  # fmt: skip
 
     def roll_back(self, reason: str) -> None:
