@@ -21,7 +21,9 @@ Watchdog that notices first, names the lost process and exits. If process 0
 A process that stops on an error of its own says why under a key of the runtime's
 key-value store (`stop_all`): the others' watchdogs end them at once with that
 sentence, wherever they wait (a collective, a checkpoint barrier), instead of after
-a timeout or the dead-process wait.
+a timeout or the dead-process wait. One that stops because the run made no progress
+(trainer/training/hang.py) also asks for the others' stacks: each then writes its
+own (`on_stacks_asked`) before it ends.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from parallelism.errors import ConfigError
 
 LOST_SECONDS = 20  # a process silent this long is dead (a compile or a pause never silences the beating thread)
 STOPPED = "trainer/stopped/"  # + process index: why that process stopped
+STACKS = "trainer/stacks"  # set before a stop whose reason every process's stacks help to find
+_stack_writer = None  # called with the reason before this process ends on such a stop (on_stacks_asked)
 ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID = (
     "TRAINER_COORDINATOR",
     "TRAINER_NUM_PROCESSES",
@@ -154,6 +158,8 @@ class Watchdog(threading.Thread):
             if stopped:
                 p, why = stopped[0]
                 print(f"error: process {p} of {self.count} stopped: {why}", file=sys.stderr, flush=True)
+                if _stack_writer is not None and _stacks_asked(self.client):
+                    _stack_writer(f"process {p} of {self.count} stopped: {why}")
                 _exit_together(self.me, self.beat)
             if lost:
                 print(
@@ -197,17 +203,34 @@ def stopped_peers(client, me: int) -> list[tuple[int, str]]:
     return sorted((int(key.rsplit("/", 1)[1]), why) for key, why in entries if int(key.rsplit("/", 1)[1]) != me)
 
 
-def stop_all(why: str) -> None:
+def stop_all(why: str, stacks: bool = False) -> None:
     """In a multi-process run, end this process after `why` (already printed), telling the others so that
-    they end at once with it (their watchdogs read it); a single process returns and exits as usual."""
+    they end at once with it (their watchdogs read it), each writing its stacks first if `stacks`; a single
+    process returns and exits as usual."""
     client = _client()
     if client is None or jax.process_count() == 1:
         return
     try:
+        if stacks:
+            client.key_value_set(STACKS, "1")
         client.key_value_set(f"{STOPPED}{jax.process_index()}", why)
     except Exception:  # the coordinator is gone: the others end by the runtime's own notice
         pass
     _exit_together(jax.process_index(), beat_seconds(jax.process_count()))
+
+
+def on_stacks_asked(writer) -> None:
+    """`writer(reason)` writes this process's stacks when another process stops asking for them (None: not
+    any more); the watchdog calls it before ending this process."""
+    global _stack_writer
+    _stack_writer = writer
+
+
+def _stacks_asked(client) -> bool:
+    try:
+        return client.key_value_try_get(STACKS) == "1"
+    except Exception:  # the key is absent
+        return False
 
 
 def wait_if_a_process_died(error: BaseException) -> None:

@@ -62,6 +62,7 @@ def cli_args(cfg) -> list[str]:
 class Bucket:
     url: str  # gs://runs
     port: int  # where the emulator listens: gcs_emulator.fault(port, ...) makes it fail
+    pid: int  # the emulator's process: SIGSTOP freezes the storage (every request hangs), SIGCONT thaws it
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,7 @@ def bucket():
     with pytest.MonkeyPatch.context() as m:
         for name, value in environment(port).items():
             m.setenv(name, value)
-        yield Bucket("gs://runs", port)
+        yield Bucket("gs://runs", port, server.pid)
     server.kill()
     server.wait()
 
@@ -107,9 +108,9 @@ def text_batches(corpus_dir):
 
 # The three workers take whole files in collection order, so a long file collected last sets how
 # long the suite takes. The longest files (by the CI log's slowest tests) go first.
-LONGEST_FIRST = ("test_pipeline", "test_precision", "test_scaling", "test_step", "test_resume", "test_equivalence",
-                 "test_optimizers", "test_crash", "test_multiprocess", "test_mup", "test_targets", "test_huggingface",
-                 "test_loop", "test_faults", "test_training_features", "test_mesh")  # fmt: skip
+LONGEST_FIRST = ("test_pipeline", "test_hang", "test_precision", "test_scaling", "test_step", "test_resume",
+                 "test_equivalence", "test_optimizers", "test_crash", "test_multiprocess", "test_mup", "test_targets",
+                 "test_huggingface", "test_loop", "test_faults", "test_training_features", "test_mesh")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):

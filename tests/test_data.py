@@ -54,10 +54,12 @@ def _write_corpus(root):
 
 
 def held_out(place: str, fraction: float) -> bool:
-    """The split rule as the issue states it, written here apart from the code: a document (its file below the
-    corpus root and its row or line) is held out when the first 8 bytes of its place's SHA-256 fall below the
-    fraction of 2^64."""
-    return int.from_bytes(hashlib.sha256(place.encode()).digest()[:8], "big") < fraction * 2**64
+    """The split rule, written here apart from the code: a document's place ("file" for a file that is one
+    document, else "file:row") is hashed with SHA-256; bytes 0-3 mod 1000 plus bytes 4-11 / 2^64 are its
+    position in thousandths, held out below the fraction's."""
+    digest = hashlib.sha256(place.encode()).digest()
+    position = int.from_bytes(digest[:4], "big") % 1000 + int.from_bytes(digest[4:12], "big") / 2**64
+    return position < 1000 * fraction  # in floats: a rounding could differ once in 2^50 documents
 
 
 def test_text_files_builder_prepares_splits_by_document(tmp_path):
@@ -76,7 +78,7 @@ def test_text_files_builder_prepares_splits_by_document(tmp_path):
     train, val = corpora.open_split(cfg.data, "train"), corpora.open_split(cfg.data, "validation")
     texts = {name: [split[i]["text"].decode() for i in range(len(split))]
              for name, split in (("train", train), ("validation", val))}  # fmt: skip
-    places = {f"doc{i:03d}.txt:0": f"document {i}\n" * (i % 5 + 1) for i in range(200)}
+    places = {f"doc{i:03d}.txt": f"document {i}\n" * (i % 5 + 1) for i in range(200)}
     places.update({f"lines.jsonl:{i}": f"json line {i}" for i in range(5)})
     assert sorted(texts["validation"]) == sorted(t for p, t in places.items() if held_out(p, 0.1))
     assert sorted(texts["train"]) == sorted(t for p, t in places.items() if not held_out(p, 0.1))
@@ -91,7 +93,7 @@ def test_text_files_builder_prepares_splits_by_document(tmp_path):
 
 
 def test_three_shards_and_one_file_split_by_document_at_the_configured_fraction(tmp_path):
-    """Three Parquet shards of 1,000 rows hold out within half a point of data.validation_fraction, row by
+    """Three Parquet shards of 3,000 rows hold out within half a point of data.validation_fraction, row by
     row (not whole shards); a single JSON-lines file trains and validates; a corpus too small to hold out one
     document is refused, saying how many it has, with nothing written."""
     import pyarrow as pa
@@ -100,15 +102,15 @@ def test_three_shards_and_one_file_split_by_document_at_the_configured_fraction(
     corpus = tmp_path / "shards"
     corpus.mkdir()
     for shard in range(3):
-        rows = [f"shard {shard} row {i}" for i in range(1000)]
+        rows = [f"shard {shard} row {i}" for i in range(3000)]
         pq.write_table(pa.table({"text": rows}), corpus / f"part-{shard}.parquet")
     cfg = micro_config(data=dict(source="text_files", name="shards", paths=f"{corpus}/*.parquet",
                                  data_dir=str(tmp_path / "tfds"), validation_fraction=0.05))  # fmt: skip
     corpora.prepare(cfg.data)
     val = corpora.open_split(cfg.data, "validation")
     held = {val[i]["text"].decode() for i in range(len(val))}
-    assert abs(len(held) / 3000 - 0.05) < 0.005
-    assert held == {f"shard {s} row {i}" for s in range(3) for i in range(1000) if held_out(f"part-{s}.parquet:{i}",
+    assert abs(len(held) / 9000 - 0.05) < 0.005
+    assert held == {f"shard {s} row {i}" for s in range(3) for i in range(3000) if held_out(f"part-{s}.parquet:{i}",
                                                                                               0.05)}  # fmt: skip
     assert all(any(f"shard {s} " in t for t in held) for s in range(3))
 
@@ -271,7 +273,7 @@ def test_stdlib_corpus_validation_is_held_out_by_document(corpus_dir):
     train, val = corpora.open_split(cfg.data, "train"), corpora.open_split(cfg.data, "validation")
     val_sources = {val[i]["source"] for i in range(len(val))}
     assert 0.01 < len(val) / (len(train) + len(val)) < 0.04
-    assert all(held_out(f"{s.decode()}:0", 0.02) for s in val_sources)  # a .py file is one document
+    assert all(held_out(s.decode(), 0.02) for s in val_sources)  # a .py file is one document
     assert not any(train[i]["source"] in val_sources for i in range(0, len(train), 7))
 
 
@@ -555,7 +557,7 @@ def test_a_corpus_prepared_before_the_split_rule_keeps_it_and_its_run_resumes(tm
         source = corpora.open_split(data, split)
         return sorted(source[i]["source"].decode() for i in range(len(source)))
 
-    held = sorted(rel for _, rel in files if text_files.is_validation(text_files.SPLIT_BY_FILE, rel, 0))
+    held = sorted(rel for _, rel in files if text_files.is_validation(text_files.SPLIT_BY_FILE, rel, None))
     assert sources(cfg(4).data, "validation") == held
     cached = cfg(4, tokenized=True)
     corpora.prepare(cached.data)

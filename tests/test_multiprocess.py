@@ -195,9 +195,7 @@ def test_a_rollback_happens_on_both_processes_to_the_same_step(tmp_path, corpus_
     processes: one rollback, to the same step on both, the later checkpoint set aside once, a finite finish."""
     cfg = run_config(corpus_dir, steps=24)
     cfg.checkpoint.update({"every_steps": 5, "keep": 10})
-    # Spikes off: the poisoned steps are non-finite, and a natural spike of the data (steps 8 and 9 once the
-    # corpus was split by document) would make the checkpoint at 10 unhealthy too.
-    cfg.stability.update(dict(max_bad_steps=4, bad_window=10, stats_warmup=5, diverge_steps=5, spike_factor=0.0))
+    cfg.stability.update(dict(max_bad_steps=4, bad_window=10, stats_warmup=5, diverge_steps=5))
     cfg.train.eval_every = 0
     workdir = tmp_path / "run"
     args = [*cli_args(cfg), "--config.debug.poison_batches=12,13,14,15,16,17", f"--workdir={workdir}"]

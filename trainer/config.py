@@ -126,6 +126,9 @@ def defaults() -> ml_collections.ConfigDict:
         wandb_project="trainer",  # the W&B project a `wandb` tracker logs to (entity, mode: WANDB_* variables)
         sample_prompts=(),  # at each evaluation (none without one), complete these greedily and sampled
         sample_tokens=64,  # tokens generated per sample
+        # No step, evaluation batch or checkpoint for this long: write every thread's stack and end the run
+        # (all its processes), so that the scheduler relaunches it (trainer/training/hang.py); 0 = never.
+        hang_seconds=1800.0,
     )
     # Bad steps (non-finite, or a gradient-norm spike) are skipped; too many in a
     # window, or a loss that stays diverged, rolls back to the last healthy checkpoint.

@@ -34,7 +34,7 @@ from trainer.storage import run_tokenizer
 from trainer.storage.resume import load_params
 from trainer.storage.workdir import path, write_file
 from trainer.training.setup import Setup
-from trainer.training.step import jit_eval_step, make_eval_step
+from trainer.training.step import abstract_batch, jit_eval_step, make_eval_step
 
 
 def eval_step(setup: Setup):
@@ -103,12 +103,16 @@ class Evaluator:
         total = sum(w for _, w in stream.mixture)
         self._weights = {name: w / total for name, w in stream.mixture} or {"": 1.0}
         self._setup = setup
-        self._step = eval_step(setup)
+        # Compiled now, with the train step: not in the middle of the run, where a hang watch would wait on it.
+        batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, setup.batch_sharding)
+        self._step = eval_step(setup).lower(setup.abstract_state().params, batch).compile()
 
-    def __call__(self, params) -> dict[str, float]:
+    def __call__(self, params, progress: Callable[[], None] | None = None) -> dict[str, float]:
+        """`progress()` is called after every batch (the loop's hang watch)."""
         out = {"eval_loss": 0.0, "eval_tokens": 0.0, "unigram_loss": 0.0}
         for name, (batches, unigram) in self._sources.items():
-            sums = evaluate(self._setup, self._step, params, batches)
+            on_batch = None if progress is None else lambda _sums: progress()
+            sums = evaluate(self._setup, self._step, params, batches, progress=on_batch)
             loss = sums["total"] / max(sums["count"], 1.0)
             out["eval_loss"] += self._weights[name] * loss
             out["unigram_loss"] += self._weights[name] * unigram

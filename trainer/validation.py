@@ -69,6 +69,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
     _choice("data.packing", d.packing, ("concat",))
     _choice("data.mixture_unit", d.mixture_unit, MIXTURE_UNITS)
+    if not t.hang_seconds >= 0:
+        raise ConfigError(f"train.hang_seconds={t.hang_seconds} must be >= 0 (0 never ends a run for making no "
+                          "progress).")  # fmt: skip
     if not 0 < d.validation_fraction <= 0.5:
         raise ConfigError(
             f"data.validation_fraction={d.validation_fraction} must be in (0, 0.5]: the share of documents held out "

@@ -33,8 +33,12 @@ realised shares the loop logs (`mixture_counts`); it never reaches the device.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
+import os
 import queue
+import signal
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import grain
@@ -267,16 +271,18 @@ class ProcessRows:
         workers = min(workers, len(rows))
         self._owner = {r: i % workers for i, r in enumerate(rows)}
         self._state = state
-        self._pipes, self._processes = [], []
+        self._pipes, self._processes, self._stack_pipes = [], [], []
         for w in range(workers):
             mine = [r for r in rows if self._owner[r] == w]
             parent, child = context.Pipe()
+            stacks, stacks_end = context.Pipe(duplex=False)
             rows_state = {"rows": {str(r): state["rows"][str(r)] for r in mine}}
-            process = context.Process(target=_serve_rows, args=(child, stream, split, mine, rows_state, shuffle),
-                                      daemon=True)  # fmt: skip
+            process = context.Process(target=_serve_rows, args=(child, stream, split, mine, rows_state, shuffle,
+                                                                stacks_end), daemon=True)  # fmt: skip
             process.start()
             self._pipes.append(parent)
             self._processes.append(process)
+            self._stack_pipes.append(stacks)
 
     def read(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
         asked = [[r for r in rows if self._owner[r] == w] for w in range(len(self._pipes))]
@@ -311,6 +317,16 @@ class ProcessRows:
     def get_state(self) -> dict:
         return self._state
 
+    def stacks(self) -> list[tuple[str, str]]:
+        """(name, every thread's stack) of each worker still alive, which writes them on SIGUSR1 (a hang's
+        report, trainer/training/hang.py), wherever it is stuck."""
+        out = []
+        for w, (process, pipe) in enumerate(zip(self._processes, self._stack_pipes, strict=True)):
+            if process.is_alive():
+                os.kill(process.pid, signal.SIGUSR1)
+                out.append((f"data worker {w} (pid {process.pid})", _read_while_written(pipe)))
+        return out
+
     def close(self) -> None:
         """Asks each worker to stop; one that has not within 10 s (stuck reading) is terminated, then killed."""
         for pipe in self._pipes:
@@ -328,8 +344,18 @@ class ProcessRows:
                 process.join()
 
 
-def _serve_rows(pipe, stream: Stream, split: str, rows: list[int], state: dict, shuffle: bool) -> None:
-    """A data worker: reads the windows of the rows it is asked for, replying with them and its state."""
+def _read_while_written(pipe, seconds: float = 3.0) -> str:
+    """What a worker's faulthandler writes into `pipe`, until it has been quiet for half a second."""
+    out, end = b"", time.monotonic() + seconds
+    while time.monotonic() < end and pipe.poll(0.5):
+        out += os.read(pipe.fileno(), 1 << 16)
+    return out.decode(errors="replace")
+
+
+def _serve_rows(pipe, stream: Stream, split: str, rows: list[int], state: dict, shuffle: bool, stacks) -> None:
+    """A data worker: reads the windows of the rows it is asked for, replying with them and its state; on
+    SIGUSR1 it writes every thread's stack into `stacks` (faulthandler's, which runs wherever it is stuck)."""
+    faulthandler.register(signal.SIGUSR1, file=stacks.fileno(), all_threads=True)
     iterator = iter(batches(stream, split, rows, shuffle=shuffle))
     iterator.set_state(state)
     while (asked := pipe.recv()) is not None:
@@ -445,6 +471,10 @@ class Prefetch:
 
     def get_state(self) -> dict:
         return self._state
+
+    def worker_stacks(self) -> list[tuple[str, str]]:
+        """(name, stacks) of each data worker process (none without data.workers)."""
+        return self._iterator.stacks() if isinstance(self._iterator, ProcessRows) else []
 
     def close(self) -> None:
         self._stop.set()

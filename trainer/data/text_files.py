@@ -7,7 +7,8 @@ each row of a .parquet file (its `data.text_key` field or column, default
 before anything is built). Documents are split into train and validation by a
 hash of each one's place (its file's path relative to the corpus root, and its
 row or line in the file), `data.validation_fraction` of them held out: stable
-across machines and file orders, and one file holds out some of its documents.
+across machines and file orders, and one file holds out some of its documents
+(a text file, one document, splits as all files did before; see is_validation).
 A corpus too small to hold out one document is refused, saying how many it has.
 The rule is recorded with the corpus (SPLIT_BY_FILE for one prepared before it
 was: whole files, 2% of them), and a corpus and its cache keep the rule they were
@@ -72,14 +73,18 @@ def split_by_document(fraction: float) -> dict:
     return {"by": "document", "fraction": fraction}
 
 
-def is_validation(rule: dict, relative_path: str, index: int) -> bool:
-    """Whether document `index` (its row or line) of the file at `relative_path` below the corpus root is held
-    out under `rule`: a hash of its place, so the split is the same on every machine and in any file order."""
-    if rule["by"] == "file":
-        digest = hashlib.sha256(relative_path.encode()).digest()
-        return int.from_bytes(digest[:4], "big") % 1000 < round(rule["fraction"] * 1000)
-    digest = hashlib.sha256(f"{relative_path}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") < rule["fraction"] * 2**64
+def is_validation(rule: dict, relative_path: str, index: int | None) -> bool:
+    """Whether document `index` (its row or line; None for a file that is one document) of the file at
+    `relative_path` below the corpus root is held out under `rule`: a hash of its place, so the split is the
+    same on every machine and in any file order.
+
+    The hash's first 4 bytes give thousandths (mod 1000) and the next 8 the finer part: the rule before
+    data.validation_fraction held a file out when those thousandths fell below 20, so a corpus of text files
+    splits at 0.02 exactly as it did then."""
+    place = relative_path if index is None or rule["by"] == "file" else f"{relative_path}:{index}"
+    digest = hashlib.sha256(place.encode()).digest()
+    position = (int.from_bytes(digest[:4], "big") % 1000) * 2**64 + int.from_bytes(digest[4:12], "big")
+    return position < rule["fraction"] * 1000 * 2**64  # in 2^-64 thousandths, compared exactly
 
 
 class TextFiles(tfds.core.GeneratorBasedBuilder):
@@ -111,7 +116,7 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
     def _generate_examples(self, held_out: bool):
         rule = self._rule
         files = [(path, rel) for path, rel in self._files  # a file held out whole is read for its split alone
-                 if rule["by"] == "document" or is_validation(rule, rel, 0) == held_out]  # fmt: skip
+                 if rule["by"] == "document" or is_validation(rule, rel, None) == held_out]  # fmt: skip
         for key, text, rel in _documents(files, self._text_key, lambda rel, i: is_validation(rule, rel, i) == held_out):
             if self._tokenizer is None:
                 yield key, {"text": text, "source": rel}
@@ -133,14 +138,14 @@ def _documents(files, text_key: str, wanted):
             for i, line in enumerate(_lines(path)):
                 if line.strip() and wanted(rel, i):
                     yield f"{rel}:{i}", _field(line, text_key, path, i + 1), rel
-        elif wanted(rel, 0):
+        elif wanted(rel, None):
             with open(path, "rb") as f:
                 yield rel, f.read().decode("utf-8", errors="replace"), rel
 
 
 def _places(path: str, rel: str):
     """(rel, index) of each document of a file, without reading its text: a Parquet file's rows from its
-    footer, a JSON-lines file's non-blank lines, a text file's one."""
+    footer, a JSON-lines file's non-blank lines, a text file's one (index None)."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
@@ -148,7 +153,7 @@ def _places(path: str, rel: str):
     elif path.endswith(JSON_LINES):
         yield from ((rel, i) for i, line in enumerate(_lines(path)) if line.strip())
     else:
-        yield rel, 0
+        yield rel, None
 
 
 JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -277,7 +282,7 @@ def _settled_rule(data_dir: str, name: str, fraction: float) -> dict:
 def _check_split(files: list[tuple[str, str]], rule: dict, paths: str) -> None:
     """Refuse, before anything is written, a corpus whose split would leave validation or training empty."""
     if rule["by"] == "file":
-        places = ((rel, 0) for _, rel in files)
+        places = ((rel, None) for _, rel in files)
     else:
         places = (place for path, rel in files for place in _places(path, rel))
     count = held = 0

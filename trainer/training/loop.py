@@ -18,6 +18,7 @@ a process that dies ends the others, naming it (parallelism/distributed.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -36,6 +37,7 @@ from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.metrics import MetricsWriter, check_fresh_start
 from trainer.training import batch_ramp, clock, stability
+from trainer.training.hang import HangWatch
 from trainer.training.preemption import watch_for_sigterm
 from trainer.training.profiling import StepProfiler
 from trainer.training.rollback import roll_back
@@ -125,7 +127,7 @@ class Run:
         """Everything it opens (threads, worker processes, the checkpoint manager, the bucket copier) is
         closed again if a later part of the start-up fails: a long-lived process (the scaling sweep trains
         many runs in one) keeps nothing of a run that did not start."""
-        self.ckpt = self.data = self.files = self.writer = self.profiler = None
+        self.ckpt = self.data = self.files = self.writer = self.profiler = self.hang = None
         try:
             self._open(cfg, workdir, setup, init)
         except BaseException:
@@ -176,6 +178,7 @@ class Run:
             data = streams.ProcessRows(self.stream, cfg.data.train_split, self.rows, data.get_state(), shuffle=True,
                                        workers=cfg.data.workers)  # fmt: skip
         self.data = streams.Prefetch(data, self._plan, self.data_read)
+        self.hang = HangWatch(t.hang_seconds, lambda: self.step, workdir, self.data.worker_stacks)
         self.files = wd.GrowingFiles(workdir) if self.primary else None
         fresh = not self.resumed
         self.writer = MetricsWriter(self.files, resume_step=self.step, cfg=cfg, workdir=workdir, fresh=fresh)
@@ -184,6 +187,7 @@ class Run:
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
         self.evaluator = Evaluator(setup, self.rows) if t.eval_every else None
         self.samples = samples.Samples(setup, load_tokenizer(cfg.data)) if t.sample_prompts else None
+        self.sampled = False
         self.compiled: dict = {}
         self.dispatched: list[tuple[int, int]] = []  # (step, tokens) of the steps not yet logged
         self.mixture_taken = np.zeros(len(self.stream.mixture), np.int64)
@@ -233,8 +237,9 @@ class Run:
         if size not in self.compiled:
             s, start = self.setup, time.perf_counter()
             step = s.train_step(size // self.micro)
-            self.compiled[size] = step.lower(self.abstract, abstract_batch(size, self.cfg.data.seq_len,
-                                                                           s.batch_sharding)).compile()  # fmt: skip
+            with self.hang.suspended():  # a compile is no hang (a batch-size ramp's new size, mid-run)
+                self.compiled[size] = step.lower(self.abstract, abstract_batch(size, self.cfg.data.seq_len,
+                                                                               s.batch_sharding)).compile()  # fmt: skip
             seconds = time.perf_counter() - start
             used = memory_per_device(self.compiled[size], s.mesh.devices.flat[0].platform)["total"]
             self.say(
@@ -260,6 +265,7 @@ class Run:
         if traced:
             self.say(traced)
         self.dispatched.append((self.step, size * self.cfg.data.seq_len))
+        self.hang.progress()
         return metrics
 
     def log(self, step: int, metrics) -> str | None:
@@ -319,6 +325,7 @@ class Run:
         self.writer.write(self.step, event, console=line)
         if not self.primary:  # every host's log shows where it went back to
             print(f"process {self.process}: {line.strip()}", flush=True)
+        self.hang.progress()
         self._mark()
 
     def evaluate_and_save(self, force_save: bool) -> None:
@@ -332,16 +339,19 @@ class Run:
         jax.block_until_ready(self.state)
         paused = time.perf_counter()
         if evaluate:
-            result = self.evaluator(self.state.params)
+            result = self.evaluator(self.state.params, self.hang.progress)
             self.last.update(result)
             line = f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f})"
             self.writer.write(step, result, console=line)
             if self.samples is not None:
-                self.writer.samples(step, self.samples(self.state.params))
+                with self.hang.suspended() if not self.sampled else contextlib.nullcontext():  # the first compiles
+                    self.writer.samples(step, self.samples(self.state.params))
+                self.sampled = True
         if save:
             self.ckpt.save(step, self.state, self.data, reset_label=self.reset_label)
             if self.files is not None:  # into a bucket: the metrics up to the checkpoint go with it
                 self.files.sync()
+            self.hang.progress()
         self.mark_time += time.perf_counter() - paused
 
     def save_now(self) -> None:
@@ -361,6 +371,8 @@ class Run:
             self.writer.close()
         if self.files is not None:
             self.files.close()
+        if self.hang is not None:  # last: the final checkpoint's commit and the files' upload are watched too
+            self.hang.close()
 
 
 def _quiet(*_args, **_kwargs) -> None:

@@ -1,0 +1,130 @@
+"""A run that stops making progress ends itself, says where it waited, and resumes exactly (train.hang_seconds).
+
+The hang is made outside the trainer: the storage emulator holding the run's bucket workdir is frozen
+with SIGSTOP mid-run, so every request to it waits forever, as on a storage outage.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import CPU_FLAGS, REPO, cli_args, micro_config
+from test_multiprocess import launch, text
+from test_resume import params_at
+
+from trainer.storage.workdir import forget_listings, saved_steps
+from trainer.training.loop import train
+
+HANG = 10  # train.hang_seconds in the drills
+BOUND = 20  # seconds beyond it the run may take to end: the steps until it blocks, writing stacks, exiting
+
+
+def config(**train_cfg):
+    return micro_config(train=dict(dict(steps=12, log_every=1, hang_seconds=HANG), **train_cfg),
+                        optim=dict(schedule="constant", warmup_steps=1),
+                        checkpoint={"every_steps": 3, "keep": 10})  # fmt: skip
+
+
+def start_one(args, log):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {CPU_FLAGS}"}
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "scripts/train.py", *args], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def run(args, processes, logs):
+    """Start the run's processes; (their Popens, their log files)."""
+    if processes == 2:
+        return launch(args, logs)
+    os.makedirs(logs, exist_ok=True)
+    return [start_one(args, logs / "0.log")], [str(logs / "0.log")]
+
+
+def wait_for_step(log, step, procs, timeout=180):
+    deadline = time.time() + timeout
+    while time.time() < deadline and all(p.poll() is None for p in procs):
+        if re.search(rf"^step +{step} \(", text(log), re.M):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"step {step} never came: {text(log)[-3000:]}")
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_run_whose_storage_hangs_ends_with_its_stacks_and_resumes_exactly(bucket, tmp_path, processes):
+    workdir = f"{bucket.url}/hang{processes}"
+    cfg = config()
+    cfg.data.workers = 2 if processes == 1 else 0  # their stacks are written too (they are processes of ours)
+    args = [*cli_args(cfg), f"--workdir={workdir}"]
+    procs, logs = run(args, processes, tmp_path / "hung")
+    wait_for_step(logs[0], 7, procs)
+    committed = saved_steps(workdir)  # (a commit may still land before the freeze: the resume checks >=)
+    os.kill(bucket.pid, signal.SIGSTOP)  # every request to the bucket now waits
+    frozen = time.monotonic()
+    try:
+        codes = [p.wait(timeout=HANG + BOUND + 30) for p in procs]
+        ended = time.monotonic() - frozen
+    finally:
+        os.kill(bucket.pid, signal.SIGCONT)
+    outputs = [text(log) for log in logs]
+    assert codes == [1] * processes, outputs[0][-3000:]
+    assert ended <= HANG + BOUND, ended
+    said = [re.search(r"error: no progress for (\d+) s at step (\d+) \(train.hang_seconds=10\); every thread's "
+                      r"stack is above and in (\S+); relaunching the same command resumes from the newest complete "
+                      r"checkpoint.", out) for out in outputs]  # fmt: skip
+    assert said[0] or processes == 2 and said[1], outputs[0][-3000:]
+    assert all(int(m[1]) >= HANG for m in said if m)
+    for p, out in enumerate(outputs):
+        # Each process's own stacks, in a file on local disk: the main thread waited on the frozen storage,
+        # in the checkpoint's save or the metrics' upload (the first request that found it frozen).
+        where = said[p].group(3) if said[p] else re.search(r"this process's stacks are above and in (\S+)", out)[1]
+        stacks = text(where)
+        main = stacks.split("\n\n")[1]  # the main thread's stack comes first
+        assert stacks.startswith(f"stacks of process {p} ") and main.startswith("thread MainThread"), stacks[:3000]
+        assert "in train\n" in main and re.search(r"trainer/storage/(checkpoint|workdir)\.py", main), main
+        assert os.path.dirname(where) == tempfile.gettempdir()
+        if cfg.data.workers:
+            workers = re.findall(r"^data worker (\d) \(pid \d+\):\n(?:.*\n)*?.*in _serve_rows", stacks, re.M)
+            assert workers == ["0", "1"], stacks[-3000:]
+
+    procs, logs = run(args, processes, tmp_path / "relaunched")
+    assert [p.wait(timeout=240) for p in procs] == [0] * processes, text(logs[0])[-3000:]
+    resumed = int(re.search(r"resumed from the checkpoint at step (\d+)", text(logs[0]))[1])
+    assert committed and max(committed) <= resumed <= 9  # nothing committed was lost or set aside
+    assert not any(name in text(log) for log in logs for name in ("damaged_checkpoints", "set aside"))
+    forget_listings(workdir)  # this process listed the bucket before the relaunch wrote it
+    reference = str(tmp_path / "uninterrupted")  # on as many processes: their reductions differ in the last bits
+    if processes == 1:
+        train(config(hang_seconds=0), reference)
+    else:
+        procs, logs = run([*cli_args(config(hang_seconds=0)), f"--workdir={reference}"], 2, tmp_path / "reference")
+        assert [p.wait(timeout=240) for p in procs] == [0, 0], text(logs[0])[-3000:]
+    resumed, uninterrupted = (jax.tree.leaves(params_at(config(), w, 12)) for w in (workdir, reference))
+    for a, b in zip(resumed, uninterrupted, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_long_evaluation_that_makes_batches_is_no_hang(tmp_path):
+    """hang_seconds of 2 and an evaluation of 300 batches taking several times that: the run finishes."""
+    cfg = config(steps=2, hang_seconds=2.0, eval_every=2, eval_batches=300)
+    cfg.data.seq_len = cfg.model.max_seq_len = 256
+    log = tmp_path / "run.log"
+    proc = start_one([*cli_args(cfg), f"--workdir={tmp_path / 'run'}"], log)
+    assert proc.wait(timeout=300) == 0, text(log)[-3000:]
+    assert re.search(r"step +2 +eval_loss", text(log))
+    # How long those 300 batches take here, timed apart from the run: longer than hang_seconds.
+    from trainer.evaluate import Evaluator
+    from trainer.training.setup import build
+
+    setup = build(cfg)
+    evaluator = Evaluator(setup, list(range(8)))
+    params = jax.device_put(params_at(cfg, str(tmp_path / "run"), 2), setup.state_shardings.params)
+    start = time.monotonic()
+    evaluator(params)
+    assert time.monotonic() - start > 2 * 2.0
