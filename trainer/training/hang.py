@@ -53,6 +53,7 @@ class HangWatch:
         self._label = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(workdir.rstrip("/"))) or "run"
         self._last: float | None = None  # when progress was last marked; None until the first mark
         self._suspended = 0
+        self._started = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="trainer-hang-watch", daemon=True)
 
@@ -60,7 +61,8 @@ class HangWatch:
         if not self.seconds:
             return
         self._last = time.monotonic()
-        if not self._thread.is_alive() and not self._stop.is_set():
+        if not self._started:
+            self._started = True
             self._thread.start()
             distributed.on_stacks_asked(self._write_on_request)
 
@@ -95,7 +97,7 @@ class HangWatch:
                 self._end(waited)
                 return
             if last != armed_for:
-                faulthandler.dump_traceback_later(self.seconds - waited + BACKSTOP_SECONDS, exit=True)
+                _arm_backstop(self.seconds - waited + BACKSTOP_SECONDS)
                 armed_for = last
 
     def _end(self, waited: float) -> None:
@@ -130,6 +132,13 @@ class HangWatch:
         sys.stderr.write(report)
         sys.stderr.flush()
         return path
+
+
+def _arm_backstop(seconds: float) -> None:
+    try:  # the process's own stderr: a host that swapped sys.stderr for an object without a file keeps it
+        faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no stderr file at all: no backstop
+        pass
 
 
 def thread_stacks() -> str:
