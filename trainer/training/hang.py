@@ -2,17 +2,18 @@
 
 Every process alive and none making progress is how a long run wastes most: a
 storage request that never returns, a read on a hung mount, a collective one
-host never joins. Once the first step has compiled and run, the loop marks
-progress (`HangWatch.progress`) at each training step it dispatches, each
-evaluation batch and each checkpoint it saves; compiling later (a batch-size
-ramp's new size, the first samples) is neither (`suspended`). A thread looks
-every second. When nothing has been marked for `hang_seconds`, it writes every
-thread's stack (faulthandler, all threads) and those of the data workers, which
-are processes of ours, to stderr and to a file in the local temporary directory
-(never the workdir or the data: their storage may be what hung), says in one
-sentence the step, the wait and where the stacks are, and ends the process
-with status 1; relaunching the same command resumes from the newest complete
-checkpoint. On several processes it tells the others
+host never joins. Once the first step has compiled and run (on a pod, that
+waits for every process's compile: the first step's collectives need them all),
+the loop marks progress (`HangWatch.progress`) at each training step it
+dispatches, each evaluation batch and each checkpoint it saves; compiling later
+(a batch-size ramp's new size, the first samples) is neither (`suspended`). A
+thread looks every second. When nothing has been marked for `hang_seconds`, it
+writes every thread's stack (`thread_stacks`) and those of the data workers,
+which are processes of ours, to stderr and to a file in the local temporary
+directory (never the workdir or the data: their storage may be what hung), says
+in one sentence the step, the wait and where the stacks are, and ends the
+process with status 1; relaunching the same command resumes from the newest
+complete checkpoint. On several processes it tells the others
 (parallelism/distributed.py's stop_all), whose watchdogs write their own stacks
 and end them too, so that the scheduler restarts the whole job.
 
@@ -56,6 +57,10 @@ class HangWatch:
         self._started = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="trainer-hang-watch", daemon=True)
+
+    @property
+    def armed(self) -> bool:
+        return self._last is not None
 
     def progress(self) -> None:
         if not self.seconds:

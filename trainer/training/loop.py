@@ -265,6 +265,8 @@ class Run:
         if traced:
             self.say(traced)
         self.dispatched.append((self.step, size * self.cfg.data.seq_len))
+        if not self.hang.armed:  # watched once the first step has run: on a pod, once every process has compiled
+            jax.block_until_ready(metrics)
         self.hang.progress()
         return metrics
 
