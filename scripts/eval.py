@@ -26,7 +26,7 @@ def main():
     result = evaluate_checkpoint(
         _CONFIG.value, _WORKDIR.value or cli.default_workdir(), _STEP.value, _MAX_BATCHES.value
     )
-    print(json.dumps(result))
+    print(json.dumps(result))  # last: the record, whose "file" says where it was written
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     python scripts/generate.py --config configs/tiny.py --workdir runs/tiny --prompt "def main(" \\
         [--max_new_tokens 200] [--temperature 0.8 --top_k 50 --top_p 0.95] [--seed 0] [--json]
 
-Temperature 0 (the default) is greedy. Generation uses a KV cache and runs
+Temperature 0 (the default) is greedy, and refuses --top_k or --top_p (they
+only shape sampling). Generation uses a KV cache and runs
 sharded on the config's mesh. With --json the output ends with one line
 {"prompt", "completion"}.
 """
@@ -17,7 +18,7 @@ from trainer import cli
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.sampling import make_generate
-from trainer.samples import completion, prompt_ids
+from trainer.samples import check_request, completion, prompt_ids
 from trainer.storage import run_tokenizer
 from trainer.storage.resume import load_params
 
@@ -40,6 +41,8 @@ def main():
     workdir = _WORKDIR.value or cli.default_workdir()
     cfg = run_tokenizer.settle(cfg, workdir)  # the run's own copy of its tokenizer
     tokenizer = load_tokenizer(cfg.data)
+    names = dict(new_tokens="--max_new_tokens", top_k="--top_k", top_p="--top_p", temperature="--temperature")
+    check_request(cfg, tokenizer, _PROMPT.value, _MAX_NEW.value, names, _TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
     setup, step, params = load_params(cfg, workdir, _STEP.value)
     prompt = prompt_ids(tokenizer, _PROMPT.value)[None]
     generate = make_generate(

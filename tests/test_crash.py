@@ -177,7 +177,8 @@ def test_a_bucket_workdir_survives_a_kill_and_a_damaged_checkpoint(bucket, corpu
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     result = json.loads(evaluated.stdout.strip().splitlines()[-1])
     assert result["step"] == STEPS
-    assert json.loads(listing.cat(f"runs/crash/eval/validation_step{STEPS}.json")) == result
+    assert result["file"].startswith(f"{workdir}/eval/validation_step{STEPS}_")
+    assert json.loads(listing.cat(result["file"])) == result
     flags = [f"--workdir={workdir}", "--prompt=def", "--json", "--max_new_tokens=4"]
     generate = [sys.executable, "scripts/generate.py", *args, *flags]
     generated = subprocess.run(generate, cwd=REPO, capture_output=True, text=True, timeout=300)

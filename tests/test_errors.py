@@ -156,3 +156,114 @@ def test_the_script_prints_one_line_and_fails(tmp_path, args, named):
     assert result.stderr.strip().splitlines()[-1].startswith("error: ")
     assert named in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_every_numeric_key_has_a_range_that_holds_its_default():
+    from trainer.config import RANGES, defaults, flatten
+    from trainer.validation import in_range
+
+    numbers = {k: v for k, v in flatten(defaults()).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert sorted(RANGES) == sorted(numbers)
+    assert all(in_range(value, RANGES[key]) for key, value in numbers.items())
+
+
+def just_outside(spec: str, integer: bool):
+    """The nearest values a range written as config.Num writes them leaves out, found without its parser."""
+    lows, highs, points = [], [], []
+    for part in spec.split(" or "):
+        if part[0] not in "[(":
+            points.append(float(part))
+            continue
+        low, high = (float(x) for x in part[1:-1].split(","))
+        step = 1 if integer else 1e-3
+        lows.append(low - step if part[0] == "[" else low)
+        if high != float("inf"):
+            highs.append(high + step if part[-1] == "]" else high)
+    return [int(v) if integer else v for v in lows + highs if v not in points]
+
+
+def test_a_value_outside_any_keys_range_is_refused_naming_key_value_and_range():
+    """Every numeric key, at each value just outside its range, is refused in one sentence before anything runs."""
+    from trainer.config import RANGES, defaults, flatten, with_changes
+    from trainer.validation import validate
+
+    known, tried = flatten(defaults()), 0
+    for key, spec in RANGES.items():
+        integer = isinstance(known[key], int)
+        for value in just_outside(spec, integer):
+            cfg = with_changes(micro_config(), {key: value})
+            with pytest.raises(ConfigError) as info:
+                validate(cfg)
+            said = str(info.value)
+            assert said.startswith(f"{key}={value!r} must be ") and spec.split(" or ")[-1] in said, said
+            assert "\n" not in said
+            tried += 1
+    assert tried >= len(RANGES)
+
+
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"optim.lr": 0.0}, r"optim.lr=0.0 must be in \(0, inf\)\."),
+        ({"optim.lr": -1e-3}, r"optim.lr=-0.001 must be in \(0, inf\)\."),
+        ({"optim.b1": -0.1}, r"optim.b1=-0.1 must be in \[0, 1\)\."),
+        ({"optim.b2": 1.5}, r"optim.b2=1.5 must be in \[0, 1\)\."),
+        ({"optim.eps": -1e-8}, r"optim.eps=-1e-08 must be in \[0, inf\)\."),
+        ({"optim.weight_decay": -0.1}, r"optim.weight_decay=-0.1 must be in \[0, inf\)\."),
+        ({"optim.z_loss": -1e-4}, r"optim.z_loss=-0.0001 must be in \[0, inf\)\."),
+        ({"optim.clip_norm": -1.0}, r"optim.clip_norm=-1.0 must be in \[0, inf\)\."),
+        ({"model.init_std": 0.0}, r"model.init_std=0.0 must be in \(0, inf\)\."),
+        ({"model.rope_theta": 0.0}, r"model.rope_theta=0.0 must be in \(1, inf\)\."),
+        ({"model.norm_eps": -1e-5}, r"model.norm_eps=-1e-05 must be in \(0, inf\)\."),
+        ({"precision.initial_loss_scale": 0.0}, r"precision.initial_loss_scale=0.0 must be in \(0, inf\)\."),
+        ({"precision.loss_scale_growth_interval": 0}, r"precision.loss_scale_growth_interval=0 must be in \[1, inf"),
+        ({"train.seed": -1}, r"train.seed=-1 must be in \[0, 2147483647\]\."),
+        ({"stability.bad_window": 0}, r"stability.bad_window=0 must be in \[1, inf\)\."),
+        ({"stability.spike_factor": 0.5}, r"stability.spike_factor=0.5 must be 0 or in \(1, inf\)\."),
+        ({"mesh.fsdp": 0}, r"mesh.fsdp=0 must be -1 or in \[1, inf\)\."),
+        ({"train.hang_seconds": float("nan")}, r"train.hang_seconds=nan must be in \[0, inf\)\."),
+        ({"stability.max_bad_steps": 60}, r"stability.max_bad_steps=60 bad steps can never occur within "
+                                          r"stability.bad_window=50 steps"),
+    ],
+)  # fmt: skip
+def test_values_no_run_can_want_are_refused(changes, message, tmp_path):
+    from trainer.config import with_changes
+
+    cfg = with_changes(micro_config(), changes)
+    with pytest.raises(ConfigError, match=message):
+        train(cfg, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_no_bad_step_count_rolls_back_when_max_bad_steps_is_zero():
+    """0 is "off", as for stability.spike_factor and diverge_steps: a healthy run (no bad step) and a run of bad
+    steps are both left alone by the count; divergence is still judged."""
+    from trainer.training.stability import trouble
+
+    cfg = micro_config(stability=dict(max_bad_steps=0))
+    assert trouble(cfg, 0, 0) is None and trouble(cfg, 50, 0) is None
+    assert "loss above" in trouble(cfg, 0, cfg.stability.diverge_steps)
+    assert trouble(micro_config(), 4, 0) == "4 bad steps in the last 50"
+
+
+def test_keys_the_chosen_settings_never_read_are_named_in_a_warning():
+    from trainer.config import with_changes
+    from trainer.validation import unread_settings
+
+    cfg = with_changes(micro_config(), {"optim.schedule": "wsd", "optim.decay_steps": 500, "optim.name": "lion",
+                                        "optim.eps": 1e-6, "precision.initial_loss_scale": 1024.0,
+                                        "optim.momentum": 0.5, "optim.decay_fraction": 0.3})  # fmt: skip
+    lines = unread_settings(cfg)
+    assert lines == [
+        "optim.decay_steps=500 is read only when optim.schedule is cosine or linear; with optim.schedule=wsd it "
+        "does nothing.",
+        "optim.eps=1e-06 is read only when optim.name is adamw; with optim.name=lion it does nothing.",
+        "optim.momentum=0.5 is read only when optim.name is sgd; with optim.name=lion it does nothing.",
+        "precision.initial_loss_scale=1024.0 is read only when precision.loss_scaling is dynamic; with "
+        "precision.loss_scaling=auto (none with float32 compute) it does nothing.",
+    ]
+    # The same keys where their settings read them: nothing to say.
+    read = with_changes(cfg, {"optim.schedule": "cosine", "optim.decay_steps": 5, "optim.decay_fraction": 0.2,
+                              "optim.name": "sgd", "optim.eps": 1e-8,
+                              "precision.compute_dtype": "float16"})  # fmt: skip
+    assert unread_settings(read) == []

@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -58,8 +59,35 @@ def test_reported_figures_are_consistent_and_written(trained, corpus_dir):
     assert ends > 0  # a document ends inside these 16 batches (measured: the 16th)
     assert (result["tokens"], result["bytes"]) == (tokens, len(text))
     assert result["bits_per_byte"] == pytest.approx(result["loss"] * tokens / math.log(2) / len(text))
-    with open(os.path.join(trained, "eval", "validation_step5.json")) as f:
+    with open(result["file"]) as f:
         assert json.load(f) == result
+
+
+def test_an_evaluation_never_overwrites_another(trained, corpus_dir, capsys):
+    """Each evaluation that differs in what it evaluated (step, batches, the whole split) leaves its own record,
+    saying what was evaluated; the same one again rewrites its own; the name differs for every field of it."""
+    from trainer.evaluate import record_name
+
+    shutil.rmtree(os.path.join(trained, "eval"), ignore_errors=True)
+    runs = [dict(step=5, max_batches=2), dict(step=5, max_batches=3), dict(step=6, max_batches=2), dict(step=6)]
+    results = []
+    for kw in runs:
+        results.append(evaluate_checkpoint(text_cfg(corpus_dir), trained, **kw))
+        assert capsys.readouterr().out.splitlines()[-1] == f"wrote {results[-1]['file']}"
+    assert evaluate_checkpoint(text_cfg(corpus_dir), trained, step=5, max_batches=2) == results[0]
+    files = sorted(os.listdir(os.path.join(trained, "eval")))
+    assert files == sorted(os.path.basename(r["file"]) for r in results) and len(files) == 4
+    for kw, result in zip(runs, results, strict=True):
+        with open(result["file"]) as f:
+            record = json.load(f)
+        assert record == result
+        assert (record["evaluated"]["step"], record["evaluated"]["batches"]) == (kw["step"], kw.get("max_batches", "all"))
+        assert record["evaluated"]["dataset"] == "python_stdlib" and record["evaluated"]["split"] == "validation"
+        assert record["evaluated"]["checkpoint"].endswith(f"checkpoints/{kw['step']}")
+    assert "_first" not in os.path.basename(results[3]["file"])
+    evaluated = results[0]["evaluated"]
+    others = [record_name({**evaluated, key: "other"}) for key in evaluated]
+    assert len({record_name(evaluated), *others}) == len(evaluated) + 1
 
 
 def test_one_pass_covers_every_held_out_token_exactly_once(corpus_dir):

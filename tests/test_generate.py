@@ -62,3 +62,30 @@ def test_top_k_and_top_p_only_ever_pick_allowed_tokens():
     nucleus = np.asarray(sample(logits, keys[1], 1.0, 0, 0.75))  # 0.5 + 0.3 reaches 0.75
     assert set(nucleus.tolist()) == {0, 1}
     assert set(np.asarray(sample(logits, keys[2], 1.0, 0, 0.9)).tolist()) == {0, 1, 2}
+
+
+def test_a_request_the_model_cannot_make_as_asked_is_refused_in_one_sentence():
+    """generate.py's checks (training's samples pass through the same): the numbers, before any compile."""
+    from trainer.data.tokenizers import ByteTokenizer
+    from trainer.errors import ConfigError
+    from trainer.samples import check_request
+
+    cfg, tok = micro_config(), ByteTokenizer()  # max_seq_len 64, vocab 384; a byte is a token
+    names = dict(new_tokens="--max_new_tokens", top_k="--top_k", top_p="--top_p", temperature="--temperature")
+    check_request(cfg, tok, "x" * 13, 50, names)  # 1 + 13 + 50 = 64: fits exactly
+    with pytest.raises(ConfigError, match=r"^the prompt 'xxxxxxxxxxxxxx' \(15 tokens with its begin-of-document id\) "
+                                          r"and --max_new_tokens=50 make 65 tokens, more than model.max_seq_len=64; "
+                                          r"shorten one of them\.$"):  # fmt: skip
+        check_request(cfg, tok, "x" * 14, 50, names)
+    check_request(cfg, tok, "", 8, names, temperature=0.8, top_k=384)
+    with pytest.raises(ConfigError, match=r"^--top_k=385 is more than the model's 384 token ids \(model.vocab_size\); "
+                                          r"use at most 384, or 0 for all\.$"):  # fmt: skip
+        check_request(cfg, tok, "", 8, names, temperature=0.8, top_k=385)
+    with pytest.raises(
+        ConfigError,
+        match=r"^--top_k=50 and --top_p=0.95 would be ignored: --temperature=0 is "
+        r"greedy; give a --temperature above 0 to sample \(e.g. 0.8\)\.$",
+    ):
+        check_request(cfg, tok, "", 8, names, top_k=50, top_p=0.95)
+    with pytest.raises(ConfigError, match=r"^--top_p=0.9 would be ignored"):
+        check_request(cfg, tok, "", 8, names, top_p=0.9)

@@ -94,7 +94,7 @@ def test_sentencepiece_tokenizer_exports_with_identical_encodings(tmp_path):
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     ours = SentencePieceTokenizer(path)
     samples = [open(os.path.join(stdlib, f)).read() for f in ("abc.py", "this.py", "keyword.py", "glob.py")]
-    samples += ["  leading spaces", "", " ", "x\n\n\ty  ", "ünïcode ✓ 🐍"]
+    samples += ["  leading spaces", "", " ", "x\n\n\ty  ", "ünïcode ✓ 🐍", "<s> and </s>"]
     for text in samples:
         ids = theirs(text)["input_ids"]
         assert ids == [BOS_ID, *ours.encode(text).tolist()], text[:40]
@@ -181,3 +181,42 @@ def test_a_tokenizer_json_without_a_decoder_trains_and_decodes_as_its_file_does(
     assert ids.tolist() == tok.encode("def f(x): return x").ids and ours.decode(ids) == tok.decode(ids.tolist())
     assert (ours.bos_id, ours.eos_id) == (tok.token_to_id("<s>"), tok.token_to_id("</s>"))
     assert train(cfg, str(tmp_path / "run"))["step"] == 2
+
+
+@pytest.mark.parametrize("post_processor", ["none", "adds BOS", "adds BOS and EOS", "byte-level offsets"])
+def test_an_exported_hf_tokenizer_encodes_as_training_fed_the_model(tmp_path, post_processor):
+    """Whatever the user's tokenizer.json does after encoding, AutoTokenizer on the export gives the ids the
+    loader feeds the model for a text: one BOS, then the text's tokens; and decodes back to the text."""
+    from tokenizers import Tokenizer, processors
+
+    from trainer.data.tokenizers import load_tokenizer
+
+    tok = llama3_style_tokenizer(tmp_path / "trained")
+    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+    ids = {m: tok.token_to_id(m) for m in (bos, eos)}
+    tok.post_processor = {
+        "none": None,
+        "adds BOS": processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, ids[bos])]),
+        "adds BOS and EOS": processors.TemplateProcessing(single=f"{bos} $A {eos}", special_tokens=list(ids.items())),
+        "byte-level offsets": processors.ByteLevel(trim_offsets=True),
+    }[post_processor]
+    os.makedirs(tmp_path / "tok")
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    assert (tok.post_processor is None) == (post_processor == "none")
+    data = micro_config(data=dict(tokenizer="hf", tokenizer_path=str(tmp_path / "tok"))).data
+    write_tokenizer(data, str(tmp_path / "hf"))
+    exported, ours = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf")), load_tokenizer(data)
+    for text in ["def f", "def f(x):\n\treturn  x  # ünïcode ✓", "", "  leading", bos]:
+        got = exported(text).input_ids
+        assert got == [ours.bos_id, *ours.encode(text).tolist()], text
+        if text != bos:  # a text spelling a mark decodes without it, as every special token does
+            assert exported.decode(got, skip_special_tokens=True) == text
+
+
+def test_exported_byte_tokenizer_encodes_as_training_fed_the_model(tmp_path):
+    write_tokenizer(micro_config().data, str(tmp_path / "hf"))
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    for text in ["def f", "x\n\n\ty  ", "", "ünïcode ✓ 🐍", "<s>"]:
+        got = exported(text).input_ids
+        assert got == [BOS_ID, *ByteTokenizer().encode(text).tolist()], text
+        assert exported.decode(got, skip_special_tokens=True) == text

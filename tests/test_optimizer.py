@@ -23,64 +23,93 @@ def optim(**kw):
     return c
 
 
+def reference(schedule, total, warmup, decay=0, shape="linear", peak=PEAK, floor=FLOOR):
+    """Every update's rate, step by step: warmup's k-th update (k = 1..warmup) at peak k / warmup; a decay of
+    n updates, its k-th (k = 1..n) at fraction k / n of the way from the peak to the floor, so the n-th is the
+    floor; the peak between; the floor after. Written from the definitions, not from schedules.py."""
+    shape = shape if schedule == "wsd" else schedule
+    n = decay or total - warmup
+    first = total - n if schedule == "wsd" else warmup  # the decay's first update
+    rates = []
+    for step in range(total):
+        if step < warmup:
+            rates.append(peak * (step + 1) / warmup)
+        elif schedule == "constant" or step < first:
+            rates.append(peak)
+        elif step >= first + n:
+            rates.append(floor)
+        else:
+            f = (step - first + 1) / n
+            cosine = floor + (peak - floor) * (1 + math.cos(math.pi * f)) / 2
+            rates.append(peak - (peak - floor) * f if shape == "linear" else cosine)
+    return rates
+
+
+CASES = [  # (schedule, train.steps, warmup, decay steps: cosine/linear's decay_steps, WSD's steps from its fraction)
+    ("cosine", 110, 10, 0), ("cosine", 110, 10, 40), ("cosine", 7, 2, 0), ("cosine", 5, 3, 2),
+    ("linear", 1000, 0, 0), ("linear", 12, 3, 3), ("constant", 20, 4, 0),
+    ("wsd", 100, 10, 20), ("wsd", 1000, 0, 4), ("wsd", 9, 2, 3), ("wsd", 10, 1, 2), ("wsd", 3, 0, 2),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "schedule,step,expected",
-    [
-        ("cosine", 0, PEAK / WARMUP),
-        ("cosine", 4, PEAK * 5 / WARMUP),
-        ("cosine", 9, PEAK),
-        ("cosine", 10, PEAK),
-        ("cosine", 60, FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi * 0.5))),
-        ("cosine", 85, FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi * 0.75))),
-        # The last step trained is TOTAL - 1 (the clock counts steps already taken), one
-        # step short of the floor: a decay that ends early or late moves this value.
-        ("cosine", TOTAL - 1, FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi * 0.99))),
-        ("linear", 35, PEAK - (PEAK - FLOOR) * 0.25),
-        ("linear", TOTAL - 1, PEAK - (PEAK - FLOOR) * 0.99),
-        ("constant", 3, PEAK * 4 / WARMUP),
-        ("constant", 100, PEAK),
-    ],
+    "schedule,total,warmup,decay,shape",
+    [(*case, "linear") for case in CASES] + [(*case, "cosine") for case in CASES if case[0] == "wsd"],
 )
-def test_schedule_closed_forms(schedule, step, expected):
-    lr = make_schedule(optim(schedule=schedule), TOTAL)
-    assert float(lr(step)) == pytest.approx(expected, rel=1e-5)
+def test_every_update_of_every_schedule_against_its_closed_form(schedule, total, warmup, decay, shape):
+    kw = dict(decay_fraction=decay / total, decay_shape=shape) if schedule == "wsd" else dict(decay_steps=decay)
+    cfg = optim(schedule=schedule, warmup_steps=warmup, **kw)
+    schedules.check(cfg, total)
+    lr = make_schedule(cfg, total)
+    got = [float(lr(s)) for s in range(total)]
+    np.testing.assert_allclose(got, reference(schedule, total, warmup, decay, shape), rtol=1e-5)
+    if schedule != "constant":
+        assert got[-1] == pytest.approx(FLOOR, rel=1e-6)  # the last update is the floor ...
+        first = total - decay if schedule == "wsd" else warmup
+        assert got[first] < PEAK * (1 - 1e-6)  # ... and the decay's first is below the peak
 
 
-def test_cosine_with_explicit_decay_steps_holds_the_floor_after():
-    lr = make_schedule(optim(schedule="cosine", decay_steps=40), TOTAL)
-    assert float(lr(30)) == pytest.approx(FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi * 0.5)), rel=1e-5)
-    assert float(lr(50)) == pytest.approx(FLOOR, rel=1e-5)
-    assert float(lr(100)) == pytest.approx(FLOOR, rel=1e-5)
+def test_a_four_step_wsd_cooldown_of_a_thousand_step_run_ends_at_zero():
+    """The example from the report: lr 1, floor 0, decay_fraction 0.004: the last four updates."""
+    lr = make_schedule(optim(schedule="wsd", lr=1.0, min_lr_ratio=0.0, warmup_steps=0, decay_fraction=0.004), 1000)
+    assert [float(lr(s)) for s in range(995, 1000)] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0], abs=1e-7)
 
 
-@pytest.mark.parametrize("shape", ["linear", "cosine"])
-def test_wsd_warms_holds_then_decays_over_the_last_fraction(shape):
-    lr = make_schedule(optim(schedule="wsd", decay_fraction=0.2, decay_shape=shape), 100)
-    # decay occupies steps 80..100
-    assert float(lr(4)) == pytest.approx(PEAK / 2, rel=1e-5)
-    assert float(lr(50)) == pytest.approx(PEAK, rel=1e-6)
-    assert float(lr(79)) == pytest.approx(PEAK, rel=1e-6)
-    half = (
-        PEAK - (PEAK - FLOOR) * 0.5 if shape == "linear" else FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi / 2))
-    )
-    assert float(lr(90)) == pytest.approx(half, rel=1e-5)
-    quarter = (
-        PEAK - (PEAK - FLOOR) * 0.25
-        if shape == "linear"
-        else FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi / 4))
-    )
-    assert float(lr(85)) == pytest.approx(quarter, rel=1e-5)
-    last = (  # step 99, the last trained
-        PEAK - (PEAK - FLOOR) * 0.95
-        if shape == "linear"
-        else FLOOR + (PEAK - FLOOR) * 0.5 * (1 + math.cos(math.pi * 0.95))
-    )
-    assert float(lr(99)) == pytest.approx(last, rel=1e-5)
+def test_wsd_refuses_a_decay_shorter_than_two_steps():
+    with pytest.raises(ConfigError, match=r"optim.decay_fraction=0.001 of train.steps=1000 gives a WSD decay of 1 "
+                                          r"step, too short to cool down; raise optim.decay_fraction to at least "
+                                          r"0.002"):  # fmt: skip
+        schedules.check(optim(schedule="wsd", decay_fraction=0.001, warmup_steps=0), 1000)
 
 
 def test_wsd_refuses_a_decay_that_starts_inside_warmup():
     with pytest.raises(ConfigError, match="before warmup ends"):
         schedules.check(optim(schedule="wsd", warmup_steps=90, decay_fraction=0.2), 100)
+
+
+def test_the_logged_rate_is_the_one_each_update_used_across_a_resume_mid_decay(tmp_path):
+    """A 9-step WSD run with a 3-step cooldown, stopped at step 7 (inside it) and resumed: the rate logged
+    with step k is the closed form's for update k - 1, before and after the resume, down to the floor."""
+    import json
+    import os
+    import shutil
+
+    from trainer.training.loop import train
+
+    cfg = micro_config(
+        optim=dict(schedule="wsd", lr=PEAK, min_lr_ratio=FLOOR_RATIO, warmup_steps=2, decay_fraction=3 / 9),
+        train=dict(steps=9, log_every=1), checkpoint={"every_steps": 7, "keep": 5, "async": False},
+    )  # fmt: skip
+    workdir = str(tmp_path / "run")
+    train(cfg, workdir)
+    shutil.rmtree(os.path.join(workdir, "checkpoints", "9"))  # as if stopped after step 7's checkpoint
+    assert train(cfg, workdir)["step"] == 9
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        logged = {r["step"]: r["lr"] for r in map(json.loads, f) if "lr" in r}
+    expected = reference("wsd", 9, 2, 3)
+    assert sorted(logged) == list(range(1, 10))
+    assert [logged[k] for k in range(1, 10)] == pytest.approx(expected, rel=1e-6)
+    assert logged[9] == pytest.approx(FLOOR, rel=1e-6)
 
 
 def test_decay_mask_follows_the_logical_axes_of_the_real_model():

@@ -1,6 +1,7 @@
 """Every config key and its default, and the few things computed from keys alone.
 
-Recipes in `configs/` start from `defaults()` and change what they need. The
+Recipes in `configs/` start from `defaults()` and change what they need. A
+number's range stands beside its default (Num), so no key is without one. The
 returned dict is locked, so a misspelt key in a recipe or on the command line
 (`--config.optim.lrr=1`) is refused by name instead of silently ignored; a key
 that was renamed is refused with its new name. Lists are tuples: on the command
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import copy
 import json
+import types
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import ml_collections
 
@@ -31,38 +34,48 @@ TRACKERS = ("tensorboard", "wandb")
 MIXTURE_UNITS = ("tokens", "documents")
 
 
-def defaults() -> ml_collections.ConfigDict:
-    """The single home of every key and its default value."""
-    c = ml_collections.ConfigDict()
+class Num(NamedTuple):
+    """A numeric key's default and the values it may take: intervals ("[0, 1)", "(0, inf)") and single
+    values, joined by "or" ("-1 or [1, inf)"). validate() refuses a value outside, naming this range."""
+
+    default: int | float
+    range: str
+
+
+def _declared() -> dict[str, dict]:
+    """Every key: its default, and for a number its range (Num), section by section."""
+    c = types.SimpleNamespace()
 
     c.model = dict(
-        vocab_size=384,  # >= tokenizer size; a multiple of 128 shards evenly over tensor
-        d_model=256,
-        n_layers=4,
-        n_heads=8,
-        n_kv_heads=4,  # grouped-query attention: n_heads must be a multiple
-        d_ff=768,
-        max_seq_len=256,
-        rope_theta=10_000.0,
-        norm_eps=1e-5,
+        vocab_size=Num(384, "[1, inf)"),  # >= tokenizer size; a multiple of 128 shards evenly over tensor
+        d_model=Num(256, "[1, inf)"),
+        n_layers=Num(4, "[1, inf)"),
+        n_heads=Num(8, "[1, inf)"),
+        n_kv_heads=Num(4, "[1, inf)"),  # grouped-query attention: n_heads must be a multiple
+        d_ff=Num(768, "[1, inf)"),
+        max_seq_len=Num(256, "[1, inf)"),
+        rope_theta=Num(10_000.0, "(1, inf)"),
+        norm_eps=Num(1e-5, "(0, inf)"),
         tie_embeddings=False,
         remat="none",  # one of REMAT_POLICIES
         scan_layers=True,
         attention="xla",  # one of ATTENTION_IMPLS
-        init_std=0.02,
-        mup_base_width=0,  # > 0: muP, with hyperparameters tuned at this d_model
-        loss_chunk=0,  # > 0: the loss makes logits this many positions at a time (less memory, one more matmul)
+        init_std=Num(0.02, "(0, inf)"),
+        mup_base_width=Num(0, "[0, inf)"),  # > 0: muP, with hyperparameters tuned at this d_model
+        loss_chunk=Num(
+            0, "[0, inf)"
+        ),  # > 0: the loss makes logits this many positions at a time (less memory, one more matmul)
     )
     # Each size is a device count (within a slice) or -1 for "the rest". `rules`
     # places each logical axis on mesh axes (a tuple; () replicates), e.g.
     # --config.mesh.rules.embed=tensor or --config.mesh.rules.vocab=.
     c.mesh = dict(
-        stage=1,  # pipeline stages: the stacked layers split into this many blocks (GPipe)
-        data=1,
-        fsdp=-1,
-        tensor=1,
-        dcn_data=1,  # slices (TPU slices or hosts) the data axis spans; sizes above are per slice
-        dcn_fsdp=1,
+        stage=Num(1, "[1, inf)"),  # pipeline stages: the stacked layers split into this many blocks (GPipe)
+        data=Num(1, "-1 or [1, inf)"),
+        fsdp=Num(-1, "-1 or [1, inf)"),
+        tensor=Num(1, "-1 or [1, inf)"),
+        dcn_data=Num(1, "[1, inf)"),  # slices (TPU slices or hosts) the data axis spans; sizes above are per slice
+        dcn_fsdp=Num(1, "[1, inf)"),
         sequence_parallel=False,  # shard the residual stream's sequence axis over tensor between blocks
         rules=dict(DEFAULT_RULES),
     )
@@ -76,71 +89,77 @@ def defaults() -> ml_collections.ConfigDict:
         eval_split="validation",
         tokenizer="byte",  # one of TOKENIZERS
         tokenizer_path="",  # sentencepiece: a .model file (scripts/train_tokenizer.py); hf: a tokenizer.json or its dir
-        seq_len=256,
+        seq_len=Num(256, "[1, inf)"),
         packing="concat",  # documents concatenated and split into seq_len windows
         mixture=(),  # ("corpus:weight", ...): train on these prepared corpora of `source`, drawn by weight
         mixture_unit="tokens",  # one of MIXTURE_UNITS: what a mixture's weights are shares of
-        validation_fraction=0.02,  # text_files: the share of documents held out (by a hash of each one's place)
+        validation_fraction=Num(
+            0.02, "(0, 0.5]"
+        ),  # text_files: the share of documents held out (by a hash of each one's place)
         tokenized=False,  # text_files: read the corpus's tokenised cache (made once), no tokenizer in the loop
-        workers=0,  # processes that read and tokenise the batch rows; 0 = a thread of the training process
+        workers=Num(
+            0, "[0, inf)"
+        ),  # processes that read and tokenise the batch rows; 0 = a thread of the training process
     )
     c.optim = dict(
         name="adamw",  # one of OPTIMIZERS; muon uses AdamW for embeddings, norms and the head
-        lr=3e-4,
+        lr=Num(3e-4, "(0, inf)"),
         schedule="cosine",  # one of SCHEDULES
-        warmup_steps=100,
-        decay_steps=0,  # cosine/linear: steps of decay after warmup; 0 = to the end of training
-        decay_fraction=0.2,  # wsd: the last fraction of training spent decaying
+        warmup_steps=Num(100, "[0, inf)"),
+        decay_steps=Num(0, "[0, inf)"),  # cosine/linear: steps of decay after warmup; 0 = to the end of training
+        decay_fraction=Num(0.2, "(0, 1]"),  # wsd: the last fraction of training spent decaying
         decay_shape="linear",  # wsd: linear or cosine decay
-        min_lr_ratio=0.1,
-        b1=0.9,
-        b2=0.95,
-        eps=1e-8,
-        weight_decay=0.1,
-        clip_norm=1.0,  # 0 disables clipping
-        momentum=0.9,  # sgd
-        z_loss=0.0,  # weight of log(Z)^2, which keeps the logits' normaliser near 1
+        min_lr_ratio=Num(0.1, "[0, 1]"),
+        b1=Num(0.9, "[0, 1)"),
+        b2=Num(0.95, "[0, 1)"),
+        eps=Num(1e-8, "[0, inf)"),
+        weight_decay=Num(0.1, "[0, inf)"),
+        clip_norm=Num(1.0, "[0, inf)"),  # 0 disables clipping
+        momentum=Num(0.9, "[0, 1)"),  # sgd
+        z_loss=Num(0.0, "[0, inf)"),  # weight of log(Z)^2, which keeps the logits' normaliser near 1
     )
     c.precision = dict(
         param_dtype="float32",
         compute_dtype="bfloat16",
         loss_scaling="auto",  # dynamic for float16 compute, none otherwise
-        initial_loss_scale=2.0**15,
-        loss_scale_growth_interval=2000,  # good steps before the scale doubles
+        initial_loss_scale=Num(2.0**15, "(0, inf)"),
+        loss_scale_growth_interval=Num(2000, "[1, inf)"),  # good steps before the scale doubles
         moments_dtype="float32",  # optimiser moments; bfloat16 halves their memory
     )
     c.train = dict(
-        steps=1000,
-        global_batch_size=32,  # sequences per optimiser update, over all devices and microbatches
-        grad_accum_steps=1,
-        pipeline_microbatches=1,  # a pipeline cuts each microbatch into these; >= mesh.stage when pipelining
-        seed=0,
-        log_every=10,
-        eval_every=200,  # 0 disables validation
-        eval_batches=4,
-        ramp_batch_size=0,  # > 0: start at this global batch and grow to global_batch_size ...
-        ramp_tokens=0,  # ... over this many tokens (the schedule counts tokens either way)
+        steps=Num(1000, "[1, inf)"),
+        global_batch_size=Num(32, "[1, inf)"),  # sequences per optimiser update, over all devices and microbatches
+        grad_accum_steps=Num(1, "[1, inf)"),
+        pipeline_microbatches=Num(
+            1, "[1, inf)"
+        ),  # a pipeline cuts each microbatch into these; >= mesh.stage when pipelining
+        seed=Num(0, "[0, 2147483647]"),
+        log_every=Num(10, "[1, inf)"),
+        eval_every=Num(200, "[0, inf)"),  # 0 disables validation
+        eval_batches=Num(4, "[1, inf)"),
+        ramp_batch_size=Num(0, "[0, inf)"),  # > 0: start at this global batch and grow to global_batch_size ...
+        ramp_tokens=Num(0, "[0, inf)"),  # ... over this many tokens (the schedule counts tokens either way)
         layer_grad_norms=False,  # also log each layer's gradient norm
         profile_steps=(),  # (first, last): a jax.profiler trace of those steps in <workdir>/profile
         trackers=("tensorboard",),  # of TRACKERS, besides metrics.jsonl (always written)
         wandb_project="trainer",  # the W&B project a `wandb` tracker logs to (entity, mode: WANDB_* variables)
         sample_prompts=(),  # at each evaluation (none without one), complete these greedily and sampled
-        sample_tokens=64,  # tokens generated per sample
+        sample_tokens=Num(64, "[1, inf)"),  # tokens generated per sample
         # No step, evaluation batch or checkpoint for this long: write every thread's stack and end the run
         # (all its processes), so that the scheduler relaunches it (trainer/training/hang.py); 0 = never.
-        hang_seconds=1800.0,
+        hang_seconds=Num(1800.0, "[0, inf)"),
     )
     # Bad steps (non-finite, or a gradient-norm spike) are skipped; too many in a
     # window, or a loss that stays diverged, rolls back to the last healthy checkpoint.
     c.stability = dict(
-        spike_factor=10.0,  # a gradient norm above this x its running mean is a spike (0 = off)
-        stats_warmup=20,  # steps of statistics before spikes are judged
-        max_bad_steps=4,  # bad steps within `bad_window` that trigger a rollback
-        bad_window=50,
-        diverge_factor=2.0,  # loss above this x its running mean ...
-        diverge_steps=20,  # ... for this many steps in a row triggers a rollback (0 = off)
-        rollback_lr_factor=0.5,  # learning rate multiplied by this at each rollback
-        max_rollbacks=3,
+        spike_factor=Num(10.0, "0 or (1, inf)"),  # a gradient norm above this x its running mean is a spike (0 = off)
+        stats_warmup=Num(20, "[0, inf)"),  # steps of statistics before spikes are judged
+        max_bad_steps=Num(4, "[0, inf)"),  # bad steps within `bad_window` that trigger a rollback (0 = off)
+        bad_window=Num(50, "[1, inf)"),
+        diverge_factor=Num(2.0, "(1, inf)"),  # loss above this x its running mean ...
+        diverge_steps=Num(20, "[0, inf)"),  # ... for this many steps in a row triggers a rollback (0 = off)
+        rollback_lr_factor=Num(0.5, "(0, 1]"),  # learning rate multiplied by this at each rollback
+        max_rollbacks=Num(3, "[0, inf)"),
     )
     c.debug = dict(
         poison_batches=(),  # these data batches yield a non-finite loss and gradients (a drill)
@@ -149,12 +168,12 @@ def defaults() -> ml_collections.ConfigDict:
     # Keep the newest `keep`, plus every multiple of `keep_every` (0 = none).
     # `async` is a Python keyword: read it as cfg.checkpoint["async"].
     c.checkpoint = {
-        "every_steps": 500,
-        "keep": 3,
-        "keep_every": 0,
+        "every_steps": Num(500, "[1, inf)"),
+        "keep": Num(3, "[1, inf)"),
+        "keep_every": Num(0, "[0, inf)"),
         "async": True,
         # A restore (or a bucket at start-up) whose storage answers 429/5xx or times out is retried this long.
-        "retry_seconds": 300,
+        "retry_seconds": Num(300, "[0, inf)"),
         # A label ("" = none) asking to resume this run's weights, step, schedule and data with a fresh optimiser
         # state (e.g. another optim.name). Each new label resets once ("true" for a first, e.g. a date for each
         # later one); the same label again, as a relaunch has it, resumes the state it reset to.
@@ -162,9 +181,41 @@ def defaults() -> ml_collections.ConfigDict:
         # "DIR[@STEP]": start a new run from another run's weights, everything else fresh (fine-tuning).
         "init_from": "",
     }
+    return vars(c)
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """The single home of every key and its default value."""
+    c = ml_collections.ConfigDict(
+        {
+            name: {k: v.default if isinstance(v, Num) else v for k, v in keys.items()}
+            for name, keys in _declared().items()
+        }
+    )
     c.lock()
     return c
 
+
+# {"section.key": range} for every numeric key (a test checks that none lacks one).
+RANGES = {f"{name}.{k}": v.range for name, keys in _declared().items() for k, v in keys.items() if isinstance(v, Num)}
+
+
+# Keys only some settings read: (that setting, its values that read the key). One set away from its default under
+# another value does nothing, which a warning says at start-up (validation.unread_settings).
+READ_ONLY_UNDER = {
+    "optim.decay_steps": ("optim.schedule", ("cosine", "linear")),
+    "optim.decay_fraction": ("optim.schedule", ("wsd",)),
+    "optim.decay_shape": ("optim.schedule", ("wsd",)),
+    "optim.min_lr_ratio": ("optim.schedule", ("cosine", "linear", "wsd")),
+    "optim.b1": ("optim.name", ("adamw", "lion", "muon")),
+    "optim.b2": ("optim.name", ("adamw", "lion", "muon")),
+    "optim.eps": ("optim.name", ("adamw",)),
+    "optim.momentum": ("optim.name", ("sgd",)),
+    # loss_scaling 'auto' is dynamic under float16 compute, none otherwise
+    "precision.initial_loss_scale": ("precision.loss_scaling", ("dynamic",)),
+    "precision.loss_scale_growth_interval": ("precision.loss_scaling", ("dynamic",)),
+    "data.tokenizer_path": ("data.tokenizer", ("sentencepiece", "hf")),
+}
 
 # Keys that were renamed: refused with their new name, and read from an older run's config.json.
 RENAMED = {"train.microbatches": "train.pipeline_microbatches"}

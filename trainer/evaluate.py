@@ -16,9 +16,11 @@ models with different tokenizers.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 
@@ -31,6 +33,8 @@ from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.loss import target_weights
 from trainer.storage import run_tokenizer
+from trainer.storage import workdir as wd
+from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.resume import load_params
 from trainer.storage.workdir import path, write_file
 from trainer.training.setup import Setup
@@ -137,7 +141,8 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     and at the end how many documents and tokens were read.
 
     `max_batches` > 0 stops early (and is required for a synthetic source).
-    The result is also written to <workdir>/eval/<split>_step<N>.json.
+    The result is also written to <workdir>/eval/, under a name that differs for every evaluation that
+    differs in what was evaluated (record_name); where is said, and is the result's "file".
     """
     cfg = run_tokenizer.settle(cfg, workdir)
     corpora.check_vocab(cfg)
@@ -174,11 +179,40 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
         "batches": sums["batches"],
         "split": cfg.data.eval_split,
         "mesh": dict(setup.mesh.shape),
+        "evaluated": what_was_evaluated(cfg, workdir, step, max_batches),
     }
+    result["file"] = str(path(workdir) / "eval" / record_name(result["evaluated"]))
     if primary:
         say(f"read {sums['documents']:,} documents, {int(count):,} predicted tokens in {sums['batches']} batches")
-        write_file(path(workdir) / "eval" / f"{cfg.data.eval_split}_step{step}.json", json.dumps(result))
+        write_file(result["file"], json.dumps(result))
+        say(f"wrote {result['file']}")
     return result
+
+
+def what_was_evaluated(cfg, workdir: str, step: int, max_batches: int) -> dict:
+    """Everything that decides an evaluation's figures but the mesh (which does not change them): the data
+    and how it is cut into batches, how many batches, and which checkpoint (its step and when it was saved)."""
+    ckpt = Checkpointer(wd.checkpoint_dir(workdir), read_only=True)
+    try:
+        committed = ckpt.committed_at(step)
+    finally:
+        ckpt.close()
+    d = cfg.data
+    return {
+        "dataset": "+".join(map(str, d.mixture)) or d.name, "source": d.source, "paths": d.paths,
+        "data_dir": d.data_dir, "split": d.eval_split, "tokenizer": d.tokenizer, "tokenizer_path": d.tokenizer_path,
+        "seq_len": d.seq_len, "global_batch_size": cfg.train.global_batch_size, "batches": max_batches or "all",
+        "step": step, "checkpoint": f"{wd.checkpoint_dir(workdir)}/{step}", "committed_ns": committed,
+    }  # fmt: skip
+
+
+def record_name(evaluated: dict) -> str:
+    """<split>_step<N>_<dataset>[_first<K>]_<hash of everything evaluated>.json: readable, and another for any
+    evaluation that differs in what it evaluated (the same one again rewrites its own record)."""
+    digest = hashlib.sha256(json.dumps(evaluated, sort_keys=True).encode()).hexdigest()[:10]
+    dataset = re.sub(r"[^A-Za-z0-9.+-]", "-", evaluated["dataset"])
+    first = f"_first{evaluated['batches']}" if evaluated["batches"] != "all" else ""
+    return f"{evaluated['split']}_step{evaluated['step']}_{dataset}{first}_{digest}.json"
 
 
 class _Progress:

@@ -180,20 +180,28 @@ def write_tokenizer(data_cfg, out_dir: str) -> None:
     from tokenizers import Tokenizer, decoders, models, normalizers, processors
     from transformers import PreTrainedTokenizerFast
 
+    # Training fed the model BOS and then the text's tokens, nothing after: the export's post-processor adds
+    # exactly that. A user's file may have none (most BPE files), add BOS already, or BOS and EOS; the
+    # template replaces it (a byte-level post-processor only trims offsets, which change no id).
     if data_cfg.tokenizer == "hf":  # the user's own file, with its own marks
         ours = load_tokenizer(data_cfg)
         tok = Tokenizer.from_str(epath.Path(ours.file).read_text())
         bos, eos = tok.id_to_token(ours.bos_id), tok.id_to_token(ours.eos_id)
         pad = tok.id_to_token(ours.pad_id)
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad)
-        fast.save_pretrained(out_dir)
-        return
-    if data_cfg.tokenizer == "byte":
-        tok = _byte_level_tokenizer(Tokenizer, models, decoders)
+        # The text's own spelling of a mark is the mark, in training (tokenizers' encode) as here.
+        split_marks = False
     else:
-        tok = _sentencepiece_tokenizer(data_cfg.tokenizer_path, Tokenizer, models, decoders, normalizers)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS_ID)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+        if data_cfg.tokenizer == "byte":
+            tok = _byte_level_tokenizer(Tokenizer, models, decoders)
+        else:
+            tok = _sentencepiece_tokenizer(data_cfg.tokenizer_path, Tokenizer, models, decoders, normalizers)
+        bos, eos, pad = "<s>", "</s>", "<pad>"
+        # Ours encode a text's "<s>" as its bytes or pieces, never as the mark: so does the export.
+        split_marks = True
+    bos_id = tok.token_to_id(bos)
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+                                   split_special_tokens=split_marks)  # fmt: skip
     fast.save_pretrained(out_dir)
 
 

@@ -30,15 +30,37 @@ def completion(tokenizer, ids) -> str:
     return tokenizer.decode(ids[: ids.index(tokenizer.eos_id)] if tokenizer.eos_id in ids else ids)
 
 
+def check_request(cfg, tokenizer, text: str, new_tokens: int, names: dict[str, str], temperature: float = 0.0,
+                  top_k: int = 0, top_p: float = 1.0) -> None:  # fmt: skip
+    """Refuse, in one sentence, a completion the model cannot make as asked: a prompt and `new_tokens` beyond
+    model.max_seq_len, a top_k beyond the vocabulary, or top_k / top_p with temperature 0 (greedy, which
+    ignores them). `names` says what the caller calls new_tokens, top_k, top_p and temperature."""
+    length = len(prompt_ids(tokenizer, text)) + new_tokens
+    if length > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"the prompt {text!r} ({length - new_tokens} tokens with its begin-of-document id) and "
+            f"{names['new_tokens']}={new_tokens} make {length} tokens, more than model.max_seq_len="
+            f"{cfg.model.max_seq_len}; shorten one of them."
+        )
+    if top_k > cfg.model.vocab_size:
+        raise ConfigError(
+            f"{names['top_k']}={top_k} is more than the model's {cfg.model.vocab_size} token ids "
+            f"(model.vocab_size); use at most {cfg.model.vocab_size}, or 0 for all."
+        )
+    if temperature == 0 and (top_k or top_p < 1):
+        given = [f"{names['top_k']}={top_k}"] * bool(top_k) + [f"{names['top_p']}={top_p}"] * (top_p < 1)
+        raise ConfigError(
+            f"{' and '.join(given)} would be ignored: {names['temperature']}=0 is greedy; give a "
+            f"{names['temperature']} above 0 to sample (e.g. 0.8)."
+        )
+
+
 def check_prompts(cfg, tokenizer) -> None:
-    """Refuse a sample prompt that leaves no room for `train.sample_tokens` within model.max_seq_len."""
+    """Training's samples, checked as scripts/generate.py checks its request: greedy, then sampled."""
+    names = dict(new_tokens="train.sample_tokens", top_k="top_k", top_p="top_p", temperature="temperature")
     for text in cfg.train.sample_prompts:
-        length = len(prompt_ids(tokenizer, text)) + cfg.train.sample_tokens
-        if length > cfg.model.max_seq_len:
-            raise ConfigError(
-                f"the sample prompt {text!r} and train.sample_tokens={cfg.train.sample_tokens} make {length} "
-                f"tokens, more than model.max_seq_len={cfg.model.max_seq_len}; shorten one of them."
-            )
+        for settings in ({}, SAMPLED):
+            check_request(cfg, tokenizer, text, cfg.train.sample_tokens, names, **settings)
 
 
 class Samples:

@@ -9,8 +9,6 @@ way everywhere, with one sentence.
 
 from __future__ import annotations
 
-import math
-
 import ml_collections
 
 from parallelism.mesh import AXES
@@ -21,6 +19,8 @@ from trainer.config import (
     LOSS_SCALING,
     MIXTURE_UNITS,
     OPTIMIZERS,
+    RANGES,
+    READ_ONLY_UNDER,
     REMAT_POLICIES,
     RENAMED,
     SCHEDULES,
@@ -49,6 +49,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         if isinstance(default, (int, float)) and not isinstance(default, bool):
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(f"{path}={value!r} must be a number.")
+            if not in_range(value, RANGES[path]):
+                raise ConfigError(f"{path}={value!r} must be {_said(RANGES[path])}.")
     missing = set(known) - set(flatten(cfg))
     if missing:
         raise ConfigError(
@@ -69,21 +71,6 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
     _choice("data.packing", d.packing, ("concat",))
     _choice("data.mixture_unit", d.mixture_unit, MIXTURE_UNITS)
-    if not t.hang_seconds >= 0:
-        raise ConfigError(f"train.hang_seconds={t.hang_seconds} must be >= 0 (0 never ends a run for making no "
-                          "progress).")  # fmt: skip
-    if not 0 < d.validation_fraction <= 0.5:
-        raise ConfigError(
-            f"data.validation_fraction={d.validation_fraction} must be in (0, 0.5]: the share of documents held out "
-            "for validation, e.g. 0.02."
-        )
-    for key in ("d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "vocab_size", "max_seq_len"):
-        _positive(f"model.{key}", m[key])
-    for key in ("steps", "global_batch_size", "grad_accum_steps", "pipeline_microbatches", "log_every", "eval_batches"):
-        _positive(f"train.{key}", t[key])
-    _positive("data.seq_len", d.seq_len)
-    _positive("checkpoint.every_steps", cfg.checkpoint.every_steps)
-    _positive("checkpoint.keep", cfg.checkpoint.keep)
     if m.d_model % m.n_heads:
         raise ConfigError(f"model.d_model={m.d_model} is not a multiple of model.n_heads={m.n_heads}.")
     if (m.d_model // m.n_heads) % 2:
@@ -93,7 +80,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}; "
             "each key/value head must serve a whole group of query heads."
         )
-    if m.loss_chunk < 0 or (m.loss_chunk and d.seq_len % m.loss_chunk):
+    if m.loss_chunk and d.seq_len % m.loss_chunk:
         raise ConfigError(f"model.loss_chunk={m.loss_chunk} must be 0 or divide data.seq_len={d.seq_len}.")
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}.")
@@ -103,15 +90,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"train.grad_accum_steps={t.grad_accum_steps} microbatches."
         )
     _check_pipeline(cfg)
-    if not 0 <= o.min_lr_ratio <= 1:
-        raise ConfigError(f"optim.min_lr_ratio={o.min_lr_ratio} must lie in [0, 1].")
-    if not 0 < o.decay_fraction <= 1:
-        raise ConfigError(f"optim.decay_fraction={o.decay_fraction} must lie in (0, 1].")
-    if cfg.checkpoint.retry_seconds < 0:
-        raise ConfigError(f"checkpoint.retry_seconds={cfg.checkpoint.retry_seconds} cannot be negative (0: no retry).")
-    if o.warmup_steps < 0 or o.decay_steps < 0 or t.eval_every < 0 or cfg.checkpoint.keep_every < 0:
+    if cfg.stability.max_bad_steps > cfg.stability.bad_window:
         raise ConfigError(
-            "optim.warmup_steps, optim.decay_steps, train.eval_every and checkpoint.keep_every cannot be negative."
+            f"stability.max_bad_steps={cfg.stability.max_bad_steps} bad steps can never occur within "
+            f"stability.bad_window={cfg.stability.bad_window} steps; lower it, or set 0 to roll back on no count of "
+            "bad steps."
         )
     if o.warmup_steps + o.decay_steps > t.steps:
         raise ConfigError(
@@ -136,6 +119,27 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     check_rules(parse_rules(cfg.mesh.rules, cfg.mesh.sequence_parallel), AXES)
 
 
+def unread_settings(cfg: ml_collections.ConfigDict) -> list[str]:
+    """One line for each key set away from its default that the chosen optimizer, schedule, precision or
+    tokenizer never reads (config.READ_ONLY_UNDER): a warning, since a recipe switched from the command line
+    keeps its other keys."""
+    from trainer.training.precision import LossScaling
+
+    values, default = flatten(cfg), flatten(defaults())
+    values["precision.loss_scaling"] = "dynamic" if LossScaling.from_config(cfg).dynamic else "none"
+    lines = []
+    for key, (setting, readers) in READ_ONLY_UNDER.items():
+        if values[key] != default[key] and values[setting] not in readers:
+            chosen = values[setting]
+            if setting == "precision.loss_scaling":
+                chosen = f"{cfg.precision.loss_scaling} ({chosen} with {cfg.precision.compute_dtype} compute)"
+            lines.append(
+                f"{key}={values[key]!r} is read only when {setting} is {' or '.join(readers)}; with {setting}="
+                f"{chosen} it does nothing."
+            )
+    return lines
+
+
 def _check_lists(cfg) -> None:
     """The config's lists: drills and the profiling window."""
     dbg, window = cfg.debug, cfg.train.profile_steps
@@ -158,8 +162,6 @@ def _check_lists(cfg) -> None:
             "--config.train.profile_steps=10,12."
         )
     _check_watching(cfg)
-    if cfg.data.workers < 0:
-        raise ConfigError(f"data.workers={cfg.data.workers} must be 0 (a thread) or a number of processes.")
     if cfg.data.tokenized and cfg.data.source != "text_files":
         raise ConfigError("data.tokenized reads a text_files corpus's tokenised cache; set data.source=text_files.")
     if parse_mixture(cfg.data.mixture) and cfg.data.source == "synthetic":
@@ -176,14 +178,10 @@ def _check_watching(cfg: ml_collections.ConfigDict) -> None:
 
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError('train.trackers has wandb, which is not installed: pip install -e ".[wandb]".')
-    if t.sample_tokens < 1:
-        raise ConfigError(f"train.sample_tokens={t.sample_tokens} must be at least 1.")
 
 
 def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
     stages, m = cfg.mesh.stage, cfg.train.pipeline_microbatches
-    if stages < 1:
-        raise ConfigError(f"mesh.stage={stages} must be a positive number of pipeline stages.")
     if stages == 1:
         if m != 1:
             raise ConfigError(
@@ -242,6 +240,21 @@ def _choice(path: str, value, valid) -> None:
         raise ConfigError(f"{path}={value!r} is not one of {', '.join(map(str, valid))}.")
 
 
-def _positive(path: str, value) -> None:
-    if value <= 0 or (isinstance(value, float) and not math.isfinite(value)):
-        raise ConfigError(f"{path}={value} must be positive.")
+def in_range(value, spec: str) -> bool:
+    """Whether `value` lies in a range written as config.Num writes them: "(0, inf)", "-1 or [1, inf)"."""
+    for part in spec.split(" or "):
+        if part[0] not in "[(":
+            if value == float(part):
+                return True
+            continue
+        low, high = (float(x) for x in part[1:-1].split(","))
+        above = value >= low if part[0] == "[" else value > low
+        below = value <= high if part[-1] == "]" else value < high
+        if above and below:  # nan is in no range
+            return True
+    return False
+
+
+def _said(spec: str) -> str:
+    """A range as a sentence's end: "in (0, inf)", "-1 or in [1, inf)"."""
+    return " or ".join(part if part[0] not in "[(" else f"in {part}" for part in spec.split(" or "))

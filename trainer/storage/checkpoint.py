@@ -224,6 +224,11 @@ class Checkpointer:
 
         return self._read(step, read)
 
+    def committed_at(self, step: int) -> int | None:
+        """When the checkpoint at `step` was committed (ns since the epoch; None where Orbax kept no time):
+        a rolled-back run that saves the same step again saves another checkpoint."""
+        return self._manager.metadata(step).commit_timestamp_nsecs
+
     def data_rows(self, step: int) -> set[int] | None:
         """The batch rows whose data position the checkpoint holds (None: it holds no data position)."""
         directory = path(self.directory) / str(step) / DATA

@@ -44,6 +44,7 @@ from trainer.training.rollback import roll_back
 from trainer.training.setup import Setup, build
 from trainer.training.state import state_from_params
 from trainer.training.step import abstract_batch, memory_per_device
+from trainer.validation import unread_settings
 
 
 def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
@@ -55,6 +56,8 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
     setup = build(cfg)
     primary = jax.process_index() == 0
     say = print if primary else _quiet
+    for line in unread_settings(cfg):
+        say(f"warning: {line}", flush=True)
     wd.wait_for_storage(workdir, cfg.checkpoint.retry_seconds, say)
     cfg = run_tokenizer.settle(cfg, workdir)
     if primary:  # the other hosts may not hold the tokenizer yet: they read the run's copy, made below

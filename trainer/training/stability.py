@@ -71,7 +71,7 @@ def update_statistics(cfg, stats: dict, step: jax.Array, ok, bad, loss: jax.Arra
 def trouble(cfg, bad_in_window: int, diverged_run: int) -> str | None:
     """Why the run should roll back, or None: judged on the host from the device's counters."""
     s = cfg.stability
-    if bad_in_window >= s.max_bad_steps:
+    if s.max_bad_steps and bad_in_window >= s.max_bad_steps:
         return f"{bad_in_window} bad steps in the last {s.bad_window}"
     if s.diverge_steps and diverged_run >= s.diverge_steps:
         return f"loss above {s.diverge_factor:g}x its running mean for {diverged_run} steps"
