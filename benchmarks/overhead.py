@@ -20,7 +20,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
-from timing import seconds_per_step  # noqa: E402
+from timing import seconds_per_step, synthetic_batch  # noqa: E402
 
 from trainer import cli  # noqa: E402
 
@@ -60,23 +60,13 @@ def make_bare_step(setup, lr: float):
 def main():
     import jax
 
-    from trainer.data import streams
     from trainer.flops import flops_per_token, peak_flops
     from trainer.training.setup import build
 
     cfg = _CONFIG.value
     cfg.mesh.update(dict(data=1, fsdp=1, tensor=1))
     setup = build(cfg, jax.devices()[:1])
-    synthetic = cfg.copy_and_resolve_references()
-    synthetic.data.source = "synthetic"  # timing only: any tokens will do
-    batch = next(
-        iter(
-            streams.batches(
-                streams.Stream.from_config(synthetic), "train", range(cfg.train.global_batch_size), shuffle=False
-            )
-        )
-    )
-    batch = jax.device_put(batch)
+    _, batch = synthetic_batch(cfg, setup)
 
     state, ours = setup.new_state(), setup.train_step()
     tx, bare = make_bare_step(setup, cfg.optim.lr)

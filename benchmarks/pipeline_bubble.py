@@ -22,6 +22,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
+from timing import synthetic_batch  # noqa: E402
 
 from trainer import cli  # noqa: E402
 
@@ -36,14 +37,11 @@ _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS
 def step_seconds(cfg, n_devices: int) -> float:
     import jax
 
-    from trainer.data import streams
     from trainer.training.setup import build
 
     setup = build(cfg, jax.devices()[:n_devices])
     state, step = setup.new_state(), setup.train_step()
-    synthetic = cfg.copy_and_resolve_references()
-    synthetic.data.source = "synthetic"  # timing only: any tokens will do
-    batch = next(iter(streams.batches(synthetic, "train", range(cfg.train.global_batch_size), shuffle=False)))
+    _, batch = synthetic_batch(cfg, setup)
     times = []
     for i in range(_STEPS.value + 1):
         start = time.perf_counter()

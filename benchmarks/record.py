@@ -1,7 +1,8 @@
 """Writing benchmark results down: one JSON line on stdout, optionally a row in RESULTS.md.
 
-A row holds the date, the machine, the exact command and the figures, so that a
-number is never quoted without where it came from.
+A row holds the date, the commit the code was at, the machine, the exact command
+and the figures, so that a number is never quoted without where it came from,
+and a row measured on old code shows it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
@@ -24,17 +26,28 @@ def machine() -> str:
     return f"{platform.node() or 'host'}: {os.cpu_count()} CPU cores, {len(devices)} x {kind} ({jax.__version__})"
 
 
+def commit() -> str:
+    """The commit the measured code is at, with "+" when files other than RESULTS.md differ from it."""
+    repo = os.path.dirname(os.path.dirname(RESULTS))
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True)
+
+    head = git("rev-parse", "--short=7", "HEAD")
+    if head.returncode:
+        return "unknown"
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/RESULTS.md").stdout
+    return head.stdout.strip() + ("+" if changed.strip() else "")
+
+
 def report(name: str, figures: dict, *, append: bool) -> None:
-    print(json.dumps({"benchmark": name, **figures}))
+    at = commit()
+    print(json.dumps({"benchmark": name, "commit": at, **figures}))
     if not append:
         return
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     shown = ", ".join(f"{k}={_fmt(v)}" for k, v in figures.items())
-    row = f"| {datetime.date.today()} | {name} | {machine()} | `{command}` | {shown} |\n"
-    if not os.path.exists(RESULTS):
-        with open(RESULTS, "w") as f:
-            f.write("# Benchmark results\n\nEach row: date, benchmark, machine, command, figures.\n\n")
-            f.write("| date | benchmark | machine | command | figures |\n| --- | --- | --- | --- | --- |\n")
+    row = f"| {datetime.date.today()} | {name} | {at} | {machine()} | `{command}` | {shown} |\n"
     with open(RESULTS, "a") as f:
         f.write(row)
 

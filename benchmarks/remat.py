@@ -17,6 +17,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
+from timing import synthetic_batch  # noqa: E402
 
 from trainer import cli  # noqa: E402
 
@@ -28,23 +29,13 @@ _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS
 def measure(cfg) -> tuple[float, int]:
     import jax
 
-    from trainer.data import streams
     from trainer.training.setup import build
     from trainer.training.step import abstract_batch, memory_per_device
 
     setup = build(cfg)
     abstract = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, setup.batch_sharding)
     compiled = setup.train_step().lower(setup.abstract_state(), abstract).compile()
-    synthetic = cfg.copy_and_resolve_references()
-    synthetic.data.source = "synthetic"  # timing only: any tokens will do
-    local = next(
-        iter(
-            streams.batches(
-                streams.Stream.from_config(synthetic), "train", range(cfg.train.global_batch_size), shuffle=False
-            )
-        )
-    )
-    batch = streams.to_global(local, setup.batch_sharding, cfg.train.global_batch_size)
+    _, batch = synthetic_batch(cfg, setup)
     state, times = setup.new_state(), []
     for i in range(_STEPS.value + 1):
         start = time.perf_counter()

@@ -23,7 +23,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
-from timing import seconds_per_step  # noqa: E402
+from timing import seconds_per_step, synthetic_batch  # noqa: E402
 
 from trainer import cli  # noqa: E402
 
@@ -43,7 +43,7 @@ def torch_trainer(cfg, spec, tokens_np):
     from trainer.huggingface import hf_config
 
     device = torch.device(_DEVICE.value)
-    config = LlamaConfig(**hf_config(spec, cfg.model.max_seq_len))
+    config = LlamaConfig(**hf_config(spec.arch, cfg.model.max_seq_len))
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config).to(device)
     model.train()
@@ -72,24 +72,17 @@ def torch_trainer(cfg, spec, tokens_np):
 def main():
     import numpy as np
 
-    from trainer.data import streams
     from trainer.training.setup import build
 
     cfg = _CONFIG.value
     setup = build(cfg)
-    synthetic = cfg.copy_and_resolve_references()
-    synthetic.data.source = "synthetic"  # timing only: any tokens will do
-    local = next(
-        iter(
-            streams.batches(
-                streams.Stream.from_config(synthetic), "train", range(cfg.train.global_batch_size), shuffle=False
-            )
-        )
-    )
+    local, _ = synthetic_batch(cfg, setup)
     # One document per row, so both sides see the same causal attention over the whole sequence.
     local["segment_ids"] = np.ones_like(local["tokens"])
     local["positions"] = np.broadcast_to(np.arange(local["tokens"].shape[1]), local["tokens"].shape).copy()
-    batch = streams.to_global(local, setup.batch_sharding, cfg.train.global_batch_size)
+    from trainer.data.streams import to_global
+
+    batch = to_global(local, setup.batch_sharding, cfg.train.global_batch_size)
     state, ours = setup.new_state(), setup.train_step()
     torch_step, torch_sync = torch_trainer(cfg, setup.spec, local["tokens"])
 

@@ -110,7 +110,8 @@ def text_batches(corpus_dir):
 # long the suite takes. The longest files (by the CI log's slowest tests) go first.
 LONGEST_FIRST = ("test_pipeline", "test_hang", "test_precision", "test_scaling", "test_step", "test_resume",
                  "test_equivalence", "test_optimizers", "test_crash", "test_multiprocess", "test_mup", "test_targets",
-                 "test_huggingface", "test_loop", "test_faults", "test_training_features", "test_mesh")  # fmt: skip
+                 "test_huggingface", "test_loop", "test_faults", "test_training_features", "test_mesh",
+                 "test_benchmarks")  # fmt: skip
 
 
 def pytest_collection_modifyitems(items):

@@ -187,7 +187,7 @@ def test_a_tokenizer_json_without_a_decoder_trains_and_decodes_as_its_file_does(
 def test_an_exported_hf_tokenizer_encodes_as_training_fed_the_model(tmp_path, post_processor):
     """Whatever the user's tokenizer.json does after encoding, AutoTokenizer on the export gives the ids the
     loader feeds the model for a text: one BOS, then the text's tokens; and decodes back to the text."""
-    from tokenizers import Tokenizer, processors
+    from tokenizers import processors
 
     from trainer.data.tokenizers import load_tokenizer
 

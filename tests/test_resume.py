@@ -176,8 +176,8 @@ def test_reset_optimizer_switches_optimisers_once_and_keeps_step_schedule_and_da
 
 
 def test_init_from_starts_a_new_run_from_another_runs_weights_on_another_mesh(saved, tmp_path):
-    # lr 0: the first update leaves the weights as they arrived.
-    cfg = config(mesh=dict(fsdp=4, tensor=2), optim=dict(schedule="constant", warmup_steps=1, lr=0.0),
+    # A rate far below any weight's last bit (lr 0 is refused): the first update leaves the weights as they arrived.
+    cfg = config(mesh=dict(fsdp=4, tensor=2), optim=dict(schedule="constant", warmup_steps=1, lr=1e-30),
                  train=dict(steps=1), checkpoint={"every_steps": 1, "keep": 2})  # fmt: skip
     cfg.checkpoint.init_from = f"{saved}@2"
     workdir = str(tmp_path / "finetune")

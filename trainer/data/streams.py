@@ -318,13 +318,15 @@ class ProcessRows:
         return self._state
 
     def stacks(self) -> list[tuple[str, str]]:
-        """(name, every thread's stack) of each worker still alive, which writes them on SIGUSR1 (a hang's
-        report, trainer/training/hang.py), wherever it is stuck."""
+        """(name, every thread's stack) of each worker, which writes them on SIGUSR1 (a hang's report,
+        trainer/training/hang.py), wherever it is stuck; of one that has ended, how."""
         out = []
         for w, (process, pipe) in enumerate(zip(self._processes, self._stack_pipes, strict=True)):
             if process.is_alive():
                 os.kill(process.pid, signal.SIGUSR1)
                 out.append((f"data worker {w} (pid {process.pid})", _read_while_written(pipe)))
+            else:
+                out.append((f"data worker {w} (pid {process.pid})", f"ended, exit code {process.exitcode}\n"))
         return out
 
     def close(self) -> None:

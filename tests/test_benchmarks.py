@@ -1,0 +1,79 @@
+"""Every script in benchmarks/ runs, at its smallest setting, and prints the result line RESULTS.md records.
+
+A renamed field or a broken import fails here instead of the next time someone
+measures. The figures are not judged (machines are noisy): the line's fields
+are, against the newest row of the same benchmark in RESULTS.md (numbers in a
+field's name, such as a layer count, stand for any number).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+TINY = ["--config", "configs/tiny.py", "--config.train.global_batch_size=8", "--config.data.seq_len=64"]
+SYNTHETIC = [*TINY, "--config.data.source=synthetic"]
+
+
+def quick(corpus_dir, out):
+    """Each benchmark's smallest run: (script, arguments, the benchmark its line names)."""
+    data = [*TINY, f"--config.data.data_dir={corpus_dir}"]
+    return [
+        ("checkpoint.py", [*SYNTHETIC, "--repeats=1"], "checkpoint"),
+        ("compile_layers.py", [*SYNTHETIC, "--layers=1,2"], "compile_layers"),
+        ("input_pipeline.py", [*data, "--batches=2", "--steps=1"], "input_pipeline"),
+        ("input_pipeline.py", [*data, "--per_core", "--batches=2"], "input_pipeline_per_core"),
+        ("overhead.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "overhead"),
+        (
+            "pipeline_bubble.py",
+            [*SYNTHETIC, "--stages=2", "--microbatches=2", "--steps=1", "--simulate_devices=2"],
+            "pipeline_bubble",
+        ),  # fmt: skip
+        ("remat.py", [*SYNTHETIC, "--steps=1"], "remat"),
+        ("vs_pytorch.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "vs_pytorch"),
+        ("memory_calibration.py", ["--configs=tiny", "--targets=v5e-4", "--remats=none", f"--out={out}"], None),
+    ]
+
+
+def recorded_fields() -> dict[str, set[str]]:
+    """The figures' names in the newest RESULTS.md row of each benchmark, digits as N."""
+    fields = {}
+    with open(os.path.join(REPO, "benchmarks", "RESULTS.md")) as f:
+        for line in f:
+            cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+            if re.fullmatch(r"\d{4}-\d\d-\d\d", cells[0]):
+                fields[cells[1]] = {re.sub(r"\d+", "N", kv.split("=")[0]) for kv in cells[-1].split(", ")}
+    return fields
+
+
+def test_every_benchmark_script_has_a_smoke_run():
+    helpers = {"record.py", "timing.py"}
+    scripts = {f for f in os.listdir(os.path.join(REPO, "benchmarks")) if f.endswith(".py")} - helpers
+    assert scripts == {script for script, _, _ in quick("", "")}
+
+
+def test_every_benchmark_runs_and_prints_what_results_records(corpus_dir, tmp_path):
+    pytest.importorskip("torch")  # vs_pytorch.py: the hf extra, which CI installs
+    pytest.importorskip("libtpu")  # memory_calibration.py: the tpu extra, which CI installs
+    fields = recorded_fields()
+    out = tmp_path / "calibration.jsonl"
+    for script, args, name in quick(corpus_dir, out):
+        run = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=REPO, capture_output=True,
+                             text=True, timeout=600)  # fmt: skip
+        assert run.returncode == 0, f"{script}: {run.stderr[-3000:]}"
+        if name is None:  # the memory calibration: its compiles in --out, and the README's table
+            lines = [json.loads(line) for line in out.read_text().splitlines()]
+            assert {(r["config"], r["remat"], r["mesh"], r["compiler"]) for r in lines} == {
+                ("tiny", "none", mesh, "v5e-4") for mesh in ("fsdp=4", "data=2 x fsdp=2", "fsdp=2 x tensor=2")
+            }
+            assert all(r["xla"]["total"] > 0 for r in lines)
+            assert run.stdout.count("| tiny | none |") == 3
+            continue
+        line = json.loads(run.stdout.strip().splitlines()[-1])
+        assert line["benchmark"] == name and re.fullmatch(r"[0-9a-f]{7}\+?", line["commit"]), line
+        figures = {re.sub(r"\d+", "N", k) for k in line} - {"benchmark", "commit"}
+        assert figures == fields[name], f"{script}: {sorted(figures ^ fields[name])}"
