@@ -55,7 +55,7 @@ CASES = {
         lambda: micro_config(mesh=dict(rules=dict(mlp=("model",)))),
         "mesh axis 'model'",
     ),
-    "schedule longer than training": (lambda: micro_config(optim=dict(warmup_steps=30)), "exceed train.steps=20"),
+    "schedule longer than training": (lambda: micro_config(optim=dict(warmup_steps=30)), "exceeds train.steps=20"),
     "vocabulary smaller than the tokenizer": (
         lambda: micro_config(model=dict(vocab_size=128), data=dict(source="text_files")),
         "259 ids but model.vocab_size=128",

@@ -87,9 +87,10 @@ def test_wsd_refuses_a_decay_that_starts_inside_warmup():
         schedules.check(optim(schedule="wsd", warmup_steps=90, decay_fraction=0.2), 100)
 
 
-def test_the_logged_rate_is_the_one_each_update_used_across_a_resume_mid_decay(tmp_path):
+def test_the_logged_rate_is_the_one_each_update_used_across_a_resume_mid_decay(tmp_path, capsys):
     """A 9-step WSD run with a 3-step cooldown, stopped at step 7 (inside it) and resumed: the rate logged
-    with step k is the closed form's for update k - 1, before and after the resume, down to the floor."""
+    with step k is the closed form's for update k - 1, before and after the resume, down to the floor. Its
+    optim.decay_steps, which WSD never reads, is named in a warning at each start."""
     import json
     import os
     import shutil
@@ -97,7 +98,8 @@ def test_the_logged_rate_is_the_one_each_update_used_across_a_resume_mid_decay(t
     from trainer.training.loop import train
 
     cfg = micro_config(
-        optim=dict(schedule="wsd", lr=PEAK, min_lr_ratio=FLOOR_RATIO, warmup_steps=2, decay_fraction=3 / 9),
+        optim=dict(schedule="wsd", lr=PEAK, min_lr_ratio=FLOOR_RATIO, warmup_steps=2, decay_fraction=3 / 9,
+                   decay_steps=4),
         train=dict(steps=9, log_every=1), checkpoint={"every_steps": 7, "keep": 5, "async": False},
     )  # fmt: skip
     workdir = str(tmp_path / "run")
@@ -110,6 +112,9 @@ def test_the_logged_rate_is_the_one_each_update_used_across_a_resume_mid_decay(t
     assert sorted(logged) == list(range(1, 10))
     assert [logged[k] for k in range(1, 10)] == pytest.approx(expected, rel=1e-6)
     assert logged[9] == pytest.approx(FLOOR, rel=1e-6)
+    warning = ("warning: optim.decay_steps=4 is read only when optim.schedule is cosine or linear; with "
+               "optim.schedule=wsd it does nothing.")  # fmt: skip
+    assert capsys.readouterr().out.splitlines().count(warning) == 2
 
 
 def test_decay_mask_follows_the_logical_axes_of_the_real_model():

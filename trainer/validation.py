@@ -96,10 +96,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"stability.bad_window={cfg.stability.bad_window} steps; lower it, or set 0 to roll back on no count of "
             "bad steps."
         )
-    if o.warmup_steps + o.decay_steps > t.steps:
+    decay_steps = o.decay_steps if o.schedule in ("cosine", "linear") else 0  # the others never read it
+    if o.warmup_steps + decay_steps > t.steps:
         raise ConfigError(
-            f"optim.warmup_steps={o.warmup_steps} + optim.decay_steps={o.decay_steps} exceed "
-            f"train.steps={t.steps}; shorten the schedule or train longer."
+            f"optim.warmup_steps={o.warmup_steps}{f' + optim.decay_steps={decay_steps}' * bool(decay_steps)} "
+            f"exceed{'s' * (not decay_steps)} train.steps={t.steps}; shorten the schedule or train longer."
         )
     if cfg.checkpoint.reset_optimizer and cfg.checkpoint.init_from:
         raise ConfigError(
