@@ -23,10 +23,9 @@ import json
 import os
 import sys
 
-import jax
 from absl import flags
 
-from trainer import cli
+from trainer import accelerators, cli
 
 _CONFIG = cli.define_config_flag()
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
@@ -144,12 +143,15 @@ def main():
     # Before JAX starts a backend: a target's devices are libtpu's or the CUDA plugin's descriptions and
     # simulated ones the CPU's, so this machine's own TPU or GPU is never started. JAX has already read the
     # JAX_PLATFORMS variable (trainer.cli imports it), hence its option; XLA_FLAGS is read when the CPU starts.
+    import jax  # (trainer imported it, without the plugins' noise)
+
     if _TARGET.value or _SIMULATE.value:
         jax.config.update("jax_platforms", "cpu")
     if _SIMULATE.value:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_SIMULATE.value}"
         )
+    accelerators.start()  # the backends this plan may use, started without the others' noise
     from trainer.planning.plan import plan
 
     result = plan(_CONFIG.value, compile_step=not _NO_COMPILE.value, sharding=_SHARDING.value, tokens=_TOKENS.value,

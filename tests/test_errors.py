@@ -153,9 +153,30 @@ def test_the_script_prints_one_line_and_fails(tmp_path, args, named):
         timeout=120,
     )
     assert result.returncode != 0
-    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
-    assert named in result.stderr and "Traceback" not in result.stderr
+    # One line and nothing else: no accelerator plugin's start-up words (the gpu and tpu extras are installed).
+    assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error: "), result.stderr
+    assert named in result.stderr and result.stdout == ""
     assert not (tmp_path / "run").exists()
+
+
+def test_commands_that_need_no_accelerator_print_only_their_own_lines(tmp_path):
+    """With the gpu and tpu extras installed on a machine with neither: no CUDA-driver line, plugin traceback or
+    libtpu warning from the scaling lab, the planner's TPU and GPU targets, or preparing data."""
+    pytest.importorskip("libtpu")
+    commands = [
+        ["scripts/scaling.py", "fit", f"--out={tmp_path / 'lab'}"],
+        ["scripts/plan.py", "--config", "configs/tiny.py", "--target=v5e-4", "--no_compile"],
+        ["scripts/plan.py", "--config", "configs/tiny.py", "--target=h100-8", "--no_compile"],
+        ["scripts/prepare_data.py", "--config", "configs/tiny.py", f"--config.data.data_dir={tmp_path / 'tfds'}",
+         f"--config.data.paths={REPO}/trainer/*.py", "--config.data.validation_fraction=0.5"],
+    ]  # fmt: skip
+    for command in commands:
+        result = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=300)
+        words = result.stderr.strip().splitlines()
+        if command[1] == "fit":  # an empty lab: its one sentence
+            assert result.returncode == 1 and len(words) == 1 and words[0].startswith("error: "), result.stderr
+        else:
+            assert result.returncode == 0 and words == [], result.stderr
 
 
 def test_every_numeric_key_has_a_range_that_holds_its_default():

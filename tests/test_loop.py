@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 from conftest import micro_config
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
 from trainer import config
@@ -69,7 +69,7 @@ def test_a_run_leaves_config_metrics_tensorboard_and_checkpoints(tmp_path, corpu
 
     events = EventAccumulator(workdir)
     events.Reload()
-    loss = events.Tensors("loss")  # tensorboard.summary.Writer writes scalars as tensors
+    loss = events.Tensors("loss")  # scalars read as TensorBoard reads them: as tensors
     assert [e.step for e in loss] == [2, 4, 6, 8, 10]
     assert float(tensor_util.make_ndarray(loss[-1].tensor_proto)) == pytest.approx(train_records[-1]["loss"], rel=1e-6)
     assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["10", "5"]
@@ -231,8 +231,8 @@ def test_trackers_get_metrics_events_and_samples_and_samples_are_the_models_gree
     assert [e.step for e in events.Tensors("events/skipped")] == [2]
     assert [e.step for e in events.Tensors("eval_loss")] == [2, 4, 5]
     text = lambda tag: [tensor_util.make_ndarray(e.tensor_proto).item().decode() for e in events.Tensors(tag)]
-    assert '"compute_dtype": "float32"' in text("config")[0]
-    assert samples[-1]["samples"][1]["greedy"] in text("samples")[-1]
+    assert '"compute_dtype": "float32"' in text("config/text_summary")[0]
+    assert samples[-1]["samples"][1]["greedy"] in text("samples/text_summary")[-1]
 
     if not has_wandb:
         pytest.skip('wandb is not installed (pip install -e ".[wandb]"): TensorBoard and samples checked, W&B not')

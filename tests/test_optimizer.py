@@ -114,7 +114,9 @@ def test_the_logged_rate_is_the_one_each_update_used_across_a_resume_mid_decay(t
     assert logged[9] == pytest.approx(FLOOR, rel=1e-6)
     warning = ("warning: optim.decay_steps=4 is read only when optim.schedule is cosine or linear; with "
                "optim.schedule=wsd it does nothing.")  # fmt: skip
-    assert capsys.readouterr().out.splitlines().count(warning) == 2
+    said = capsys.readouterr().out.splitlines()
+    assert said.count(warning) == 2
+    assert said.count("running on the CPU (8 devices): no GPU or TPU is in use") == 2  # once per launch
 
 
 def test_decay_mask_follows_the_logical_axes_of_the_real_model():

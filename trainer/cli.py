@@ -13,7 +13,7 @@ from collections.abc import Callable
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from trainer import config
+from trainer import accelerators, config
 from trainer.errors import ConfigError, TrainingError
 
 _COORDINATOR = flags.DEFINE_string("coordinator", None, "Multi-process runs: host:port of process 0.")
@@ -81,6 +81,7 @@ def run(main: Callable[..., None], *, takes_args: bool = False, uses_devices: bo
                 from parallelism import distributed
 
                 distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MULTIHOST.value)
+                accelerators.start()
             main(argv[1:]) if takes_args else main()
         except (ConfigError, TrainingError) as e:
             print(f"error: {e}", file=sys.stderr, flush=True)

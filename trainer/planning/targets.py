@@ -19,6 +19,7 @@ import math
 import os
 import re
 
+from trainer.accelerators import stderr_held_back
 from trainer.chips import CHIPS, Chip
 from trainer.errors import ConfigError
 
@@ -148,8 +149,9 @@ def _gpu_devices(target: Target, slices: int) -> list:
 
     shape = target.topology.split("x")
     topology = "x".join([str(slices), *shape[1:]])
-    found = topologies.get_topology_desc(platform="cuda", topology_name="", topology=topology,
-                                         target_config=_gpu_target_config(target.chip))  # fmt: skip
+    with stderr_held_back():  # the plugin's words on the CUDA it does not find
+        found = topologies.get_topology_desc(platform="cuda", topology_name="", topology=topology,
+                                             target_config=_gpu_target_config(target.chip))  # fmt: skip
     return list(found.devices)
 
 
@@ -170,4 +172,5 @@ def target_devices(target: Target, slices: int = 1) -> list:
         options["chips_per_host_bounds"] = (1, 1, 1)  # a one-chip VM: the default host is 2x2x1
     if target.generation == "v4":
         options["chip_config_name"] = "megacore"  # one device per chip, as v4 VMs run
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=target.topology, **options).devices)
+    with stderr_held_back():  # libtpu's warnings about the host it is not running on
+        return list(topologies.get_topology_desc(platform="tpu", topology_name=target.topology, **options).devices)

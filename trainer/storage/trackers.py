@@ -13,16 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import uuid
-
-import numpy as np
-from tensorboard.compat.proto import event_pb2, summary_pb2
-from tensorboard.compat.proto.event_pb2 import SessionLog
-from tensorboard.plugins.scalar import metadata as scalar_metadata
-from tensorboard.plugins.text import metadata as text_metadata
-from tensorboard.summary.writer.event_file_writer import EventFileWriter
-from tensorboard.util import tensor_util
 
 from trainer.config import flatten
 from trainer.errors import ConfigError
@@ -35,36 +26,27 @@ def numbers(record: dict) -> dict[str, float]:
 
 
 class TensorBoard:
-    """Event files in the workdir. tensorboard's own `summary.Writer` has scalars only; text (config,
-    events, samples) needs the text plugin's summaries, written here with its event writer.
+    """Event files in the workdir, written by tensorboardX's SummaryWriter (scalars and text, no TensorFlow);
+    text (config, events, samples) appears under `<tag>/text_summary`. Flushed at every log, so a killed
+    launch keeps what it logged.
 
-    Each launch's file starts with a SessionLog.START at the step after the one it resumed from:
-    TensorBoard's reader then purges every earlier event from that step on (what a killed launch logged
-    past its last checkpoint), so a resumed run draws one line, not a zigzag."""
+    Each launch's file starts with a SessionLog.START at the step after the one it resumed from (the
+    writer's `purge_step`): TensorBoard's reader then purges every earlier event from that step on (what a
+    killed launch logged past its last checkpoint), so a resumed run draws one line, not a zigzag."""
 
     def __init__(self, directory: str, cfg, resume_step: int = 0):
-        self._events = EventFileWriter(directory)
-        self._events.add_event(event_pb2.Event(wall_time=time.time(), step=resume_step + 1,
-                                               session_log=SessionLog(status=SessionLog.START)))  # fmt: skip
-        self._scalar = summary_pb2.SummaryMetadata(
-            plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=scalar_metadata.PLUGIN_NAME),
-            data_class=summary_pb2.DataClass.DATA_CLASS_SCALAR,
-        )
-        self._text = text_metadata.create_summary_metadata(display_name=None, description=None)
-        self._markdown(0, "config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```")
+        from tensorboardX import SummaryWriter
 
-    def _add(self, step: int, tag: str, tensor, metadata) -> None:
-        event = event_pb2.Event(wall_time=time.time(), step=step)
-        event.summary.value.add(tag=tag, tensor=tensor_util.make_tensor_proto(tensor), metadata=metadata)
-        self._events.add_event(event)
+        self._writer = SummaryWriter(directory, purge_step=resume_step + 1)
+        self._markdown(0, "config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```")
 
     def log(self, step: int, record: dict) -> None:
         if "event" in record:
             self._markdown(step, "events", f"`{json.dumps(record)}`")
             record = {f"events/{record['event']}": 1.0}
         for name, value in numbers(record).items():
-            self._add(step, name, np.float32(value), self._scalar)
-        self._events.flush()
+            self._writer.add_scalar(name, float(value), step)
+        self._writer.flush()
 
     def samples(self, step: int, rows: list[dict]) -> None:
         """Each prompt with its completions, as code blocks (a markdown table cell cannot hold newlines)."""
@@ -75,11 +57,11 @@ class TensorBoard:
         self._markdown(step, "samples", "\n\n".join(parts))
 
     def _markdown(self, step: int, tag: str, markdown: str) -> None:
-        self._add(step, tag, np.array(markdown, dtype=object), self._text)
-        self._events.flush()
+        self._writer.add_text(tag, markdown, step)
+        self._writer.flush()
 
     def close(self) -> None:
-        self._events.close()
+        self._writer.close()
 
 
 class WandB:

@@ -79,6 +79,9 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
         if cfg.checkpoint.init_from:
             init = resume.load_init_params(cfg, setup)
     wd.check_writable(workdir)
+    devices = setup.mesh.devices.size
+    if setup.mesh.devices.flat[0].platform == "cpu":  # said once: the plugins' own words are held back
+        say(f"running on the CPU ({devices} device{'s' * (devices > 1)}): no GPU or TPU is in use")
     if primary:
         run_tokenizer.store(cfg, workdir)
     barrier("tokenizer stored")

@@ -1,0 +1,57 @@
+"""Which devices a command runs on, said in one line instead of the accelerator plugins' start-up noise.
+
+With the `gpu` and `tpu` extras installed, JAX's CUDA plugin and libtpu speak as
+they load, on machines without their hardware too: a "could not find cuda
+drivers" line from C++ at `import jax`, then at the first device query a Python
+traceback from the CUDA plugin and libtpu's warnings about hosts and worker
+names. None of it says more than "no GPU, no TPU here". So JAX is imported
+(trainer/__init__.py), and its backends started (trainer/cli.py), with this
+process's stderr (file descriptor 2: C++ and Python write there alike) held
+back, and given back whole if the step fails. Training says once, in one line,
+when it runs on the CPU (trainer/training/loop.py). (plan.py's targets start the CPU backend alone, which
+loads no plugin.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+
+
+@contextlib.contextmanager
+def stderr_held_back():
+    """Within, what this process writes to stderr is kept aside; it is written out after all if the block
+    raises (the noise is then the explanation)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            held.seek(0)
+            os.write(2, held.read())
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def import_jax() -> None:
+    """`import jax`, without the CUDA plugin's "could not find cuda drivers" on machines without a GPU."""
+    if "jax" not in sys.modules:
+        with stderr_held_back():
+            import jax  # noqa: F401
+
+
+def start() -> list:
+    """Start JAX's backends, with their noise held back; this process's devices."""
+    import jax
+
+    with stderr_held_back():
+        return jax.local_devices()
