@@ -288,3 +288,23 @@ def test_keys_the_chosen_settings_never_read_are_named_in_a_warning():
                               "optim.name": "sgd", "optim.eps": 1e-8,
                               "precision.compute_dtype": "float16"})  # fmt: skip
     assert unread_settings(read) == []
+
+
+def test_held_back_start_up_words_are_shown_when_the_start_up_fails(capfd, monkeypatch):
+    """What JAX's plugins write while held back (C++ and Python alike write to file descriptor 2) is dropped
+    when the step succeeds and written out, in order, when it raises: then it is the explanation."""
+    from trainer.accelerators import stderr_held_back
+
+    monkeypatch.setattr(sys, "stderr", open(2, "w", closefd=False))  # a script's stderr: descriptor 2 itself
+
+    with stderr_held_back():
+        os.write(2, b"plugin: no driver\n")
+        print("python: a warning", file=sys.stderr)
+    assert capfd.readouterr().err == ""
+    with pytest.raises(RuntimeError, match="backend failed"), stderr_held_back():
+        os.write(2, b"plugin: no driver\n")
+        print("python: the reason", file=sys.stderr, flush=True)
+        raise RuntimeError("backend failed")
+    assert capfd.readouterr().err == "plugin: no driver\npython: the reason\n"
+    print("after", file=sys.stderr, flush=True)  # stderr is this process's own again
+    assert capfd.readouterr().err == "after\n"

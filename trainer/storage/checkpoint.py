@@ -227,7 +227,7 @@ class Checkpointer:
     def committed_at(self, step: int) -> int | None:
         """When the checkpoint at `step` was committed (ns since the epoch; None where Orbax kept no time):
         a rolled-back run that saves the same step again saves another checkpoint."""
-        return self._manager.metadata(step).commit_timestamp_nsecs
+        return self._read(step, lambda: self._manager.metadata(step).commit_timestamp_nsecs)
 
     def data_rows(self, step: int) -> set[int] | None:
         """The batch rows whose data position the checkpoint holds (None: it holds no data position)."""
