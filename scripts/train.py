@@ -4,6 +4,9 @@ Any config key can be overridden: --config.optim.lr=1e-3 --config.mesh.tensor=2.
 Running the same command on the same workdir resumes from its newest checkpoint.
 """
 
+import sys
+
+import jax
 from absl import flags
 
 from trainer import cli
@@ -14,7 +17,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<co
 
 
 def main():
-    train(_CONFIG.value, _WORKDIR.value or cli.default_workdir())
+    result = train(_CONFIG.value, _WORKDIR.value or cli.default_workdir())
+    if "preempted" not in result and jax.process_index() == 0:
+        print(cli.next_commands(result, _CONFIG.value, _WORKDIR.value, sys.argv), flush=True)
 
 
 if __name__ == "__main__":

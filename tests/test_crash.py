@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -171,15 +172,21 @@ def test_a_bucket_workdir_survives_a_kill_and_a_damaged_checkpoint(bucket, corpu
     logged = {e.step for e in EventFileLoader(str(local)).Load() if any(v.tag == "loss" for v in e.summary.value)}
     assert set(range(resumed + 1, STEPS + 1)) <= logged
 
-    args = cli_args(run_config(corpus_dir))
-    evaluated = subprocess.run([sys.executable, "scripts/eval.py", *args, f"--workdir={workdir}", "--max_batches=2"],
+    # The commands the finished run printed last, run as printed (shortened: two batches, four tokens).
+    done, commands = final.stdout.split("\ndone: ")[1].split("\nnext:\n")
+    assert done.startswith(f"{workdir} is at step {STEPS}; loss ")
+    said = {}
+    for line in commands.splitlines()[:3]:
+        command_line = shlex.split(line.split("    # ")[0])
+        said[command_line[1]] = command_line
+    assert said["scripts/train.py"][-1] == f"--config.train.steps={2 * STEPS}"
+    evaluated = subprocess.run([sys.executable, *said["scripts/eval.py"][1:], "--max_batches=2"],
                                cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     result = json.loads(evaluated.stdout.strip().splitlines()[-1])
     assert result["step"] == STEPS
     assert result["file"].startswith(f"{workdir}/eval/validation_step{STEPS}_")
     assert json.loads(listing.cat(result["file"])) == result
-    flags = [f"--workdir={workdir}", "--prompt=def", "--json", "--max_new_tokens=4"]
-    generate = [sys.executable, "scripts/generate.py", *args, *flags]
+    generate = [sys.executable, *said["scripts/generate.py"][1:], "--json", "--max_new_tokens=4"]
     generated = subprocess.run(generate, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert generated.returncode == 0 and json.loads(generated.stdout.splitlines()[-1])["step"] == STEPS

@@ -3,13 +3,21 @@
 import json
 import math
 import os
+import re
+import subprocess
+import sys
+import time
 
 import pytest
-from conftest import micro_config
+from conftest import REPO, cli_args, micro_config
 
 from trainer import report
 from trainer.errors import ConfigError, TrainingError
+from trainer.storage.workdir import saved_steps
+from trainer.training.goodput import BUCKETS
 from trainer.training.loop import train
+
+PAUSE = 2.0  # seconds between a killed launch and the next
 
 
 def config(corpus_dir, **debug):
@@ -41,9 +49,21 @@ def test_an_isolated_poisoned_batch_is_skipped(tmp_path, corpus_dir):
     assert result["step"] == 31 and math.isfinite(result["loss"])
 
 
-def test_a_poisoned_window_longer_than_the_budget_rolls_back_and_the_run_finishes(tmp_path, corpus_dir):
+def test_a_poisoned_window_longer_than_the_budget_rolls_back_and_the_run_finishes(tmp_path, corpus_dir, capsys):
+    """Launched, killed at step 8 or later (its checkpoint at step 5 behind it), relaunched after a pause, then
+    rolled back by the drill: where the wall time went is accounted across both launches (goodput)."""
     workdir = str(tmp_path / "run")
-    result = train(config(corpus_dir, poison_batches=(12, 13, 14, 15, 16, 17)), workdir)
+    cfg = config(corpus_dir, poison_batches=(12, 13, 14, 15, 16, 17))
+    began = time.time()
+    killed = subprocess.Popen([sys.executable, "scripts/train.py", *cli_args(cfg), f"--workdir={workdir}"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    while killed.poll() is None and not (5 in _saved(workdir) and any(r["step"] >= 8 for r in _so_far(workdir))):
+        time.sleep(0.01)
+    killed.kill()
+    first_out = killed.communicate()[0]
+    time.sleep(PAUSE)
+    result = train(cfg, workdir)
+    elapsed = time.time() - began
     events = [r for r in records(workdir) if r.get("event") == "rollback"]
     assert len(events) == 1
     rollback = events[0]
@@ -62,12 +82,63 @@ def test_a_poisoned_window_longer_than_the_budget_rolls_back_and_the_run_finishe
     loss_line = fig.axes[0].lines[0]
     assert list(loss_line.get_xdata()) == [r["step"] for r in logged]
     assert list(loss_line.get_ydata()) == [r["loss"] for r in logged]
-    for ax in fig.axes:
+    for ax in fig.axes[: len(report.PANELS)]:
         assert [line.get_xdata()[0] for line in ax.lines if line.get_linestyle() == ":"] == [rollback["from_step"]]
     crosses = next(line for line in fig.axes[0].lines if line.get_label() == "skipped steps")
     skipped = [r["step"] for r in records(workdir) if r.get("event") == "skipped"]
     assert skipped and list(crosses.get_xdata()) == skipped
     assert os.path.getsize(report.write([workdir, workdir], str(tmp_path / "report.png"))) > 20_000
+
+    # Goodput. Each share against the events that made it:
+    with open(os.path.join(workdir, "goodput.json")) as f:
+        account = json.load(f)
+    s = account["seconds"]
+    assert account["launches"] == 2
+    step_times = [r["step_time"] for r in records(workdir) if "step_time" in r]
+    slack = 3 * sorted(step_times)[len(step_times) // 2] + 0.3  # where a step's time begins and ends differs
+    # compiles: the seconds each launch printed;
+    out = first_out + capsys.readouterr().out
+    printed = [float(x) for x in re.findall(r"compiled the train step for \d+ sequences in ([\d.]+)s", out)]
+    assert len(printed) == 2 and s["compile"] == pytest.approx(sum(printed), abs=0.05 * len(printed) + 0.01)
+    # lost to the restart: the step time the killed launch logged past step 5, where the relaunch resumed
+    # (its records are in metrics.superseded.jsonl);
+    with open(os.path.join(workdir, "metrics.superseded.jsonl")) as f:
+        redone = [r for r in map(json.loads, f) if "step_time" in r]
+    assert "resumed from the checkpoint at step 5" in out, out[:3000]
+    assert redone and min(r["step"] for r in redone) == 6
+    assert s["lost_restart"] == pytest.approx(sum(r["step_time"] for r in redone), abs=slack)
+    # lost to the rollback: the step time logged past the checkpoint it went back to, up to the step it left;
+    logged = records(workdir)
+    before = logged[: logged.index(rollback)]
+    undone = [r["step_time"] for r in before if "step_time" in r and rollback["to_step"] < r["step"]]
+    assert len(undone) == rollback["from_step"] - rollback["to_step"] - 1  # from_step was dispatched, never logged
+    assert s["lost_rollback"] == pytest.approx(sum(undone), abs=slack)
+    # between launches: the pause, the killed launch's unlogged last moments and the relaunch's start;
+    assert PAUSE <= s["between_launches"] < PAUSE + 10
+    # no evaluation was asked for, and saves and the rollback's restore took time;
+    assert s["eval"] == 0 and s["checkpoint"] > 0 and s["rollback"] > 0 and s["data"] >= 0
+    # and every second is somewhere: the test's wall time, less the first process's start before train().
+    assert elapsed - 20 < sum(s.values()) <= elapsed
+    # The records' step times (data waits included) add up to the productive time and the waits.
+    assert s["step"] + s["data"] == pytest.approx(sum(step_times) - sum(undone), abs=3 * slack)
+    # It is printed at the end, in every logged record (so TensorBoard and W&B), and drawn by the report.
+    assert re.search(rf"goodput {100 * s['step'] / sum(s.values()):.1f}%: .* over 2 launches", out)
+    shares = [r["goodput/share"] for r in records(workdir) if "goodput/share" in r]
+    assert len(shares) == len(step_times) and all(0 < x < 1 for x in shares)
+    bars = fig.axes[-1].patches
+    assert [b.get_width() for b in bars] == pytest.approx([s[name] / sum(s.values()) for name in BUCKETS])
+
+
+def _saved(workdir):
+    return saved_steps(workdir) if os.path.isdir(os.path.join(workdir, "checkpoints")) else []
+
+
+def _so_far(workdir):
+    try:
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
 
 
 def test_a_stretch_of_far_too_high_learning_rate_is_survived(tmp_path, corpus_dir):

@@ -6,6 +6,7 @@ The library never reads flags; scripts parse them here and pass plain values in.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import traceback
 from collections.abc import Callable
@@ -33,6 +34,28 @@ def define_config_flag(required: bool = True):
 def config_args(argv: list[str]) -> list[str]:
     """The --config flags of a command line, to hand on to another script (scaling.py's --list)."""
     return [f"--config={config_path()}"] + [a for a in argv if a.startswith("--config.")]
+
+
+def next_commands(result: dict, cfg, workdir_flag: str | None, argv: list[str]) -> str:
+    """What a finished training run says last: where it is, what it reached, and the three commands a user
+    runs next (train on, evaluate, generate), spelt with this command line's own config flags."""
+    config_flags_given = [a for a in config_args(argv) if not a.startswith("--config.train.steps=")]
+    where = [f"--workdir={shlex.quote(workdir_flag)}"] if workdir_flag else []
+    reached = f"loss {result['loss']:.4f}" if "loss" in result else "nothing logged"
+    if "eval_loss" in result:
+        reached = f"validation loss {result['eval_loss']:.4f} (the unigram's {result['unigram_loss']:.4f}), " + reached
+    longer = 2 * cfg.train.steps
+    prompt = cfg.train.sample_prompts[0] if cfg.train.sample_prompts else ""
+    new_tokens = min(128, cfg.model.max_seq_len // 2)  # within the model's context beside a short prompt
+    commands = [
+        ("train on, to twice the steps", "train.py", [f"--config.train.steps={longer}"]),
+        ("evaluate the newest checkpoint", "eval.py", []),
+        ("write from it", "generate.py", [f"--prompt={shlex.quote(prompt)}", f"--max_new_tokens={new_tokens}"]),
+    ]
+    lines = [f"done: {workdir_flag or default_workdir()} is at step {result['step']}; {reached}", "next:"]
+    for what, script, extra in commands:
+        lines.append(f"  python scripts/{script} {' '.join(config_flags_given + where + extra)}    # {what}")
+    return "\n".join(lines)
 
 
 def config_path() -> str:

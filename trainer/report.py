@@ -5,7 +5,8 @@ ratio (|update| / |params|), tokens per second and MFU. Skipped steps are
 crosses along the foot of the loss panel (a non-finite loss is not drawn). A
 rollback is a vertical line on every panel at the step it left, and the
 history after it starts again from the step it went back to, so the abandoned
-stretch stays visible.
+stretch stays visible. Below them, where the run keeps one (goodput.json,
+trainer/training/goodput.py), a bar per run of where its wall time went.
 """
 
 from __future__ import annotations
@@ -16,17 +17,21 @@ import os
 from trainer.errors import ConfigError
 from trainer.storage.metrics import METRICS_FILE
 from trainer.storage.workdir import path
+from trainer.training.goodput import BUCKETS, LEDGER
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("update_ratio", "update ratio"), ("tokens_per_sec", "tokens/s"), ("mfu", "MFU"))  # fmt: skip
 
 
 def read(workdir: str) -> dict:
-    """{"train": records with a loss, "eval": with an eval_loss, "skipped": steps, "rollbacks": events}."""
+    """{"train": records with a loss, "eval": with an eval_loss, "skipped": steps, "rollbacks": events,
+    "goodput": the run's time account or None}."""
     file = path(workdir) / METRICS_FILE
     if not file.exists():
         raise ConfigError(f"{workdir} has no {METRICS_FILE}; give the --workdir of a run that has logged.")
-    run = {"train": [], "eval": [], "skipped": [], "rollbacks": []}
+    account = path(workdir) / LEDGER
+    run = {"train": [], "eval": [], "skipped": [], "rollbacks": [],
+           "goodput": json.loads(account.read_text()) if account.exists() else None}  # fmt: skip
     for line in file.read_text().splitlines():
         try:
             record = json.loads(line)
@@ -53,10 +58,16 @@ def figure(workdirs: list[str]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 2, figsize=(12, 10), sharex=True)
-    axes = axes.flatten()
+    fig = plt.figure(figsize=(12, 12))
+    grid = fig.add_gridspec(4, 2, height_ratios=(1, 1, 1, 0.7))
+    axes = [fig.add_subplot(grid[0, 0])]
+    axes += [fig.add_subplot(grid[i // 2, i % 2], sharex=axes[0]) for i in range(1, len(PANELS))]
+    shares = fig.add_subplot(grid[3, :])
+    accounts = []
     for n, workdir in enumerate(workdirs):
         run, color, label = read(workdir), f"C{n}", _label(workdir, workdirs)
+        if run["goodput"]:
+            accounts.append((label, run["goodput"]["seconds"]))
         for ax, (key, title) in zip(axes, PANELS, strict=True):
             steps = [r["step"] for r in run["train"] if r.get(key) is not None]
             ax.plot(steps, [r[key] for r in run["train"] if r.get(key) is not None], color=color, label=label)
@@ -73,8 +84,24 @@ def figure(workdirs: list[str]):
     axes[0].legend(fontsize=8)
     for ax in axes[-2:]:
         ax.set_xlabel("step")
+    _goodput_bars(shares, accounts)
     fig.tight_layout()
     return fig
+
+
+def _goodput_bars(ax, runs: list[tuple[str, dict]]) -> None:
+    """One bar per run (label, its seconds by bucket): each bucket's share of its accounted wall time."""
+    for y, (_, seconds) in enumerate(runs):
+        total, left = sum(seconds.values()), 0.0
+        for n, name in enumerate(BUCKETS):
+            share = seconds[name] / total if total else 0.0
+            ax.barh(y, share, left=left, color=f"C{n}", label=name.replace("_", " ") if y == 0 else None)
+            left += share
+    ax.set_yticks(range(len(runs)), [label for label, _ in runs])
+    ax.set_xlim(0, 1)
+    ax.set_title("where the wall time went (goodput: the share of training steps)")
+    if runs:
+        ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.15))
 
 
 def write(workdirs: list[str], out: str) -> str:

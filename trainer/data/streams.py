@@ -35,16 +35,14 @@ from __future__ import annotations
 import dataclasses
 import faulthandler
 import os
-import queue
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
 import grain
 import jax
 import numpy as np
-from grain.experimental import ConcatThenSplitIterDataset
+from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchDatasetIterator
 from jax.sharding import NamedSharding
 
 from trainer.data.corpora import open_corpus, text_feature
@@ -425,61 +423,33 @@ def to_global(local: dict[str, np.ndarray], sharding: NamedSharding, global_batc
     }
 
 
-class Prefetch:
-    """The coming steps' batches, read in a background thread `depth` steps ahead.
+class _Planned:
+    """Each step's (rows in its batch, this process's part of it), read from a `batches()` iterator or
+    ProcessRows as `plan(read)` says for the step that starts `read` sequences into the stream (a batch-size
+    ramp reads a subset of the rows). Its state is the rows' state after the last batch it read."""
 
-    `plan(read)` gives (rows in the step's batch, this process's stream rows to
-    read) for the step that starts `read` sequences into the stream. Tokenising
-    and packing then overlap the device's step instead of following it. The
-    checkpoint asks `get_state()`: the position after the last batch handed
-    out, not after the batches read ahead.
-    """
+    def __init__(self, iterator, plan: Callable[[int], tuple[int, list[int]]], read: int):
+        self._iterator, self._plan, self._read = iterator, plan, read
 
-    def __init__(self, iterator, plan: Callable[[int], tuple[int, list[int]]], read: int, depth: int = 3):
-        self._iterator = iterator
-        self._state = iterator.get_state()
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._produce, args=(iterator, plan, read), daemon=True)
-        self._thread.start()
+    def __iter__(self):
+        return self
 
-    def _produce(self, iterator, plan, read: int) -> None:
-        try:
-            while not self._stop.is_set():
-                size, rows = plan(read)
-                item = (size, iterator.read(rows), iterator.get_state())
-                read += size
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        pass
-        except Exception as e:  # handed to the training thread, which raises it, unless it has stopped
-            while not self._stop.is_set():
-                try:
-                    self._queue.put((None, e, None), timeout=0.1)
-                    return
-                except queue.Full:
-                    pass
-
-    def next(self) -> tuple[int, dict[str, np.ndarray]]:
-        """(rows, this process's part of the batch) for the next step."""
-        size, batch, state = self._queue.get()
-        if size is None:
-            raise batch
-        self._state = state
+    def __next__(self) -> tuple[int, dict[str, np.ndarray]]:
+        size, rows = self._plan(self._read)
+        batch = self._iterator.read(rows)
+        self._read += size
         return size, batch
 
     def get_state(self) -> dict:
-        return self._state
+        return self._iterator.get_state()
 
-    def worker_stacks(self) -> list[tuple[str, str]]:
-        """(name, stacks) of each data worker process (none without data.workers)."""
-        return self._iterator.stacks() if isinstance(self._iterator, ProcessRows) else []
+    def set_state(self, state: dict) -> None:
+        self._iterator.set_state(state)
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        if isinstance(self._iterator, ProcessRows):
-            self._iterator.close()
+
+def prefetch(iterator, plan: Callable[[int], tuple[int, list[int]]], read: int, depth: int = 3):
+    """The coming steps' batches (see _Planned), read `depth` steps ahead by Grain's thread prefetch, so that
+    tokenising and packing overlap the device's step. Its `get_state()`, which the checkpoint asks, is the
+    position after the last batch handed out, not after the batches read ahead; an error in the reading
+    thread is raised by the `next()` that would have had its batch."""
+    return ThreadPrefetchDatasetIterator(_Planned(iterator, plan, read), prefetch_buffer_size=depth)

@@ -1,7 +1,7 @@
 """The training loop: restore or initialise, step, log, evaluate, checkpoint, recover.
 
 The host never makes the device wait. Batches are read a few steps ahead in a
-background thread (streams.Prefetch); a log point's metrics are fetched only
+background thread (streams.prefetch, Grain's); a log point's metrics are fetched only
 after the next step has been dispatched, so the device has work queued while
 the host writes them. Step time is wall time between two log points,
 evaluation and checkpoint time excluded. Log points are also where the loop
@@ -37,6 +37,7 @@ from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.metrics import MetricsWriter, check_fresh_start
 from trainer.training import batch_ramp, clock, stability
+from trainer.training.goodput import Goodput, duration
 from trainer.training.hang import HangWatch
 from trainer.training.preemption import watch_for_sigterm
 from trainer.training.profiling import StepProfiler
@@ -90,8 +91,9 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
 
 def train(cfg, workdir: str) -> dict:
     """Train, or resume from the newest readable checkpoint in `workdir`; returns the last logged values."""
+    account = Goodput()  # the launch's clock starts here: its checks and start-up are timed too
     setup, init = prepare_run(cfg, workdir)
-    run = Run(setup.cfg, workdir, setup, init)
+    run = Run(setup.cfg, workdir, setup, init, account)
     try:
         if run.finished():
             run.say(f"already trained to step {run.step}; raise train.steps to go on")
@@ -123,17 +125,19 @@ def train(cfg, workdir: str) -> dict:
         raise
     finally:
         run.close()
+    run.say(account.summary())
     return {"step": run.step, **run.last}
 
 
 class Run:
     """One training run's moving parts, so that train() reads as the loop it is."""
 
-    def __init__(self, cfg, workdir: str, setup: Setup, init: tuple | None = None):
+    def __init__(self, cfg, workdir: str, setup: Setup, init: tuple | None = None, account: Goodput | None = None):
         """Everything it opens (threads, worker processes, the checkpoint manager, the bucket copier) is
         closed again if a later part of the start-up fails: a long-lived process (the scaling sweep trains
         many runs in one) keeps nothing of a run that did not start."""
-        self.ckpt = self.data = self.files = self.writer = self.profiler = self.hang = None
+        self.ckpt = self.data = self.workers = self.files = self.writer = self.profiler = self.hang = None
+        self.goodput = account or Goodput()
         try:
             self._open(cfg, workdir, setup, init)
         except BaseException:
@@ -181,11 +185,13 @@ class Run:
             wd.write_config(workdir, cfg)
         self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
         if cfg.data.workers:  # the rows' reading and tokenising in processes of their own, from this state
-            data = streams.ProcessRows(self.stream, cfg.data.train_split, self.rows, data.get_state(), shuffle=True,
-                                       workers=cfg.data.workers)  # fmt: skip
-        self.data = streams.Prefetch(data, self._plan, self.data_read)
-        self.hang = HangWatch(t.hang_seconds, lambda: self.step, workdir, self.data.worker_stacks)
+            data = self.workers = streams.ProcessRows(self.stream, cfg.data.train_split, self.rows, data.get_state(),
+                                                      shuffle=True, workers=cfg.data.workers)  # fmt: skip
+        self.data = streams.prefetch(data, self._plan, self.data_read)
+        self.hang = HangWatch(t.hang_seconds, lambda: self.step, workdir,
+                              lambda: self.workers.stacks() if self.workers else [])  # fmt: skip
         self.files = wd.GrowingFiles(workdir) if self.primary else None
+        self.goodput.open(self.files, self.step)
         fresh = not self.resumed
         self.writer = MetricsWriter(self.files, resume_step=self.step, cfg=cfg, workdir=workdir, fresh=fresh)
         self.profiler = StepProfiler(t.profile_steps, self.files, workdir)
@@ -236,17 +242,17 @@ class Run:
             f"{self.flops_per_token / 1e6:.1f} MFLOPs/token; mesh {dict(setup.mesh.shape)}"
         )
         self._step_fn(batch_ramp.step_size(cfg, self.data_read))
+        self.goodput.enter("step")
         self._mark()
 
     def _step_fn(self, size: int):
         """The train step compiled ahead of time for a batch of `size` sequences (a ramp uses a few sizes)."""
         if size not in self.compiled:
-            s, start = self.setup, time.perf_counter()
-            step = s.train_step(size // self.micro)
-            with self.hang.suspended():  # a compile is no hang (a batch-size ramp's new size, mid-run)
-                self.compiled[size] = step.lower(self.abstract, abstract_batch(size, self.cfg.data.seq_len,
-                                                                               s.batch_sharding)).compile()  # fmt: skip
-            seconds = time.perf_counter() - start
+            s, batch = self.setup, abstract_batch(size, self.cfg.data.seq_len, self.setup.batch_sharding)
+            with self.hang.suspended(), self.goodput.phase("compile"):  # no hang: a batch-size ramp's new size
+                start = time.perf_counter()
+                self.compiled[size] = s.train_step(size // self.micro).lower(self.abstract, batch).compile()
+                seconds = time.perf_counter() - start
             used = memory_per_device(self.compiled[size], s.mesh.devices.flat[0].platform)["total"]
             self.say(
                 f"compiled the train step for {size} sequences in {seconds:.1f}s, {used / 2**30:.2f} GiB per device"
@@ -259,7 +265,8 @@ class Run:
 
     def take_step(self):
         """Dispatch one step (no waiting on the device); returns its metrics, still on the device."""
-        size, local = self.data.next()
+        with self.goodput.phase("data"):
+            size, local = next(self.data)
         if "source" in local:  # a mixture: count what each corpus gave this process's rows
             self.mixture_taken += streams.mixture_counts(local, self.stream.mixture_unit, len(self.stream.mixture),
                                                          self.bos_id)  # fmt: skip
@@ -292,10 +299,12 @@ class Run:
             "mfu": self.flops_per_token * tokens_per_sec / self.peak if self.peak else None,
             "step_time": elapsed / max(step - self.mark_step, 1),
             **self._mixture_shares(),
+            **self.goodput.totals(),
         }
         self.last.update(logged)  # beside the latest evaluation's figures
         console = _console_line(step, values["sequences"] / self.batch, self.cfg.train.steps, logged)
         self.writer.write(step, logged, console=console)
+        self.goodput.write()
         self.mark_step, self.mark_time = step, time.perf_counter()
         skipped = int(values["skipped_total"]) - self.skipped_seen
         if skipped > 0:
@@ -322,8 +331,10 @@ class Run:
         def restore(step):
             return resume.restore_state(self.ckpt, step, self.setup, None, self.cfg, self.reset_label)[0]
 
-        self.state, skipped_batches = roll_back(self.cfg, self.ckpt, restore, self.state, self.data_read)
-        self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
+        with self.goodput.phase("rollback"):
+            self.state, skipped_batches = roll_back(self.cfg, self.ckpt, restore, self.state, self.data_read)
+            self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
+        self.goodput.rolled_back(self.step)
         self.dispatched = []
         lr_scale = float(fetch(self.state.stability["lr_scale"]))
         event = {"event": "rollback", "reason": reason, "from_step": from_step, "to_step": self.step,
@@ -347,6 +358,7 @@ class Run:
         jax.block_until_ready(self.state)
         paused = time.perf_counter()
         if evaluate:
+            self.goodput.enter("eval")
             result = self.evaluator(self.state.params, self.hang.progress)
             self.last.update(result)
             line = f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f})"
@@ -356,27 +368,39 @@ class Run:
                     self.writer.samples(step, self.samples(self.state.params))
                 self.sampled = True
         if save:
-            self.ckpt.save(step, self.state, self.data, reset_label=self.reset_label)
+            self.goodput.enter("checkpoint")
+            self._save(step)
             if self.files is not None:  # into a bucket: the metrics up to the checkpoint go with it
                 self.files.sync()
             self.hang.progress()
+        self.goodput.enter("step")
         self.mark_time += time.perf_counter() - paused
 
     def save_now(self) -> None:
         if self.step not in self.ckpt.steps():
-            self.ckpt.save(self.step, self.state, self.data, reset_label=self.reset_label)
+            with self.goodput.phase("checkpoint"):
+                self._save(self.step)
+
+    def _save(self, step: int) -> None:
+        self.ckpt.save(step, self.state, self.data, reset_label=self.reset_label)
+        self.goodput.saved(step, self.ckpt.steps())
 
     def close(self) -> None:
         """Closes what is open, in an order that lets the last checkpoint commit before the files follow it."""
-        if self.data is not None:
+        self.goodput.enter("startup")  # closing down is counted with starting up
+        if self.data is not None:  # the reading-ahead thread first: it may be reading from the workers
             self.data.close()
+        if self.workers is not None:
+            self.workers.close()
         if self.profiler is not None:
             self.profiler.stop()
         if self.ckpt is not None:
-            self.ckpt.wait()
+            with self.goodput.phase("checkpoint"):
+                self.ckpt.wait()
             self.ckpt.close()
         if self.writer is not None:
             self.writer.close()
+        self.goodput.write()  # before the files are closed: a bucket gets the final account
         if self.files is not None:
             self.files.close()
         if self.hang is not None:  # last: the final checkpoint's commit and the files' upload are watched too
@@ -403,15 +427,9 @@ def _console_line(step: int, batches: float, total: int, m: dict) -> str:
     mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
     scale = f"  scale {m['loss_scale']:.0f}" if m["loss_scale"] != 1.0 else ""
     # Training time left at the latest step time (evaluations and checkpoints not counted).
-    eta = _duration(max(total - batches, 0) * m["step_time"])
+    eta = duration(max(total - batches, 0) * m["step_time"])
     return (
         f"step {step:>6} ({batches:g}/{total})  loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
         f"grad_norm {m['grad_norm']:.3f}{scale}  tok/s {m['tokens_per_sec']:,.0f}  mfu {mfu}  "
         f"step {m['step_time']:.3f}s  eta {eta}"
     )
-
-
-def _duration(seconds: float) -> str:
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
