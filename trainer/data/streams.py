@@ -452,4 +452,6 @@ def prefetch(iterator, plan: Callable[[int], tuple[int, list[int]]], read: int, 
     tokenising and packing overlap the device's step. Its `get_state()`, which the checkpoint asks, is the
     position after the last batch handed out, not after the batches read ahead; an error in the reading
     thread is raised by the `next()` that would have had its batch."""
-    return ThreadPrefetchDatasetIterator(_Planned(iterator, plan, read), prefetch_buffer_size=depth)
+    ahead = ThreadPrefetchDatasetIterator(_Planned(iterator, plan, read), prefetch_buffer_size=depth)
+    ahead.start_prefetch()  # now, not at the first next(): the first batches are read while the step compiles
+    return ahead
