@@ -6,7 +6,6 @@ Running the same command on the same workdir resumes from its newest checkpoint.
 
 import sys
 
-import jax
 from absl import flags
 
 from trainer import cli
@@ -18,8 +17,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<co
 
 def main():
     result = train(_CONFIG.value, _WORKDIR.value or cli.default_workdir())
-    if "preempted" not in result and jax.process_index() == 0:
-        print(cli.next_commands(result, _CONFIG.value, _WORKDIR.value, sys.argv), flush=True)
+    if "preempted" not in result:
+        cli.say_next(result, _CONFIG.value, _WORKDIR.value, sys.argv)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,16 @@ def config_args(argv: list[str]) -> list[str]:
     return [f"--config={config_path()}"] + [a for a in argv if a.startswith("--config.")]
 
 
-def next_commands(result: dict, cfg, workdir_flag: str | None, argv: list[str]) -> str:
-    """What a finished training run says last: where it is, what it reached, and the three commands a user
-    runs next (train on, evaluate, generate), spelt with this command line's own config flags."""
+def say_next(result: dict, cfg, workdir_flag: str | None, argv: list[str]) -> None:
+    """What a finished training run says last (process 0): where it is, what it reached, and the three
+    commands a user runs next (train on, evaluate, generate), spelt with this command line's config flags."""
+    import jax  # imported by now, quietly (trainer/accelerators.py)
+
+    if jax.process_index() == 0:
+        print(_next_commands(result, cfg, workdir_flag, argv), flush=True)
+
+
+def _next_commands(result: dict, cfg, workdir_flag: str | None, argv: list[str]) -> str:
     config_flags_given = [a for a in config_args(argv) if not a.startswith("--config.train.steps=")]
     where = [f"--workdir={shlex.quote(workdir_flag)}"] if workdir_flag else []
     reached = f"loss {result['loss']:.4f}" if "loss" in result else "nothing logged"
