@@ -86,10 +86,10 @@ def per_core(cfg, batches: int) -> dict:
 
 def loop_step_seconds(cfg, steps: int) -> float:
     """The median `step_time` the training loop logs, every step logged, no evaluation or saves."""
-    import json
     import statistics
     import tempfile
 
+    from trainer.storage.metrics import read_records
     from trainer.training.loop import train
 
     cfg = cfg.copy_and_resolve_references()
@@ -98,8 +98,7 @@ def loop_step_seconds(cfg, steps: int) -> float:
     cfg.checkpoint.every_steps = 10 * steps
     with tempfile.TemporaryDirectory() as workdir:
         train(cfg, workdir)
-        with open(os.path.join(workdir, "metrics.jsonl")) as f:
-            times = [r["step_time"] for r in map(json.loads, f) if "step_time" in r]
+        times = [r["step_time"] for r in read_records(workdir) if "step_time" in r]
     return statistics.median(times[1:])  # the first includes the first step's dispatch and warm-up
 
 

@@ -72,7 +72,8 @@ def print_target(result):
     verdict = "fits" if result["fits"] else f"does NOT fit: {(used - usable) / gib:.2f} GiB over"
     print(f"target            {result['target']} x {result['slices']} ({result['topology']}, "
           f"{result['devices']} x {result['device_kind']}): {used / gib:.2f} GiB per device "
-          f"of {usable / gib:.2f} usable ({hbm / gib:.0f} GiB HBM), {verdict}")  # fmt: skip
+          f"of {usable / gib:.2f} usable ({hbm / gib:.0f} GiB HBM; {result['usable_hbm_because']}), "
+          f"{verdict}")  # fmt: skip
     print(f"cost per device   {c['flops']:.4g} FLOPs, {c['bytes_accessed'] / 1e9:.4g} GB of HBM traffic (from the "
           f"compiled HLO, loops counted); roofline {c['roofline_seconds']:.3g} s a step ({c['bound']}-bound), "
           f"so MFU at most {c['mfu_ceiling']:.0%}")  # fmt: skip

@@ -127,3 +127,66 @@ def test_an_unknown_chip_is_refused_with_the_known_ones():
 
     with pytest.raises(ConfigError, match="unknown chip 'tpu-v9'.*h100"):
         plan(micro_config(), compile_step=False, chip="tpu-v9")
+
+
+FIT_KEYS = ("model.remat", "train.grad_accum_steps", "model.loss_chunk", "mesh.data", "mesh.fsdp", "mesh.tensor",
+            "precision.moments_dtype")  # fmt: skip
+# What the stand-in compiler holds over the arithmetic, per remat policy: unknown to the search, which must learn
+# it from what it compiles.
+TRUE_RATIO = {"none": 1.6, "save_dots": 1.35, "save_dots_no_batch": 1.25, "full": 1.1}
+
+
+def test_fit_screens_corrects_by_each_compiles_ratio_and_picks_the_fastest_that_fits():
+    """plan.py --fit's search (trainer/planning/fit.py) with a stand-in for the target's compiler: its heap is
+    the variant's arithmetic times a factor per remat policy; its roofline grows with the FLOPs recomputed and
+    the microbatches, falls with the tensor split, and bfloat16 moments are a little slower. (The real drill
+    compiles for a v5e chip: tests/test_targets.py, marked slow.)"""
+    from trainer.config import flatten
+    from trainer.flops import matmul_params
+    from trainer.planning import fit
+    from trainer.training.setup import build
+
+    cfg = micro_config(train=dict(global_batch_size=64), data=dict(seq_len=64))
+    devices = jax.devices()
+    setup = build(cfg, devices)
+    n = matmul_params(setup.spec.arch, setup.model.abstract_params)
+    found, considered = fit.variants(cfg, devices, n)
+    by_key = {tuple(flatten(v.cfg)[k] for k in FIT_KEYS): v for v in found}
+    assert len(by_key) == len(found) > 50 and considered >= len(found)
+    heap = {k: v.arithmetic_bytes * TRUE_RATIO[k[0]] for k, v in by_key.items()}
+    # A wider tensor split is faster here: the fastest is not simply the first in the search's order.
+    roofline = {k: 1 + v.recompute + 0.01 * k[1] - 0.03 * k[5] + 0.001 * (k[6] == "bfloat16")
+                for k, v in by_key.items()}  # fmt: skip
+    hbm = sorted(heap.values())[len(heap) // 3]  # a third of the variants fit
+    calls = []
+
+    def stand_in(variant_cfg):
+        key = tuple(flatten(variant_cfg)[k] for k in FIT_KEYS)
+        calls.append(key)
+        fits = heap[key] <= hbm
+        return {"compiled_bytes_per_device": heap[key], "fits": fits, "compile_seconds": 0.0,
+                "cost": {"roofline_seconds": roofline[key], "bound": "compute", "mfu_ceiling": 0.5}}  # fmt: skip
+
+    result = fit.search(cfg, devices, hbm, n, stand_in, compiles=3)
+    assert result["valid"] == len(found)
+    assert result["pass_arithmetic"] == sum(v.arithmetic_bytes <= hbm for v in found)
+    # The first compile is the least recomputing variant the plain arithmetic passes.
+    first = min((v for v in found if v.arithmetic_bytes <= hbm), key=lambda v: v.rank)
+    assert calls[0] == tuple(flatten(first.cfg)[k] for k in FIT_KEYS)
+    # Once a policy's ratio has been seen, nothing of that policy the corrected arithmetic rules out compiles.
+    seen = set()
+    for key in calls:
+        assert key[0] not in seen or by_key[key].arithmetic_bytes * TRUE_RATIO[key[0]] <= hbm, key
+        seen.add(key[0])
+    # It stops at `compiles` once one fits (at twice that while none does).
+    assert len(calls) <= 6 and (len(calls) <= 3 or not any(heap[k] <= hbm for k in calls[:-1]))
+    fitting = [c for c in result["compiled"] if c["fits"]]
+    assert result["best"] in fitting
+    assert result["best"]["roofline_seconds"] <= 1.01 * min(c["roofline_seconds"] for c in fitting)
+
+    # Allowed to compile everything, its answer is the fastest of all the variants that fit.
+    calls.clear()
+    everything = fit.search(cfg, devices, hbm, n, stand_in, compiles=len(found))
+    fastest = min(roofline[k] for k in by_key if heap[k] <= hbm)
+    assert everything["best"]["roofline_seconds"] == pytest.approx(fastest, rel=0.01)
+    assert len(calls) < len(found)  # the screen and its corrections still left most uncompiled

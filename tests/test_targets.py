@@ -12,6 +12,7 @@ import pytest
 from conftest import REPO, micro_config
 
 from parallelism import hlo
+from trainer.chips import CHIPS, chip_of
 from trainer.config import flatten, with_changes
 from trainer.errors import ConfigError
 from trainer.planning.plan import plan
@@ -185,14 +186,41 @@ def test_fit_finds_a_variant_that_fits_a_v5e_chip_and_prints_its_command():
     assert cfg.train.global_batch_size == 640 and cfg.model.d_model == 256  # the same model and batch
 
 
+ALLOCATOR_VARIABLES = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                       "XLA_PYTHON_CLIENT_ALLOCATOR")  # fmt: skip
+
+
+def test_chips_are_told_apart_by_their_device_kind_and_gpus_judged_by_what_jax_lets_a_process_hold(monkeypatch):
+    assert [chip_of(k) for k in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "TPU v5", "TPU v5 lite",
+                                 "NVIDIA H100 NVL", "NVIDIA H100")] == [  # fmt: skip
+        "h100", "h100-pcie", "h200", "tpu-v5p", "tpu-v5e", None, None]  # fmt: skip
+    assert CHIPS["h100-pcie"].peak_flops < CHIPS["h100"].peak_flops  # 756 against 989 dense bf16 TFLOP/s
+    # The share against jaxlib's own reading of the same variables (the plugin's default is 0.75).
+    from jaxlib.xla_client import generate_pjrt_gpu_plugin_options
+
+    for setting in ({}, {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.9"},
+                    {"XLA_CLIENT_MEM_FRACTION": ".5", "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}):  # fmt: skip
+        for name in ALLOCATOR_VARIABLES:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in setting.items():
+            monkeypatch.setenv(name, value)
+        share = generate_pjrt_gpu_plugin_options().get("memory_fraction", 0.75)
+        assert CHIPS["h100"].usable_hbm_bytes == int(80e9 * share), setting
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+    assert CHIPS["h100"].usable_hbm_bytes == 80e9 and CHIPS["tpu-v5e"].usable_hbm_bytes == int(15.75 * 2**30)
+
+
 @needs_cuda_plugin
-def test_h100_hosts_compile_without_a_gpu():
+def test_h100_hosts_compile_without_a_gpu(monkeypatch):
     assert parse_target("h100-16").topology == "1x2x8" and parse_target("h200-4").topology == "1x1x4"
     two_hosts = target_devices(parse_target("h100-16"))
     assert len(two_hosts) == 16 and {d.process_index for d in two_hosts} == {0, 1}
+    for name in ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
     result = plan(bf16_model(), target="h100-8")
-    assert result["device_kind"].startswith("NVIDIA H100") and result["fits"]
-    assert result["hbm_bytes_per_device"] == 80 * 10**9
+    assert chip_of(result["device_kind"]) == "h100" and result["fits"]
+    assert result["hbm_bytes_per_device"] == 80 * 10**9 and result["usable_hbm_bytes_per_device"] == 60 * 10**9
+    assert "75%" in result["usable_hbm_because"]
     assert result["cost"]["flops"] == pytest.approx(result["flops_per_step"] / result["devices"], rel=0.02)
     # XLA:GPU combines a layer's gathers (and scatters) into one async collective of many arrays.
     measured, textbook = result["collectives"]["measured"], result["collectives"]["textbook"]

@@ -8,40 +8,56 @@ chips run their two TensorCores as one device (megacore).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 GiB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
 class Chip:
-    device_kind: str  # what jax's Device.device_kind contains
+    device_kinds: tuple[str, ...]  # jax's Device.device_kind for it, exactly (the first: what GPU targets describe)
     peak_flops: float  # dense bf16 FLOP/s
     hbm_bytes: int
     hbm_bytes_per_second: float
     # What a program may hold: on TPUs the "available HBM" XLA:TPU (libtpu 0.0.42.1) states when it refuses
-    # a step, the runtime keeping the rest. None: the whole HBM (GPUs: not measured; note JAX's allocator
-    # takes 75% of it unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise).
+    # a step, the runtime keeping the rest. None for GPUs: what JAX's allocator lets a process hold
+    # (gpu_memory_share).
     usable_bytes: int | None = None
 
     @property
     def usable_hbm_bytes(self) -> int:
-        return self.usable_bytes or self.hbm_bytes
+        return self.usable_bytes or int(self.hbm_bytes * gpu_memory_share()[0])
 
 
-# Matched against device_kind in this order: v5p reports itself as "TPU v5", so it
-# must come after v5e's "TPU v5 lite"; v6e is "TPU v6 lite".
+# Named by the exact device kinds: a substring would give an H100 PCIe (or NVL) the SXM's peak. A kind that
+# is not here has no known peak (MFU is then not reported) rather than a wrong one.
 CHIPS = {
-    "tpu-v6e": Chip("TPU v6", 918e12, 32 * GiB, 1640e9, int(31.25 * GiB)),
-    "tpu-v5e": Chip("TPU v5 lite", 197e12, 16 * GiB, 819e9, int(15.75 * GiB)),
+    "tpu-v6e": Chip(("TPU v6 lite",), 918e12, 32 * GiB, 1640e9, int(31.25 * GiB)),
+    "tpu-v5e": Chip(("TPU v5 lite",), 197e12, 16 * GiB, 819e9, int(15.75 * GiB)),
     # The data sheet's "95 GB" is rounded down: XLA:TPU offers a program 95.74 GiB.
-    "tpu-v5p": Chip("TPU v5", 459e12, 96 * GiB, 2765e9, int(95.74 * GiB)),
-    "tpu-v4": Chip("TPU v4", 275e12, 32 * GiB, 1228e9, int(30.75 * GiB)),
-    "h200": Chip("H200", 989e12, 141 * 10**9, 4.8e12),
-    "h100": Chip("H100", 989e12, 80 * 10**9, 3.35e12),  # SXM
-    "a100": Chip("A100", 312e12, 80 * 10**9, 2.039e12),  # SXM, 80 GB
+    "tpu-v5p": Chip(("TPU v5",), 459e12, 96 * GiB, 2765e9, int(95.74 * GiB)),
+    "tpu-v4": Chip(("TPU v4",), 275e12, 32 * GiB, 1228e9, int(30.75 * GiB)),
+    "h200": Chip(("NVIDIA H200",), 989e12, 141 * 10**9, 4.8e12),
+    "h100": Chip(("NVIDIA H100 80GB HBM3",), 989e12, 80 * 10**9, 3.35e12),  # SXM
+    "h100-pcie": Chip(("NVIDIA H100 PCIe",), 756e12, 80 * 10**9, 2.0e12),
+    "a100": Chip(("NVIDIA A100-SXM4-80GB",), 312e12, 80 * 10**9, 2.039e12),
+    "a100-40gb": Chip(("NVIDIA A100-SXM4-40GB",), 312e12, 40 * 10**9, 1.555e12),
 }
 
 
 def chip_of(device_kind: str) -> str | None:
     """The planner's name for a device kind, None for one the table does not know."""
-    return next((name for name, chip in CHIPS.items() if chip.device_kind in device_kind), None)
+    return next((name for name, chip in CHIPS.items() if device_kind in chip.device_kinds), None)
+
+
+def gpu_memory_share(environ=os.environ) -> tuple[float, str]:
+    """(share of a GPU's memory that JAX's allocator lets one process hold, why), read from the variables
+    jaxlib reads (jaxlib/xla_client.py): XLA_CLIENT_MEM_FRACTION (or the older XLA_PYTHON_CLIENT_MEM_FRACTION),
+    0.75 when neither is set; preallocating or not (XLA_PYTHON_CLIENT_PREALLOCATE) does not change the
+    limit; XLA_PYTHON_CLIENT_ALLOCATOR=platform allocates from the whole memory."""
+    if environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+        return 1.0, "all of it (XLA_PYTHON_CLIENT_ALLOCATOR=platform)"
+    for name in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        if environ.get(name):
+            return float(environ[name]), f"{name}={environ[name]}"
+    return 0.75, "JAX's allocator takes 75% unless XLA_CLIENT_MEM_FRACTION says otherwise"

@@ -36,11 +36,24 @@ def count_params(abstract_params: dict) -> dict[str, int]:
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding - head}
 
 
-def flops_per_token(arch: Architecture, abstract_params: dict, seq_len: int) -> float:
+FORMULA = "6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len"
+
+
+def matmul_params(arch: Architecture, abstract_params: dict) -> int:
+    """N of the formula: every parameter but an untied input embedding table."""
     counts = count_params(abstract_params)
-    matmul_params = counts["total"] - (0 if arch.tie_embeddings else counts["embedding"])
-    attention = 12 * arch.n_layers * arch.n_heads * arch.head_dim * seq_len
-    return 6.0 * matmul_params + attention
+    return counts["total"] - (0 if arch.tie_embeddings else counts["embedding"])
+
+
+def attention_forward_flops(arch: Architecture, seq_len: int) -> float:
+    """Forward FLOPs per token of the QK^T and AV matmuls at full length (2 matmuls x 2 FLOPs a multiply-add);
+    training runs them three times (forward, and two in the backward pass)."""
+    return 4.0 * arch.n_layers * arch.n_heads * arch.head_dim * seq_len
+
+
+def flops_per_token(arch: Architecture, abstract_params: dict, seq_len: int) -> float:
+    """Training FLOPs per token: FORMULA."""
+    return 6.0 * matmul_params(arch, abstract_params) + 3 * attention_forward_flops(arch, seq_len)
 
 
 @functools.cache

@@ -15,7 +15,7 @@ import json
 import os
 
 from trainer.errors import ConfigError
-from trainer.storage.metrics import METRICS_FILE
+from trainer.storage.metrics import METRICS_FILE, read_records
 from trainer.storage.workdir import path
 from trainer.training.goodput import BUCKETS, LEDGER
 
@@ -26,17 +26,13 @@ PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient nor
 def read(workdir: str) -> dict:
     """{"train": records with a loss, "eval": with an eval_loss, "skipped": steps, "rollbacks": events,
     "goodput": the run's time account or None}."""
-    file = path(workdir) / METRICS_FILE
-    if not file.exists():
+    records = read_records(workdir)
+    if records is None:
         raise ConfigError(f"{workdir} has no {METRICS_FILE}; give the --workdir of a run that has logged.")
     account = path(workdir) / LEDGER
     run = {"train": [], "eval": [], "skipped": [], "rollbacks": [],
            "goodput": json.loads(account.read_text()) if account.exists() else None}  # fmt: skip
-    for line in file.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # the last line of a killed run
-            continue
+    for record in records:
         if record.get("event") == "rollback":
             run["rollbacks"].append(record)
         elif record.get("event") == "skipped":

@@ -19,6 +19,7 @@ import time
 
 from trainer.config import REMAT_POLICIES, flatten, with_changes
 from trainer.errors import ConfigError
+from trainer.flops import attention_forward_flops
 from trainer.planning import memory
 from trainer.training.setup import build
 from trainer.validation import check_mesh_fit, validate
@@ -46,8 +47,8 @@ def recompute_fraction(cfg, spec, n_matmul_params: int) -> float:
     """Extra forward FLOPs per token the variant spends, as a fraction of 6N + attention (flops.py):
     full remat recomputes the layers' forward, save_dots_no_batch the attention's batched matmuls, the
     chunked loss the output head's forward."""
-    a, seq = spec.arch, cfg.data.seq_len
-    attention_forward = 4 * a.n_layers * a.n_heads * a.head_dim * seq
+    a = spec.arch
+    attention_forward = attention_forward_flops(a, cfg.data.seq_len)
     head = a.d_model * a.vocab_size
     total = 6 * n_matmul_params + 3 * attention_forward
     extra = {"none": 0, "save_dots": 0, "save_dots_no_batch": attention_forward,

@@ -35,9 +35,9 @@ import numpy as np
 
 from trainer import config
 from trainer.errors import ConfigError
-from trainer.flops import count_params, flops_per_token
+from trainer.flops import flops_per_token, matmul_params
 from trainer.storage import workdir as wd
-from trainer.storage.metrics import METRICS_FILE
+from trainer.storage.metrics import read_records
 from trainer.storage.workdir import saved_config
 from trainer.training.setup import build
 
@@ -98,9 +98,7 @@ def _sizes(cfg) -> tuple[int, float]:
     """(matmul parameters, training FLOPs per token) of a config's model, from its abstract shapes only."""
     setup = build(cfg, devices=jax.devices()[:1])
     params, arch = setup.model.abstract_params, setup.spec.arch
-    counts = count_params(params)
-    n = counts["total"] - (0 if arch.tie_embeddings else counts["embedding"])
-    return n, flops_per_token(arch, params, cfg.data.seq_len)
+    return matmul_params(arch, params), flops_per_token(arch, params, cfg.data.seq_len)
 
 
 def point_name(budget: float) -> str:
@@ -157,17 +155,10 @@ def make_point(base, budget: float, rung: Rung, workdir: str) -> Point:
 
 def final_loss(workdir: str) -> float | None:
     """The run's evaluation at its last step, once it has trained all its batches; None until then."""
-    cfg_dict = saved_config(workdir)
-    file = wd.path(workdir) / METRICS_FILE
-    if cfg_dict is None or not file.exists():
+    cfg_dict, records = saved_config(workdir), read_records(workdir)
+    if cfg_dict is None or records is None:
         return None
     target = cfg_dict["train"]["steps"] * cfg_dict["train"]["global_batch_size"]
-    records = []
-    for line in file.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line cut short by a killed process
     done = [r["step"] for r in records if (r.get("sequences") or 0) >= target]
     evals = [r["eval_loss"] for r in records if done and r["step"] >= done[0] and r.get("eval_loss") is not None]
     return evals[-1] if evals else None

@@ -130,7 +130,7 @@ def _gpu_target_config(chip: Chip) -> str:
 }}
 platform_name: "CUDA"
 dnn_version_info {{ major: 9 minor: 8 }}
-device_description_str: "NVIDIA {chip.device_kind}"
+device_description_str: "{chip.device_kinds[0]}"
 """
 
 

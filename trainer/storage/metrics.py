@@ -36,15 +36,27 @@ def _step_of(line: str) -> int | None:
         return None
 
 
+def read_records(workdir: str) -> list[dict] | None:
+    """The records of a workdir's metrics.jsonl (local or in a bucket), in order, less a last line cut short
+    by a killed process; None where there is no metrics.jsonl."""
+    file = wd.path(workdir) / METRICS_FILE
+    if not file.exists():
+        return None
+    records = []
+    for line in file.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 def check_fresh_start(workdir: str, cfg) -> None:
     """Refuse to start afresh (no checkpoint to resume) in a workdir whose history proves that a checkpoint
     was there: records at step 2 x checkpoint.every_steps or later. The loop logs step 2e only after its
     save at step 2e has returned, which waits for the save at step e to be committed. A shorter history
     (a run stopped before its first checkpoint) is moved aside by the new run's MetricsWriter instead."""
-    file = wd.path(workdir) / METRICS_FILE
-    if not file.exists():
-        return
-    steps = [s for s in map(_step_of, file.read_text().splitlines()) if s is not None]
+    steps = [r["step"] for r in read_records(workdir) or () if "step" in r]
     saved = wd.saved_config(workdir)
     every = saved["checkpoint"]["every_steps"] if saved else cfg.checkpoint.every_steps
     if steps and max(steps) >= 2 * every:
