@@ -12,7 +12,9 @@ heap on a TPU, arguments + temporaries on a CPU: trainer/training/step.py). Line
 already there are not compiled again, so an interrupted grid resumes. The
 README's memory table is printed at the end, with the arithmetic of today's
 code (trainer/planning/memory.py) beside the recorded compiles; `--table`
-prints it without compiling.
+prints it without compiling. `--heldout` compiles the held-out set (HELDOUT,
+below) into --heldout_out instead, likewise resumable, and prints each cell and
+the error by target and remat policy beside the fit's.
 
 Where XLA:TPU refuses a step whose heap exceeds the chip's HBM, the heap it
 had assigned is recorded all the same (its report is written before the
@@ -265,10 +267,38 @@ def heldout_table(path: str) -> str:
     return "\n".join(lines)
 
 
+def error_summary() -> str:
+    """Markdown: the arithmetic's error against XLA:TPU's heap by target and remat policy, over the fit set
+    (small and llm_1b in --out) and the held-out set (--heldout_out)."""
+    import collections
+    import statistics
+
+    errors = collections.defaultdict(list)
+    with open(_OUT.value) as f:
+        fitted = [r for r in map(json.loads, f) if r["compiler"] != "cpu" and r["config"] != "tiny"]
+    devices = compiler_devices(sorted({r["compiler"] for r in fitted}))
+    for r in fitted:
+        counted = arithmetic(r, devices[r["compiler"]])["total"]
+        errors[(r["compiler"].split("-")[0], r["remat"], "fit")].append(counted / r["xla"]["total"] - 1)
+    with open(_HELDOUT_OUT.value) as f:
+        for r in map(json.loads, f):
+            if "xla" in r:
+                remat = heldout_setup(r)[0].model.remat
+                errors[(r["compiler"].split("-")[0], remat, "held-out")].append(r["arithmetic"] / r["xla"]["total"] - 1)
+    lines = ["| set | target | remat | compiles | median abs error | worst | within 10% |",
+             "|" + " --- |" * 3 + " ---: |" * 4]  # fmt: skip
+    for target, remat, which in sorted(errors, key=lambda k: (k[0], k[1], k[2] != "fit")):
+        e = errors[(target, remat, which)]
+        lines.append(f"| {which} | {target} | {remat} | {len(e)} | {statistics.median(map(abs, e)):.0%} | "
+                     f"{max(e, key=abs):+.0%} | {sum(abs(x) <= 0.1 for x in e)} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main():
     if _HELDOUT.value:
         run_heldout()
         print(heldout_table(_HELDOUT_OUT.value))
+        print(error_summary())
         return
     if not _TABLE.value:
         run_grid()

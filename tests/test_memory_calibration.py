@@ -3,8 +3,10 @@
 benchmarks/memory_calibration.py compiled tiny, small and llm_1b under remat none /
 save_dots / full on meshes fsdp=4, data=2 x fsdp=2 and fsdp=2 x tensor=2 for v5e-4
 and v5p-8 (54 compiles, 21 minutes on two cores) and recorded XLA's figures in
-benchmarks/report/memory_calibration.jsonl. Here today's arithmetic is held to them,
-and one of them is compiled again, so the record cannot drift from the libtpu installed.
+benchmarks/report/memory_calibration.jsonl: the set the arithmetic was fitted to. Here
+today's arithmetic is held to them within bounds, one of them is compiled again, so the
+record cannot drift from the libtpu installed, and the held-out set (never fitted to) is
+held to the bounds stated before it was compiled.
 """
 
 import json
@@ -20,13 +22,7 @@ pytestmark = pytest.mark.skipif(not installed("libtpu"), reason='pip install -e 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 RECORD = os.path.join(REPO, "benchmarks", "report", "memory_calibration.jsonl")
-# The cells where the arithmetic is more than 10% off XLA:TPU's HBM heap, and why (the README's memory table).
-# At fsdp=4 v5e's latency-hiding scheduler holds the logits and the recomputed layer together (counted: the
-# larger; with xla_tpu_enable_latency_hiding_scheduler=false the heaps are 2.82 and 8.67 GiB).
-OFF_BY_MORE = {
-    ("small", "v5e-4", "full", "fsdp=4"): "-32%",
-    ("llm_1b", "v5e-4", "full", "fsdp=4"): "-18%",
-}
+HELDOUT_RECORD = os.path.join(REPO, "benchmarks", "report", "memory_heldout.jsonl")
 
 
 def recorded() -> list[dict]:
@@ -34,7 +30,7 @@ def recorded() -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_the_arithmetic_is_within_10_percent_of_xla_tpu_on_the_recorded_grid():
+def test_the_arithmetic_holds_its_bounds_on_the_grid_it_was_fitted_to():
     import memory_calibration as grid
 
     rows = [r for r in recorded() if r["compiler"] != "cpu"]
@@ -50,11 +46,34 @@ def test_the_arithmetic_is_within_10_percent_of_xla_tpu_on_the_recorded_grid():
             assert heap < counted <= heap + r["xla"]["vmem"], r
             on_chip += 1
             continue
-        if abs(counted / heap - 1) > 0.1:
-            off[(r["config"], r["compiler"], r["remat"], r["mesh"])] = f"{counted / heap - 1:+.0%}"
-    # Exactly the known cells, by as much as the README says: 37 of 45 within 10% of the heap (the six
-    # on-chip ones are not), and 34 of the 36 of small and llm_1b.
-    assert on_chip == 6 and off == OFF_BY_MORE
+        off[(r["config"], r["compiler"], r["remat"], r["mesh"])] = counted / heap - 1
+    # Bounds, not the cells: 37 of the 45 within 10% of the heap when this was written (the six on-chip ones
+    # are not judged), every one within 35% (the worst, small and llm_1b under full remat at fsdp=4 on v5e,
+    # where its latency-hiding scheduler holds the logits and the recomputed layer together: -32% and -18%).
+    assert on_chip == 6 and len(off) == 39
+    assert sum(abs(e) <= 0.1 for e in off.values()) >= 37 and max(map(abs, off.values())) <= 0.35
+
+
+def test_the_held_out_compiles_are_within_the_bounds_stated_before_they_were_compiled():
+    """The held-out set (memory_calibration.py HELDOUT): compiled once, never fitted to. Its record keeps the
+    arithmetic of the day; today's must be the same, or memory.py has changed what it says about them (a
+    refit, or a change that moves them) and they are no longer held out: choose a new set and compile it."""
+    import statistics
+
+    import memory_calibration as grid
+
+    with open(HELDOUT_RECORD) as f:
+        rows = [json.loads(line) for line in f]
+    assert sorted((r["cell"], r["config"], r["compiler"]) for r in rows) == sorted(
+        (name, config, target) for name, config, _, target, _ in grid.HELDOUT)  # fmt: skip
+    for r in rows:
+        assert grid.heldout_arithmetic(r) == r["arithmetic"], (
+            f"memory.py now says {grid.heldout_arithmetic(r)} bytes for the held-out cell {r['cell']} "
+            f"({r['config']} on {r['compiler']}), where it said {r['arithmetic']}: the held-out set is spent."
+        )
+    errors = [abs(r["arithmetic"] / r["xla"]["total"] - 1) for r in rows if "xla" in r]
+    assert len(errors) >= 30
+    assert max(errors) <= grid.HELDOUT_BOUND and statistics.median(errors) <= grid.HELDOUT_MEDIAN_BOUND
 
 
 def test_a_recorded_compile_is_what_libtpu_compiles_today_and_the_arithmetic_counts_it():
