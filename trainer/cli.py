@@ -54,10 +54,11 @@ def _next_commands(result: dict, cfg, workdir_flag: str | None, argv: list[str])
     longer = 2 * cfg.train.steps
     prompt = cfg.train.sample_prompts[0] if cfg.train.sample_prompts else ""
     new_tokens = min(128, cfg.model.max_seq_len // 2)  # within the model's context beside a short prompt
+    sample = "--temperature=0.6"  # sampled: a small model's greedy text soon repeats itself
     commands = [
         ("train on, to twice the steps", "train.py", [f"--config.train.steps={longer}"]),
         ("evaluate the newest checkpoint", "eval.py", []),
-        ("write from it", "generate.py", [f"--prompt={shlex.quote(prompt)}", f"--max_new_tokens={new_tokens}"]),
+        ("write from it", "generate.py", [f"--prompt={shlex.quote(prompt)}", f"--max_new_tokens={new_tokens}", sample]),
     ]
     lines = [f"done: {workdir_flag or default_workdir()} is at step {result['step']}; {reached}", "next:"]
     for what, script, extra in commands:
