@@ -183,6 +183,9 @@ def main():
     m = result["bytes_per_device"]
     print(f"memory per device {m['total'] / gib:.2f} GiB by arithmetic: " + ", ".join(
         f"{k.replace('_', ' ')} {v / gib:.2f}" for k, v in m.items() if k != "total"))  # fmt: skip
+    low, high = result["heap_interval_bytes"]
+    print(f"                  a TPU heap of {low / gib:.2f} to {high / gib:.2f} GiB: the arithmetic's error on "
+          "compiles it was not fitted to (35%; docs/planning.md); --target compiles to know")  # fmt: skip
     if "compiled_breakdown" in result:
         b, used = result["compiled_breakdown"], result["compiled_bytes_per_device"]
         if "heap" in b:

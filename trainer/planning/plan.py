@@ -70,6 +70,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         "device_kind": setup.mesh.devices.flat[0].device_kind,
     }
     result["bytes_per_device"] = memory.bytes_per_device(cfg, setup)
+    result["heap_interval_bytes"] = memory.heap_interval(result["bytes_per_device"]["total"])
     result["chinchilla_tokens"] = scaling.TOKENS_PER_PARAM * counts["total"]
     result["chinchilla_fit_loss"] = float(scaling.CHINCHILLA.loss(counts["total"], result["chinchilla_tokens"]))
     chips = chips or setup.mesh.size
