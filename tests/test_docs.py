@@ -71,7 +71,7 @@ def test_every_command_in_the_readme_and_docs_exists_with_its_flags():
             elif name not in defined and not (name.startswith("no") and name[2:] in defined):
                 wrong.append(f"{where}: {script} has no flag --{name}")
             if name == "config":
-                path = token.split("=", 1)[1] if "=" in token else tokens[i + 1]
+                path = token.split("=", 1)[1] if "=" in token else (tokens[i + 1 :] or ["(nothing)"])[0]
                 if path != "..." and not os.path.exists(os.path.join(REPO, path)):  # "...": any config
                     wrong.append(f"{where}: the config {path} does not exist")
     assert not wrong, "\n".join(wrong)
