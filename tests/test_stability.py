@@ -162,3 +162,17 @@ def test_drills_that_do_not_parse_are_refused(tmp_path, corpus_dir):
         ConfigError, match=r"must be \(first batch, last batch, factor\), e.g. --config.debug.lr_spike=20,27,1000"
     ):
         train(config(corpus_dir, lr_spike=("20:27:1000",)), str(tmp_path / "run"))
+
+
+def test_an_unreadable_time_account_is_set_aside_and_the_run_goes_on(tmp_path, capsys):
+    """goodput.json cut short (or edited) stops nothing: it is kept beside, and the account starts again."""
+    from trainer.storage.workdir import GrowingFiles
+    from trainer.training.goodput import Goodput
+
+    (tmp_path / "goodput.json").write_text('{"seconds": {"step": 1.')
+    account = Goodput()
+    account.open(GrowingFiles(str(tmp_path)), step=5)
+    assert (tmp_path / "goodput.json.unreadable").read_text() == '{"seconds": {"step": 1.'
+    assert account.launches == 1 and "could not be read" in capsys.readouterr().out
+    with open(tmp_path / "goodput.json") as f:
+        assert json.load(f)["at_save"] == {"5": 0.0}

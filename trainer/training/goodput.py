@@ -56,9 +56,19 @@ class Goodput:
         if files is None:
             return
         self.file = files.fetch(LEDGER)
+        before = None
         if os.path.exists(self.file):
-            with open(self.file) as f:
-                before = json.load(f)
+            try:
+                with open(self.file) as f:
+                    before = json.load(f)
+                if not {"seconds", "at", "at_save", "launches"} <= set(before):
+                    raise KeyError("a field is missing")
+            except (ValueError, KeyError, TypeError):  # an account must never stop a run: set aside, start again
+                os.replace(self.file, self.file + ".unreadable")
+                print(f"warning: {LEDGER} could not be read; kept as {LEDGER}.unreadable, the time account starts "
+                      "again from this launch", flush=True)  # fmt: skip
+                before = None
+        if before is not None:
             self._tick()
             for name in BUCKETS:
                 self.seconds[name] += before["seconds"][name]
