@@ -26,8 +26,11 @@ HANG = 15  # train.hang_seconds in the drills
 BOUND = 20  # seconds beyond it the run may take to end: the steps until it blocks, writing stacks, exiting
 
 
+STEPS = 30  # the bucket freezes after step 7, and some seconds late on a loaded machine: the run must not end first
+
+
 def config(**train_cfg):
-    return micro_config(train=dict(dict(steps=12, log_every=1, hang_seconds=HANG), **train_cfg),
+    return micro_config(train=dict(dict(steps=STEPS, log_every=1, hang_seconds=HANG), **train_cfg),
                         optim=dict(schedule="constant", warmup_steps=1),
                         checkpoint={"every_steps": 3, "keep": 10})  # fmt: skip
 
@@ -96,7 +99,7 @@ def test_a_run_whose_storage_hangs_ends_with_its_stacks_and_resumes_exactly(buck
     procs, logs = run(args, processes, tmp_path / "relaunched")
     assert [p.wait(timeout=240) for p in procs] == [0] * processes, text(logs[0])[-3000:]
     resumed = int(re.search(r"resumed from the checkpoint at step (\d+)", text(logs[0]))[1])
-    assert committed and max(committed) <= resumed <= 9  # nothing committed was lost or set aside
+    assert committed and max(committed) <= resumed < STEPS  # nothing committed was lost or set aside
     assert not any(name in text(log) for log in logs for name in ("damaged_checkpoints", "set aside"))
     forget_listings(workdir)  # this process listed the bucket before the relaunch wrote it
     reference = str(tmp_path / "uninterrupted")  # on as many processes: their reductions differ in the last bits
@@ -105,7 +108,7 @@ def test_a_run_whose_storage_hangs_ends_with_its_stacks_and_resumes_exactly(buck
     else:
         procs, logs = run([*cli_args(config(hang_seconds=0)), f"--workdir={reference}"], 2, tmp_path / "reference")
         assert [p.wait(timeout=240) for p in procs] == [0, 0], text(logs[0])[-3000:]
-    resumed, uninterrupted = (jax.tree.leaves(params_at(config(), w, 12)) for w in (workdir, reference))
+    resumed, uninterrupted = (jax.tree.leaves(params_at(config(), w, STEPS)) for w in (workdir, reference))
     for a, b in zip(resumed, uninterrupted, strict=True):
         np.testing.assert_array_equal(a, b)
 
