@@ -107,12 +107,9 @@ HELDOUT_BOUND, HELDOUT_MEDIAN_BOUND = 0.35, 0.15
 
 
 def load_config(name: str):
-    import importlib.util
+    from trainer.config import from_file
 
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(HERE), "configs", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return from_file(os.path.join(os.path.dirname(HERE), "configs", f"{name}.py"))
 
 
 def config_for(name: str, remat: str, mesh: tuple[int, int, int]):

@@ -108,6 +108,10 @@ def read(hlo_text: str) -> Module:
         match = _INSTRUCTION.match(line)
         if match:
             module.instructions[current].append(Instruction(*match.groups()[:3], match.group(4), line))
+        elif module.instructions[current] and line.strip() != "}":  # an attribute written over several lines
+            last = module.instructions[current][-1]
+            module.instructions[current][-1] = dataclasses.replace(last, rest=f"{last.rest}\n{line}",
+                                                                   line=f"{last.line}\n{line}")  # fmt: skip
         constants[current] += [int(n) for n in _S32_CONSTANT.findall(line)]
         if line.lstrip().startswith("ROOT") and " compare(" in line and "direction=LT" in line:
             counts_below.add(current)
@@ -291,8 +295,8 @@ def bytes_accessed(module: Module) -> float:
             continue  # its instructions live in registers and on-chip memory, inside one kernel
         shapes = {i.name: i.shape for i in module.instructions[name]}
         for inst in module.instructions[name]:
-            if inst.opcode in _FREE or inst.opcode.endswith("-start"):
-                continue  # an async op is counted at its -done: what it reads, what it writes
+            if inst.opcode in _FREE or inst.opcode.endswith("-start") or _is_kernel(inst):
+                continue  # an async op is counted at its -done; a kernel by its schedule (custom_kernels)
             if inst.opcode.endswith("-done"):
                 total += times * 2 * array_bytes(inst.shape)
                 continue
@@ -305,8 +309,13 @@ def bytes_accessed(module: Module) -> float:
     return total
 
 
-def kernel_calls(module: Module) -> int:
-    """Executions of hand-written (Pallas/Mosaic) kernels: their FLOPs are not in the HLO."""
-    return sum(times * sum(1 for i in module.instructions[name]
-                           if i.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in i.rest)
-               for name, times in executions(module).items())  # fmt: skip
+def _is_kernel(inst: Instruction) -> bool:
+    return inst.opcode == "custom-call" and 'custom_call_target="tpu_custom_call"' in inst.rest
+
+
+def custom_kernels(module: Module) -> list[tuple[Instruction, int]]:
+    """Each hand-written (Pallas/Mosaic) kernel call and how often it runs. Their FLOPs are not in the HLO,
+    and their traffic depends on the kernel's schedule (trainer/model/splash.py), so `matmul_flops` and
+    `bytes_accessed` leave them out."""
+    return [(inst, times) for name, times in executions(module).items()
+            for inst in module.instructions[name] if _is_kernel(inst)]  # fmt: skip

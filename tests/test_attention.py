@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
+from parallelism import hlo
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding
-from trainer.model.attention import resolve, splash_attention, splash_block, xla_attention
+from trainer.model.attention import resolve, xla_attention
+from trainer.model.splash import block_size, call_cost, splash_attention
 
 
 def packed_gqa(b=2, t=256, n=4, kv=2, h=64):
@@ -49,5 +51,44 @@ def test_splash_under_a_mesh_runs_per_shard_and_matches():
 def test_auto_and_block_sizes():
     assert (resolve("auto", "tpu"), resolve("auto", "gpu"), resolve("auto", "cpu")) == ("splash", "cudnn", "xla")
     assert resolve("dot_product", "tpu") == "dot_product"
-    assert (splash_block(2048), splash_block(8192), splash_block(384), splash_block(128), splash_block(48)) == (
-        512, 512, 128, 128, 48)  # fmt: skip
+    # A chip with no known peak: 512 or the largest below it that divides; none divides: one block.
+    assert [block_size(t, 64, 4, "cpu") for t in (2048, 8192, 384, 128, 48)] == [512, 512, 128, 128, 48]
+    # Per chip, from the kernel's cost: a v6e's 560 FLOPs a byte take the largest blocks; a v5e's 240 fewer.
+    assert block_size(8192, 64, 4, "TPU v6 lite") == 1024 and block_size(2048, 64, 4, "TPU v5 lite") == 512
+
+
+@pytest.mark.parametrize("t, block, group", [(2048, 512, 2), (1024, 256, 4), (4096, 1024, 1)])
+def test_splash_cost_counts_the_causal_blocks_it_runs_and_the_copies_its_pipeline_makes(t, block, group):
+    """The kernel's cost from its own block map and index maps, against the closed form of a causal
+    call with n = t / block blocks a side (bf16, segment ids, head_dim 64, 3 instances), and its forward
+    FLOPs against the reference's HLO, which computes every block."""
+    n, d, b, lanes, sub, instances = t // block, 64, 2, 128, 8, 3
+    blocks = n * (n + 1) // 2  # on or below the diagonal
+    fwd_flops, fwd_bytes = call_cost("fwd", group, 1, t, d, instances, b, block, block, segmented=True)
+    dkv_flops, dkv_bytes = call_cost("dkv", group, 1, t, d, instances, b, block, block, segmented=True)
+    assert fwd_flops == instances * group * blocks * 2 * (2 * block * block * d)  # QK^T, PV
+    assert dkv_flops == instances * group * blocks * 5 * (2 * block * block * d)  # QK^T, dV, dP, dK, dQ
+
+    # Forward, per head: q read and out written once; row i reads key blocks 0..i, except that row 1
+    # finds block 0 still there from row 0 (skipped steps point at the next row's first block).
+    kv_reads = group * (blocks - 1)
+    expected = (2 * group * t * d * b + 2 * kv_reads * block * d * b
+                + group * t * lanes * 4  # logsumexp, float32 x 128 lanes
+                + 2 * group * t * lanes * 4  # query segment ids and positions, int32 x 128 lanes
+                + kv_reads * sub * block * 4  # key segment ids, int32 x 8 sublanes
+                + (2 * block * lanes + block * d) * 4)  # fmt: skip  # m, l, o scratch
+    assert fwd_bytes == instances * expected
+    # Backward, per head: key column j reads query blocks j..n-1, and one more (block 0, for the skipped
+    # steps) when j > 0; k, v, dk, dv once; a dq partial written at every step, skipped ones too.
+    q_reads = group * (blocks + n - 1)
+    expected = (2 * q_reads * block * d * b + 2 * q_reads * sub * block * 4  # q, dO; logsumexp, di
+                + 2 * q_reads * sub * block * 4  # query segment ids and positions
+                + 4 * t * d * b + t * lanes * 4  # k, v, dk, dv; key segment ids
+                + n * group * t * d * b  # dq partials
+                + 2 * block * d * 4)  # fmt: skip  # dk, dv scratch
+    assert dkv_bytes == instances * expected
+
+    # The reference computes all n x n blocks: its HLO's matmul FLOPs x (n + 1) / 2n are the causal ones.
+    shapes = [jax.ShapeDtypeStruct((instances, t, heads, d), jnp.bfloat16) for heads in (group, 1, 1)]
+    reference = hlo.matmul_flops(hlo.read(jax.jit(xla_attention).lower(*shapes).compile().as_text()))
+    assert fwd_flops == pytest.approx(reference * (n + 1) / (2 * n), rel=1e-6)

@@ -268,6 +268,16 @@ def with_changes(cfg: ml_collections.ConfigDict, changes: Mapping[str, object], 
     return out
 
 
+def from_file(path: str) -> ml_collections.ConfigDict:
+    """The config a file under configs/ (or any of its form) returns from get_config()."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("config_file", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config()
+
+
 def from_dict(saved: Mapping) -> ml_collections.ConfigDict:
     """A config from a saved config.json: today's defaults, overwritten by every key the file knows.
 

@@ -21,7 +21,8 @@ from parallelism import collectives, hlo, pipeline
 from trainer.chips import CHIPS, gpu_memory_share
 from trainer.config import microbatch_size
 from trainer.errors import ConfigError
-from trainer.flops import FORMULA, attention_forward_flops, count_params, flops_per_token, matmul_params
+from trainer.flops import FORMULA, count_params, flops_per_token, matmul_params
+from trainer.model.splash import hlo_call_cost
 from trainer.planning import fit as fitting
 from trainer.planning import memory, scaling
 from trainer.planning.targets import Target, parse_target, target_devices
@@ -112,7 +113,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         result["compiled_bytes_per_device"] = breakdown.pop("total")
         result["compiled_breakdown"] = breakdown
         if hardware is not None:
-            result.update(on_target(hardware, slices, compiled, result, setup.spec.arch, seq))
+            result.update(on_target(hardware, slices, compiled, result))
     if fit and not result["fits"]:
         n_matmul = matmul_params(setup.spec.arch, setup.model.abstract_params)
         compile_variant = lambda variant: plan(variant, devices=devices, target=target, slices=slices)  # noqa: E731
@@ -140,7 +141,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     return result
 
 
-def on_target(hardware: Target, slices: int, compiled, result: dict, arch, seq_len: int) -> dict:
+def on_target(hardware: Target, slices: int, compiled, result: dict) -> dict:
     """The verdict against the chip's HBM, and the cost read from the compiled HLO with its roofline.
 
     XLA's cost_analysis() counts a loop body once (a 71x under-count for
@@ -149,30 +150,46 @@ def on_target(hardware: Target, slices: int, compiled, result: dict, arch, seq_l
     peak and bytes / bandwidth: no step can be faster; the MFU ceiling is the
     model FLOPs per device over what the chip can do in that time.
     """
-    module = hlo.read(compiled.as_text())
-    chip, used = hardware.chip, result["compiled_bytes_per_device"]
-    flops, traffic = hlo.matmul_flops(module), hlo.bytes_accessed(module)
-    kernels = hlo.kernel_calls(module)
-    if kernels:
-        # The splash kernel's matmuls are inside a Mosaic custom call the HLO does not describe: take
-        # the attention term of the FLOPs formula (full, not causal, QK^T and AV, forward and backward).
-        tokens_here = result["tokens_per_step"] / result["devices"]
-        flops += 3 * attention_forward_flops(arch, seq_len) * tokens_here
-    compute_seconds, memory_seconds = flops / chip.peak_flops, traffic / chip.hbm_bytes_per_second
-    roofline = max(compute_seconds, memory_seconds)
+    used, cost = result["compiled_bytes_per_device"], hlo_cost(hlo.read(compiled.as_text()), hardware.chip)
+    roofline = cost["roofline_seconds"]
     model_flops = result["flops_per_step"] / result["devices"]
+    cost["mfu_ceiling"] = model_flops / (hardware.chip.peak_flops * roofline) if roofline else 0.0
+    return {**target_fields(hardware, slices), "fits": used <= hardware.chip.usable_hbm_bytes, "cost": cost}
+
+
+def hlo_cost(module: hlo.Module, chip) -> dict:
+    """FLOPs and HBM bytes of a compiled step, ours or another program's (benchmarks/vs_maxtext.py): the
+    HLO's matmuls and traffic with loops counted by their trips, and its Pallas kernels by their schedule;
+    the roofline on `chip` (trainer/chips.py) is whichever of FLOPs / peak and bytes / bandwidth is longer."""
+    kernels = kernel_cost(module)
+    flops = hlo.matmul_flops(module) + kernels["flops"]
+    traffic = hlo.bytes_accessed(module) + kernels["bytes"]
+    compute_seconds, memory_seconds = flops / chip.peak_flops, traffic / chip.hbm_bytes_per_second
     return {
-        **target_fields(hardware, slices),
-        "fits": used <= chip.usable_hbm_bytes,
-        "cost": {
-            "flops": flops,
-            "bytes_accessed": traffic,
-            "kernel_calls": kernels,
-            "roofline_seconds": roofline,
-            "bound": "compute" if compute_seconds >= memory_seconds else "memory",
-            "mfu_ceiling": model_flops / (chip.peak_flops * roofline) if roofline else 0.0,
-        },
+        "flops": flops,
+        "bytes_accessed": traffic,
+        "kernels": kernels,
+        "roofline_seconds": max(compute_seconds, memory_seconds),
+        "bound": "compute" if compute_seconds >= memory_seconds else "memory",
     }
+
+
+def kernel_cost(module: hlo.Module) -> dict:
+    """FLOPs and HBM bytes of the step's Pallas kernels, each splash call counted from the kernel's own
+    schedule (trainer/model/splash.py); a kernel of another kind is counted as reading its operands and
+    writing its results once, with no FLOPs, and named in `uncounted`."""
+    out = {"calls": 0, "flops": 0.0, "bytes": 0.0, "uncounted": []}
+    for inst, times in hlo.custom_kernels(module):
+        cost = hlo_call_cost(inst.line)
+        if cost is None:
+            # The operands' shapes are written out in the call's layout constraints, up to their closing "}}".
+            operands = inst.rest.partition("operand_layout_constraints=")[2].partition("}}")[0]
+            cost = (0.0, hlo.array_bytes(inst.shape) + hlo.array_bytes(operands))
+            out["uncounted"] = sorted({*out["uncounted"], inst.name.split(".")[0]})
+        out["calls"] += times
+        out["flops"] += times * cost[0]
+        out["bytes"] += times * cost[1]
+    return out
 
 
 def target_fields(hardware: Target, slices: int) -> dict:

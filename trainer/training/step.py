@@ -284,8 +284,14 @@ def compile_with_heap(lowered, platform: str):
 
 def _spaces(folder: str) -> dict[str, int]:
     for report in glob.glob(os.path.join(folder, "*memory-usage-report.txt")):
-        with open(report) as f:
-            found = {name: int(total) for name, total in _MEMORY_SPACE.findall(f.read())}
+        found = dumped_spaces(report)
         if "default" in found:
             return found
     return {}
+
+
+def dumped_spaces(report: str) -> dict[str, int]:
+    """Bytes per memory space (`default` is the HBM heap, `vmem` on-chip) in a memory-usage report XLA:TPU
+    dumped, ours or another program's (benchmarks/vs_maxtext.py)."""
+    with open(report) as f:
+        return {name: int(total) for name, total in _MEMORY_SPACE.findall(f.read())}

@@ -1,0 +1,214 @@
+"""The splash attention kernel (JAX's Pallas flash attention for TPUs): how the decoder calls it, the
+blocks it runs with, and what one call costs, counted from the kernel's own schedule.
+
+The kernel's work is inside a Mosaic custom call whose body the HLO does not describe. Its forward
+walks a grid (query head, query block i, key block j) and its fused backward (key block j, query head,
+query block i). The causal mask's block map (splash_attention_mask_info, the arrays the kernel is
+given) says which steps compute (a block above the diagonal is skipped) and which block each step's
+index maps point at. Pallas' pipeline copies an input block from HBM only when its block index changes
+from the step before, and writes an output block back when its index changes. `call_cost` replays that
+schedule: FLOPs of the steps that compute, bytes of the copies that happen. Two of the kernel's ways
+cost more than the textbook: the softmax residual (logsumexp) is stored 128 lanes wide in float32, and
+the fused backward writes a partial dq for every (key block, query block) step, zeros included, that
+XLA then sums.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import jax
+import numpy as np
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info
+
+from trainer.chips import CHIPS, chip_of
+
+LANES, SUBLANES = 128, 8  # a TPU vreg's shape: the kernel pads per-row residuals and ids to it
+BLOCKS = (128, 256, 512, 1024)  # the kernel needs multiples of 128; 1024 x 1024 float32 scores are 4 MiB of VMEM
+DEFAULT_BLOCK = 512  # MaxText's default, for a device with no known peak and bandwidth (a CPU in interpret mode)
+
+
+def block_size(seq_len: int, head_dim: int, group: int, device_kind: str) -> int:
+    """Query and key block for this shape: of the BLOCKS that divide the sequence, the largest whose forward
+    and backward calls' roofline on the chip (`call_cost`'s FLOPs over its peak or bytes over its bandwidth,
+    whichever is longer) is within 5% of the lowest. Larger blocks re-read keys and values (and write dq
+    partials) fewer times and take fewer grid steps, whose fixed cost the roofline leaves out; smaller ones
+    waste fewer FLOPs on the diagonal's half-masked blocks. Chosen by this model, not timed (there is no TPU
+    here). A chip the table does not know gets 512 or the largest below it that divides; a sequence no
+    block divides is one block."""
+    fits = [b for b in BLOCKS if seq_len % b == 0]
+    if not fits:
+        return seq_len
+    chip = CHIPS.get(chip_of(device_kind) or "")
+    if chip is None:
+        return max(b for b in fits if b <= DEFAULT_BLOCK) if min(fits) <= DEFAULT_BLOCK else min(fits)
+
+    def roofline(b: int) -> float:
+        costs = [call_cost(phase, group, 1, seq_len, head_dim, 1, 2, b, b, segmented=True) for phase in ("fwd", "dkv")]
+        return max(sum(f for f, _ in costs) / chip.peak_flops, sum(m for _, m in costs) / chip.hbm_bytes_per_second)
+
+    best = min(roofline(b) for b in fits)
+    return max(b for b in fits if roofline(b) <= 1.1 * best)
+
+
+@functools.lru_cache(maxsize=32)
+def _kernel(seq_len: int, group: int, block: int, interpret: bool):
+    """A causal kernel for one key/value head and the `group` query heads that share it (MQA form)."""
+    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((seq_len, seq_len))] * group)
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)  # fmt: skip
+    return splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+def splash_attention(q, k, v, segment_ids=None, shard=None, block: int | None = None):
+    """The Pallas kernel on each device's shard: a Mosaic kernel cannot be partitioned by XLA, so it
+    runs under shard_map, batch split over the batch axes and heads over `tensor`, each device
+    holding whole sequences (sequence-parallel layouts are gathered first)."""
+    _, t, n, h = q.shape
+    kv_heads = k.shape[2]
+    mesh = None if shard is None else shard.mesh
+    device = (jax.devices() if mesh is None else mesh.devices.flat)[0]
+    group = n // kv_heads
+    kernel = _kernel(t, group, block or block_size(t, h, group, device.device_kind), device.platform != "tpu")
+
+    def local(q, k, v, segment_ids):
+        rows, local_kv = q.shape[0], k.shape[2]
+        # (rows, t, heads, h) -> (rows, kv heads, group, t, h): query heads grouped by their kv head
+        qg = (q * h**-0.5).reshape(rows, t, local_kv, -1, h).transpose(0, 2, 3, 1, 4)
+        kg, vg = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+        def one(q, k, v, ids):
+            return kernel(q, k, v, segment_ids=None if ids is None else splash.SegmentIds(ids, ids))
+
+        per_row = jax.vmap(one, in_axes=(0, 0, 0, None))  # over kv heads
+        out = jax.vmap(per_row, in_axes=(0, 0, 0, None if segment_ids is None else 0))(qg, kg, vg, segment_ids)
+        return out.transpose(0, 3, 1, 2, 4).reshape(rows, t, -1, h).astype(q.dtype)
+
+    if mesh is None:
+        return local(q, k, v, segment_ids)
+    heads = shard.spec(("batch", None, "heads", None))
+    kv = shard.spec(("batch", None, "kv_heads", None))
+    if segment_ids is None:
+        mapped = jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh, in_specs=(heads, kv, kv),
+                               out_specs=heads, check_vma=False)  # fmt: skip
+        return mapped(q, k, v)
+    ids = shard.spec(("batch", None))
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(heads, kv, kv, ids), out_specs=heads, check_vma=False)
+    return mapped(q, k, v, segment_ids)
+
+
+def _fetches(indices: np.ndarray) -> int:
+    """Copies a pipeline makes of an operand whose block index, step by step, is `indices` (rows of
+    index tuples, or plain indices): the first step's, then one each time the index changes."""
+    indices = indices.reshape(len(indices), -1)
+    return 1 + int(np.any(indices[1:] != indices[:-1], axis=1).sum()) if len(indices) else 0
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(seq_len: int, bq: int, bkv: int, heads: int, kv_heads: int) -> dict[str, int]:
+    """Steps that compute, and copies of each kind of block, in one causal call over `heads` query heads
+    sharing `kv_heads` key/value heads (1: the multi-query form)."""
+    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((seq_len, seq_len))] * heads)
+    group, out = heads // kv_heads, {}
+    # Forward and dq: grid (head h, query block i, step j); step j's key/value block is data_next[i, j].
+    fwd, _ = mask_info.process_mask(mask, (bq, bkv))
+    runs, kv = fwd.block_mask[0] > 0, fwd.data_next[0].astype(int)  # one head's map: every head has the same
+    h, i, j = (g.ravel() for g in np.meshgrid(np.arange(heads), *map(np.arange, runs.shape), indexing="ij"))
+    out["fwd"] = {"runs": heads * int(runs.sum()), "q": _fetches(np.stack([h, i], 1)), "rows": _fetches(i),
+                  "kv": _fetches(np.stack([h // group, kv[i, j]], 1)), "kv_ids": _fetches(kv[i, j])}  # fmt: skip
+    # dkv: grid (key block j, head h, step i); step i's query block is data_next[i, j].
+    dkv, _ = mask_info.process_mask_dkv(mask, (bq, bkv))
+    runs, qi = dkv.block_mask[0] > 0, dkv.data_next[0].astype(int)
+    j, h, i = (g.ravel() for g in np.meshgrid(np.arange(runs.shape[1]), np.arange(heads), np.arange(runs.shape[0]),
+                                              indexing="ij"))  # fmt: skip
+    out["dkv"] = {"runs": heads * int(runs.sum()), "q": _fetches(np.stack([h, qi[i, j]], 1)),
+                  "rows": _fetches(qi[i, j]), "kv": _fetches(np.stack([h // group, j], 1)), "kv_ids": _fetches(j),
+                  "steps": len(j)}  # fmt: skip
+    out["positions"] = int(fwd.q_sequence is not None)  # query positions handed in for the mask function
+    return out
+
+
+def call_cost(
+    phase: str,
+    heads: int,
+    kv_heads: int,
+    seq_len: int,
+    head_dim: int,
+    instances: int,
+    itemsize: int,
+    bq: int,
+    bkv: int,
+    *,
+    segmented: bool,
+    residuals: bool = True,
+    fused: bool = True,
+) -> tuple[int, int]:
+    """(FLOPs, HBM bytes) of one kernel call over `instances` (the batch rows and heads it is vmapped
+    over) of `heads` query heads on `kv_heads` key/value heads (1 in the multi-query form we call), q, k,
+    v and their gradients `itemsize` bytes an element, segment ids given if `segmented`. `phase` is "fwd"
+    (saving the softmax residual if `residuals`), "dkv" (with dq too if `fused`) or "dq". Matmuls, each
+    2 x rows x columns x depth in every step that computes: QK^T and PV forward; QK^T, dP and dQ in dq;
+    QK^T, dV, dP and dK in dkv, and dQ when fused."""
+    s, d, b = _schedule(seq_len, bq, bkv, heads, kv_heads), head_dim, itemsize
+    ids = int(segmented) + s["positions"]  # int32 per-query-row operands, padded to a vreg's lanes/sublanes
+    block = 2 * bq * bkv * d  # one matmul's FLOPs on one block
+    if phase in ("fwd", "dq"):
+        f = s["fwd"]
+        moved = (f["kv"] * bkv * d * b * 2  # k, v
+                 + f["rows"] * bq * LANES * 4 * ids
+                 + f["kv_ids"] * SUBLANES * bkv * 4 * int(segmented))  # fmt: skip  # key segment ids
+        if phase == "fwd":
+            flops = f["runs"] * 2 * block
+            moved += (f["q"] * bq * d * b * 2  # q read, out written
+                      + f["q"] * bq * LANES * 4 * int(residuals)  # logsumexp, float32 x 128 lanes
+                      + (2 * bq * LANES + bq * d) * 4)  # fmt: skip  # the m, l and o scratch, written once
+        else:
+            flops = f["runs"] * 3 * block
+            moved += f["q"] * (bq * d * b * 3 + bq * 4 * 2) + bq * d * 4  # q, dO, dq; logsumexp, di; scratch
+    elif phase == "dkv":
+        f = s["dkv"]
+        flops = f["runs"] * (5 if fused else 4) * block
+        moved = (f["q"] * bq * d * b * 2  # q, dO
+                 + f["q"] * SUBLANES * bq * 4 * 2  # logsumexp and di, float32 x 8 sublanes
+                 + f["rows"] * SUBLANES * bq * 4 * ids
+                 + f["kv"] * bkv * d * b * 4  # k, v read; dk, dv written
+                 + f["kv_ids"] * bkv * LANES * 4 * int(segmented)  # key segment ids
+                 + f["steps"] * bq * d * b * int(fused)  # dq partials, one block per step
+                 + 2 * bkv * d * 4)  # fmt: skip  # the dk and dv scratch, written once
+    else:
+        raise ValueError(f"no cost model for the splash kernel's '{phase}' phase")
+    return instances * flops, instances * moved
+
+
+_NAME = re.compile(r"splash_(mqa|mha)_(fwd|dkv|dq)(_segmented)?_(residuals|no_residuals)")
+_METADATA = re.compile(r'"xprof_metadata":"(\{.*?\})"')
+_ARRAYS = re.compile(r"(bf16|f16|f32)\[([\d,]+)\]")
+
+
+def hlo_call_cost(line: str) -> tuple[int, int] | None:
+    """(FLOPs, HBM bytes) of a splash call as a compiled HLO writes it (its instruction's text, continuation
+    lines included), ours or another program's: the form and phase from the kernel's name, the block sizes
+    from the metadata the kernel attaches, the shapes from its operands (q [instances..., heads, seq,
+    head_dim], then k: [instances..., seq, head_dim] multi-query, [instances..., kv heads, seq, head_dim]
+    multi-head). None for a custom call that is not one."""
+    name, meta = _NAME.search(line), _METADATA.search(line)
+    operands = line.find("operand_layout_constraints=")
+    if not (name and meta and operands >= 0):
+        return None
+    sizes = json.loads(meta.group(1).replace('\\"', '"'))
+    form, phase, segmented, residuals = name.group(1), name.group(2), bool(name.group(3)), name.group(4) == "residuals"
+    (dtype, q), (_, k) = _ARRAYS.findall(line[operands:])[:2]  # the first two float operands: q, k
+    *outer, heads, seq_len, head_dim = (int(n) for n in q.split(","))
+    kv_heads = 1 if form == "mqa" else int(k.split(",")[-3])
+    suffix = {"fwd": "", "dkv": "_dkv", "dq": "_dq"}[phase]
+    # The fused backward's results hold dq partials, [instances..., key blocks, heads, seq, head_dim].
+    results = _ARRAYS.findall(line[: line.find("custom-call(")])
+    fused = any(len(dims.split(",")) == len(outer) + 4 for _, dims in results)
+    itemsize = {"bf16": 2, "f16": 2, "f32": 4}[dtype]
+    return call_cost(phase, heads, kv_heads, seq_len, head_dim, int(np.prod(outer)), itemsize,
+                     sizes[f"block_q{suffix}"], sizes[f"block_kv{suffix}"], segmented=segmented, residuals=residuals,
+                     fused=fused)  # fmt: skip
