@@ -149,7 +149,8 @@ def run() -> None:
 def table(path: str) -> str:
     """Markdown: per shape and target, each trainer's heap, FLOPs, HBM bytes, roofline and collectives."""
     with open(path) as f:
-        rows = [json.loads(line) for line in f]
+        rows = sorted((json.loads(line) for line in f), key=lambda r: (list(SHAPES).index(r["shape"]),
+                      SHAPES[r["shape"]]["targets"].index(r["target"]), r["trainer"] != "ours"))  # fmt: skip
     gib = 2**30
     kinds = ["all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute"]
     head = ["shape", "target", "trainer", "heap GiB", "FLOPs", "splash FLOPs", "HBM GB", "splash HBM GB",
