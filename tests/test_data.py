@@ -13,6 +13,7 @@ from conftest import micro_config
 
 from trainer.data import corpora, streams, text_files
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
+from trainer.data.workers import ProcessRows
 from trainer.errors import ConfigError
 
 SAMPLE = "def f(x):\n\treturn  x + 1  # ünïcode ✓ 🐍\n\n    pass\n"
@@ -444,7 +445,7 @@ def test_worker_processes_read_the_same_rows_and_state_as_the_training_process(c
     rows = list(range(cfg.train.global_batch_size))
     local = iter(streams.batches(stream, "train", rows, shuffle=True))
     as_json = lambda state: json.loads(json.dumps(state))
-    workers = streams.ProcessRows(stream, "train", rows, local.get_state(), shuffle=True, workers=2)
+    workers = ProcessRows(stream, "train", rows, local.get_state(), shuffle=True, workers=2)
     try:
         for asked in (rows, rows, [0, 2], rows, rows):
             expected, got = local.read(asked), workers.read(asked)

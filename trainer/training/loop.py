@@ -28,7 +28,7 @@ import numpy as np
 from parallelism.distributed import barrier, fetch, wait_if_a_process_died
 from trainer import samples
 from trainer.config import microbatch_size
-from trainer.data import corpora, streams
+from trainer.data import corpora, streams, workers
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, peak_flops
@@ -185,7 +185,7 @@ class Run:
             wd.write_config(workdir, cfg)
         self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
         if cfg.data.workers:  # the rows' reading and tokenising in processes of their own, from this state
-            data = self.workers = streams.ProcessRows(self.stream, cfg.data.train_split, self.rows, data.get_state(),
+            data = self.workers = workers.ProcessRows(self.stream, cfg.data.train_split, self.rows, data.get_state(),
                                                       shuffle=True, workers=cfg.data.workers)  # fmt: skip
         self.data = streams.prefetch(data, self._plan, self.data_read)
         self.hang = HangWatch(t.hang_seconds, lambda: self.step, workdir,
