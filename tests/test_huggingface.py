@@ -17,6 +17,7 @@ from trainer.evaluate import evaluate_checkpoint  # noqa: E402
 from trainer.huggingface import export_checkpoint, import_checkpoint, write_tokenizer  # noqa: E402
 from trainer.storage.resume import load_params  # noqa: E402
 from trainer.training.loop import train  # noqa: E402
+from trainer.training.setup import build  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(3, 384, (2, 24))
 
@@ -70,6 +71,37 @@ def test_a_transformers_model_imports_and_trains_on(tmp_path, tied):
     np.testing.assert_allclose(our_logits(cfg, workdir), hf_logits(model), rtol=1e-4, atol=1e-5)
     assert train(cfg, workdir)["step"] == 2  # continues from step 0
     assert evaluate_checkpoint(cfg, workdir, max_batches=1)["step"] == 2
+
+
+def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits(tmp_path):
+    """Llama 3's frequency scaling (factor 4, original length 32, low/high factors 1 and 4): with head_dim 16
+    the first pair's wavelength (6.3) is kept, the second's (19.9) blended, the rest stretched 4x. Built by
+    transformers, imported, trained a step, exported, and loaded back by transformers."""
+    torch.manual_seed(0)
+    scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}  # fmt: skip
+    hf_config = transformers.LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.2,
+        rope_parameters={"rope_theta": 10_000.0, **scaling},
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(hf_config)
+    model.save_pretrained(str(tmp_path / "hf"))
+    rope = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=32)
+    with pytest.raises(ConfigError, match=r"model.rope_scaling.factor=4.0 \(config has 1.0\)"):
+        import_checkpoint(str(tmp_path / "hf"), micro_config(model=dict(norm_eps=1e-5)), str(tmp_path / "no"))
+    cfg = micro_config(model=dict(norm_eps=1e-5, rope_scaling=rope), train=dict(steps=2))
+    workdir = str(tmp_path / "run")
+    import_checkpoint(str(tmp_path / "hf"), cfg, workdir)
+    ours = our_logits(cfg, workdir)
+    np.testing.assert_allclose(ours, hf_logits(model), rtol=1e-4, atol=1e-5)
+    unscaled = micro_config(model=dict(norm_eps=1e-5))
+    setup, _, params = load_params(cfg, workdir)
+    plain = np.asarray(jax.jit(build(unscaled).model.apply)(params, TOKENS))
+    assert np.abs(plain - ours).max() > 1e-2  # the scaling changes the function: the test can fail
+    train(cfg, workdir)
+    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 2
+    np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), our_logits(cfg, workdir), rtol=1e-4, atol=1e-5)
 
 
 def test_import_refuses_a_config_that_describes_another_model(tmp_path):

@@ -11,7 +11,7 @@ from flax import nnx
 from parallelism.rules import DEFAULT_RULES
 from trainer.model.decoder import NO_SHARDING, Decoder, ModelDef
 from trainer.model.layers import apply_rope, rope_tables
-from trainer.model.spec import Architecture, Execution, ModelSpec
+from trainer.model.spec import Architecture, Execution, ModelSpec, RopeScaling
 
 ARCH = Architecture(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96)
 SPEC = ModelSpec(ARCH)
@@ -61,8 +61,8 @@ def test_rope_scores_depend_only_on_relative_position():
     k = jax.random.normal(jax.random.key(1), (1, 1, 1, 16))
 
     def score(m, n):
-        qm = apply_rope(q, rope_tables(jnp.array([[m]]), 16, 10_000.0))
-        kn = apply_rope(k, rope_tables(jnp.array([[n]]), 16, 10_000.0))
+        qm = apply_rope(q, rope_tables(jnp.array([[m]]), 16, 10_000.0, RopeScaling()))
+        kn = apply_rope(k, rope_tables(jnp.array([[n]]), 16, 10_000.0, RopeScaling()))
         return float(jnp.sum(qm * kn))
 
     for shift in (1, 17, 300):

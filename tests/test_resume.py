@@ -175,10 +175,15 @@ def test_reset_optimizer_switches_optimisers_once_and_keeps_step_schedule_and_da
     ckpt.close()
 
 
-def test_init_from_starts_a_new_run_from_another_runs_weights_on_another_mesh(saved, tmp_path):
+def test_init_from_starts_a_new_run_from_another_runs_weights_on_another_mesh_and_context(saved, tmp_path):
+    """Continued pre-training at 4x the context: longer sequences, Llama 3's RoPE scaling from the old length,
+    another mesh; the weights arrive as they were saved."""
     # A rate far below any weight's last bit (lr 0 is refused): the first update leaves the weights as they arrived.
     cfg = config(mesh=dict(fsdp=4, tensor=2), optim=dict(schedule="constant", warmup_steps=1, lr=1e-30),
                  train=dict(steps=1), checkpoint={"every_steps": 1, "keep": 2})  # fmt: skip
+    trained = cfg.data.seq_len
+    cfg.data.seq_len = cfg.model.max_seq_len = 4 * trained
+    cfg.model.rope_scaling.update(factor=4.0, original_max_len=trained)
     cfg.checkpoint.init_from = f"{saved}@2"
     workdir = str(tmp_path / "finetune")
     assert train(cfg, workdir)["step"] == 1

@@ -55,6 +55,15 @@ def _declared() -> dict[str, dict]:
         d_ff=Num(768, "[1, inf)"),
         max_seq_len=Num(256, "[1, inf)"),
         rope_theta=Num(10_000.0, "(1, inf)"),
+        # Llama 3's RoPE frequency scaling for long context: factor 1 = none. Wavelengths above
+        # original_max_len / low_freq_factor are stretched by `factor`, those below original_max_len /
+        # high_freq_factor kept, those between blended (trainer/model/layers.py rope_frequencies).
+        rope_scaling=dict(
+            factor=Num(1.0, "[1, inf)"),
+            low_freq_factor=Num(1.0, "(0, inf)"),
+            high_freq_factor=Num(4.0, "(0, inf)"),
+            original_max_len=Num(8192, "[1, inf)"),
+        ),
         norm_eps=Num(1e-5, "(0, inf)"),
         tie_embeddings=False,
         remat="none",  # one of REMAT_POLICIES
@@ -186,18 +195,32 @@ def _declared() -> dict[str, dict]:
 
 def defaults() -> ml_collections.ConfigDict:
     """The single home of every key and its default value."""
-    c = ml_collections.ConfigDict(
-        {
-            name: {k: v.default if isinstance(v, Num) else v for k, v in keys.items()}
-            for name, keys in _declared().items()
-        }
-    )
+
+    def values(keys: dict) -> dict:
+        return {k: values(v) if _nested(v) else v.default if isinstance(v, Num) else v for k, v in keys.items()}
+
+    c = ml_collections.ConfigDict({name: values(keys) for name, keys in _declared().items()})
     c.lock()
     return c
 
 
+def _nested(value) -> bool:
+    """A group of keys under one name (model.rope_scaling.*), as opposed to a dict-valued key (mesh.rules)."""
+    return isinstance(value, dict) and any(isinstance(v, Num) for v in value.values())
+
+
+def _ranges(keys: dict, prefix: str) -> dict[str, str]:
+    out = {}
+    for k, v in keys.items():
+        if _nested(v):
+            out.update(_ranges(v, f"{prefix}{k}."))
+        elif isinstance(v, Num):
+            out[f"{prefix}{k}"] = v.range
+    return out
+
+
 # {"section.key": range} for every numeric key (a test checks that none lacks one).
-RANGES = {f"{name}.{k}": v.range for name, keys in _declared().items() for k, v in keys.items() if isinstance(v, Num)}
+RANGES = {key: r for name, keys in _declared().items() for key, r in _ranges(keys, f"{name}.").items()}
 
 
 # Keys only some settings read: (that setting, its values that read the key). One set away from its default under

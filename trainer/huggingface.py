@@ -17,6 +17,7 @@ import os
 import numpy as np
 from etils import epath
 
+from trainer.config import flatten
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.spec import Architecture
@@ -41,7 +42,10 @@ def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int
         "max_position_embeddings": max_seq_len,
         "rms_norm_eps": spec.norm_eps,
         "rope_theta": spec.rope_theta,  # transformers 4.x
-        "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"},  # 5.x
+        "rope_scaling": {"rope_type": "llama3", **_llama3(spec)} if spec.rope_scaling.factor != 1 else None,  # 4.x
+        "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"}  # 5.x
+        if spec.rope_scaling.factor == 1
+        else {"rope_theta": spec.rope_theta, "rope_type": "llama3", **_llama3(spec)},
         "tie_word_embeddings": spec.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
@@ -53,15 +57,23 @@ def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int
     }
 
 
+def _llama3(spec: Architecture) -> dict:
+    r = spec.rope_scaling
+    return {"factor": r.factor, "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_len}  # fmt: skip
+
+
 def model_keys_from_hf(config: dict) -> dict:
     """Our model.* values for a Hugging Face Llama config; refuses what our model does not implement."""
+    # RoPE: transformers 5.x writes rope_parameters, 4.x rope_scaling (None or a dict) beside rope_theta.
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
     unsupported = {
         "model_type": config.get("model_type") != "llama",
         "hidden_act": config.get("hidden_act", "silu") != "silu",
         "attention_bias": bool(config.get("attention_bias")),
         "mlp_bias": bool(config.get("mlp_bias")),
-        "rope_scaling": bool(config.get("rope_scaling"))
-        or config.get("rope_parameters", {}).get("rope_type", "default") != "default",
+        "rope_scaling": rope_type not in ("default", "llama3"),
     }
     if any(unsupported.values()):
         bad = ", ".join(f"{k}={config.get(k)!r}" for k, v in unsupported.items() if v)
@@ -69,8 +81,15 @@ def model_keys_from_hf(config: dict) -> dict:
     heads = config["num_attention_heads"]
     if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
         raise ConfigError("this Hugging Face model's head_dim x heads differs from hidden_size; not supported.")
-    theta = config.get("rope_parameters", {}).get("rope_theta", config.get("rope_theta", 10_000.0))
+    theta = rope.get("rope_theta", config.get("rope_theta", 10_000.0))
+    scaling = {}
+    if rope_type == "llama3":
+        scaling = {"rope_scaling.factor": float(rope["factor"]),
+                   "rope_scaling.low_freq_factor": float(rope["low_freq_factor"]),
+                   "rope_scaling.high_freq_factor": float(rope["high_freq_factor"]),
+                   "rope_scaling.original_max_len": int(rope["original_max_position_embeddings"])}  # fmt: skip
     return {
+        **scaling,
         "vocab_size": config["vocab_size"],
         "d_model": config["hidden_size"],
         "n_layers": config["num_hidden_layers"],
@@ -291,8 +310,9 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     from trainer.training.setup import build
     from trainer.training.state import param_shardings, state_from_params
 
-    wanted = model_keys_from_hf(read_config(hf_dir))
-    differ = [f"model.{k}={v!r} (config has {cfg.model[k]!r})" for k, v in wanted.items() if cfg.model[k] != v]
+    wanted, have = model_keys_from_hf(read_config(hf_dir)), flatten(cfg)
+    differ = [f"model.{k}={v!r} (config has {have[f'model.{k}']!r})" for k, v in wanted.items()
+              if have[f"model.{k}"] != v]  # fmt: skip
     if differ:
         raise ConfigError(
             f"the Hugging Face model needs {', '.join(differ)}; set these with --config.model.* or use a "

@@ -75,6 +75,12 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.d_model={m.d_model} is not a multiple of model.n_heads={m.n_heads}.")
     if (m.d_model // m.n_heads) % 2:
         raise ConfigError(f"the head size d_model/n_heads={m.d_model // m.n_heads} must be even for rotary embeddings.")
+    r = m.rope_scaling
+    if r.factor != 1 and r.high_freq_factor <= r.low_freq_factor:
+        raise ConfigError(
+            f"model.rope_scaling.high_freq_factor={r.high_freq_factor} must exceed low_freq_factor="
+            f"{r.low_freq_factor} (Llama 3.1 uses 4 and 1)."
+        )
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(
             f"model.n_heads={m.n_heads} is not a multiple of model.n_kv_heads={m.n_kv_heads}; "

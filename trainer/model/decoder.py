@@ -72,7 +72,7 @@ class Decoder(nnx.Module):
         x = self._embed(tokens)
         if run.stages > 1:
             return self.final_norm(self._pipelined(layer, stacked, x, positions, segment_ids))
-        tables = rope_tables(positions, a.head_dim, a.rope_theta)
+        tables = rope_tables(positions, a.head_dim, a.rope_theta, a.rope_scaling)
         if run.scan_layers:
             x = jax.lax.scan(lambda x, params: (layer(x, params, tables, segment_ids), None), x, stacked)[0]
         else:
@@ -88,7 +88,7 @@ class Decoder(nnx.Module):
         """
         chex.assert_equal_shape([tokens, positions])
         graphdef, stacked = nnx.split(self.layers)
-        tables = rope_tables(positions, self.arch.head_dim, self.arch.rope_theta)
+        tables = rope_tables(positions, self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
 
         def layer(x, inputs):
             params, k, v = inputs
@@ -101,7 +101,7 @@ class Decoder(nnx.Module):
         """The residual stream after each layer, (layers, batch, seq, d_model): for coordinate checks."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         graphdef, stacked = nnx.split(self.layers)
-        tables = rope_tables(positions, self.arch.head_dim, self.arch.rope_theta)
+        tables = rope_tables(positions, self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
 
         def layer(x, params):
             x = nnx.merge(graphdef, params)(x, tables, None)[0]
@@ -130,7 +130,7 @@ class Decoder(nnx.Module):
         a, run = self.arch, self.execution
 
         def stage(params, mb):
-            tables = rope_tables(mb["positions"], a.head_dim, a.rope_theta)
+            tables = rope_tables(mb["positions"], a.head_dim, a.rope_theta, a.rope_scaling)
             body = lambda x, p: (layer(x, p, tables, mb.get("segment_ids")), None)  # noqa: E731
             return jax.lax.scan(body, mb["x"], params)[0]
 

@@ -14,7 +14,7 @@ from flax import nnx
 
 from parallelism.rules import LogicalSharding
 from trainer.model.attention import attend, cached_attention
-from trainer.model.spec import ModelSpec
+from trainer.model.spec import ModelSpec, RopeScaling
 
 RESIDUAL = ("batch", "residual_seq", "embed")  # the residual stream between blocks
 
@@ -36,10 +36,25 @@ class RMSNorm(nnx.Module):
         return (x32 * self.scale[...]).astype(x.dtype)
 
 
-def rope_tables(positions: jax.Array, head_dim: int, theta: float):
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> jax.Array:
+    """The rotation frequencies of the head_dim/2 pairs, with Llama 3's scaling for long context: a pair
+    whose wavelength exceeds original_max_len / low_freq_factor turns `factor` times slower (positions up to
+    factor x the original length look like the original's), one shorter than original_max_len /
+    high_freq_factor keeps its frequency (local order stays sharp), and those between blend the two."""
+    freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if scaling.factor == 1:
+        return freq
+    wavelength = 2 * jnp.pi / freq
+    low, high, original = scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_len
+    blend = (original / wavelength - low) / (high - low)
+    blended = (1 - blend) * freq / scaling.factor + blend * freq
+    return jnp.where(wavelength > original / low, freq / scaling.factor,
+                     jnp.where(wavelength < original / high, freq, blended))  # fmt: skip
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling):
     """cos and sin of shape (batch, seq, 1, head_dim/2) for the given positions."""
-    inv_freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(head_dim, theta, scaling)
     return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
 
 

@@ -27,6 +27,16 @@ LAYERS = "layers"  # the logical axis of the stacked blocks
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's RoPE frequency scaling (`model.rope_scaling.*`); factor 1 leaves the frequencies alone."""
+
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
 class Architecture:
     """What defines the model's function: the same weights mean the same thing only under the same values.
 
@@ -41,6 +51,7 @@ class Architecture:
     n_kv_heads: int
     d_ff: int
     rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling = RopeScaling()
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     mup_base_width: int = 0  # muP: hidden init and learning rate scale with d_model / this; logits divided by it
@@ -56,7 +67,8 @@ class Architecture:
 
     @classmethod
     def from_config(cls, cfg) -> Architecture:
-        return cls(**{f.name: cfg.model[f.name] for f in dataclasses.fields(cls)})
+        values = {f.name: cfg.model[f.name] for f in dataclasses.fields(cls)}
+        return cls(**{**values, "rope_scaling": RopeScaling(**values["rope_scaling"])})
 
 
 @dataclasses.dataclass(frozen=True)
