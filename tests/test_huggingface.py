@@ -76,7 +76,7 @@ def test_a_transformers_model_imports_and_trains_on(tmp_path, tied):
 def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits(tmp_path):
     """Llama 3's frequency scaling (factor 4, original length 32, low/high factors 1 and 4): with head_dim 16
     the first pair's wavelength (6.3) is kept, the second's (19.9) blended, the rest stretched 4x. Built by
-    transformers, imported, trained a step, exported, and loaded back by transformers."""
+    transformers, imported, exported again, and loaded back by transformers."""
     torch.manual_seed(0)
     scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}  # fmt: skip
@@ -90,7 +90,7 @@ def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits(tmp_pa
     rope = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=32)
     with pytest.raises(ConfigError, match=r"model.rope_scaling.factor=4.0 \(config has 1.0\)"):
         import_checkpoint(str(tmp_path / "hf"), micro_config(model=dict(norm_eps=1e-5)), str(tmp_path / "no"))
-    cfg = micro_config(model=dict(norm_eps=1e-5, rope_scaling=rope), train=dict(steps=2))
+    cfg = micro_config(model=dict(norm_eps=1e-5, rope_scaling=rope))
     workdir = str(tmp_path / "run")
     import_checkpoint(str(tmp_path / "hf"), cfg, workdir)
     ours = our_logits(cfg, workdir)
@@ -99,9 +99,8 @@ def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits(tmp_pa
     setup, _, params = load_params(cfg, workdir)
     plain = np.asarray(jax.jit(build(unscaled).model.apply)(params, TOKENS))
     assert np.abs(plain - ours).max() > 1e-2  # the scaling changes the function: the test can fail
-    train(cfg, workdir)
-    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 2
-    np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), our_logits(cfg, workdir), rtol=1e-4, atol=1e-5)
+    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
+    np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), ours, rtol=1e-4, atol=1e-5)
 
 
 def test_import_refuses_a_config_that_describes_another_model(tmp_path):
