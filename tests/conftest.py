@@ -1,7 +1,6 @@
 """Every test runs on the CPU with 8 simulated devices; set before JAX starts."""
 
 import dataclasses
-import importlib.util
 import os
 import socket
 import subprocess
@@ -24,7 +23,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 
-from trainer.config import defaults, flatten  # noqa: E402
+from trainer.config import defaults, flatten, from_file  # noqa: E402
 
 
 def micro_config(**sections):
@@ -47,10 +46,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def cli_args(cfg) -> list[str]:
     """`--config configs/tiny.py` plus the overrides that turn it into `cfg`, for running scripts."""
-    spec = importlib.util.spec_from_file_location("tiny_config", os.path.join(REPO, "configs", "tiny.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    base = flatten(module.get_config())
+    base = flatten(from_file(os.path.join(REPO, "configs", "tiny.py")))
     args = ["--config", "configs/tiny.py"]
     for key, value in flatten(cfg).items():
         if base[key] != value:

@@ -10,7 +10,8 @@ from parallelism import hlo
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding
 from trainer.model.attention import resolve, xla_attention
-from trainer.model.splash import block_size, call_cost, splash_attention
+from trainer.model.splash import block_size, call_cost, hlo_call_cost, splash_attention
+from trainer.planning.plan import kernel_cost
 
 
 def packed_gqa(b=2, t=256, n=4, kv=2, h=64):
@@ -88,7 +89,44 @@ def test_splash_cost_counts_the_causal_blocks_it_runs_and_the_copies_its_pipelin
                 + 2 * block * d * 4)  # fmt: skip  # dk, dv scratch
     assert dkv_bytes == instances * expected
 
+    # The split backward (MaxText's): dkv without dQ and without the dq partials; dq on the forward's schedule
+    # with QK^T, dP and dQ, reading q and dO and writing dq once per query block.
+    split_flops, split_bytes = call_cost("dkv", group, 1, t, d, instances, b, block, block, segmented=True, fused=False)
+    assert split_flops == instances * group * blocks * 4 * (2 * block * block * d)
+    assert split_bytes == dkv_bytes - instances * n * group * t * d * b
+    dq_flops, _ = call_cost("dq", group, 1, t, d, instances, b, block, block, segmented=True)
+    assert dq_flops == instances * group * blocks * 3 * (2 * block * block * d)
+
     # The reference computes all n x n blocks: its HLO's matmul FLOPs x (n + 1) / 2n are the causal ones.
     shapes = [jax.ShapeDtypeStruct((instances, t, heads, d), jnp.bfloat16) for heads in (group, 1, 1)]
     reference = hlo.matmul_flops(hlo.read(jax.jit(xla_attention).lower(*shapes).compile().as_text()))
     assert fwd_flops == pytest.approx(reference * (n + 1) / (2 * n), rel=1e-6)
+
+
+# One of MaxText's splash calls as its compiled HLO writes it (llm_1b-like on v5e-4, benchmarks/vs_maxtext.py):
+# the multi-head form's dq kernel, 4 rows of 32 query heads on 8 key/value heads, the backend config cut out.
+MAXTEXT_DQ = (
+    "  %splash_mha_dq_segmented_no_residuals.1 = (f32[4,512,64]{2,1,0:T(8,128)}, bf16[4,32,2048,64]{3,2,1,0:T(8,128)"
+    '(2,1)}) custom-call(%a, %b, %c, %d, %e), custom_call_target="tpu_custom_call", operand_layout_constraints='
+    "{s8[1,4,4]{2,1,0}, s8[1,4,4]{2,1,0}, bf16[4,32,2048,64]{3,2,1,0}, bf16[4,8,2048,64]{3,2,1,0}, "
+    "bf16[4,8,2048,64]{3,2,1,0}, s32[4,2048,128]{2,1,0}, s32[4,8,2048]{2,1,0}, f32[4,32,1,2048]{3,2,1,0}, "
+    "bf16[4,32,2048,64]{3,2,1,0}, f32[4,32,1,2048]{3,2,1,0}, s32[2048,128]{1,0}}, frontend_attributes="
+    '{kernel_metadata={\n"xprof_metadata":"{\\"block_q_dq\\": 512, \\"block_kv_dq\\": 512, '
+    '\\"q_layout\\": 1, \\"k_layout\\": 1, \\"v_layout\\": 1}"\n}}'
+)
+
+
+def test_a_splash_call_is_read_from_hlo_in_either_form_and_another_kernel_is_named_not_guessed():
+    flops, moved = hlo_call_cost(MAXTEXT_DQ)
+    # 2048 tokens in blocks of 512: 10 causal blocks per head, QK^T, dP and dQ on each.
+    assert flops == 4 * 32 * 10 * 3 * (2 * 512 * 512 * 64)
+    assert moved == call_cost("dq", 32, 8, 2048, 64, 4, 2, 512, 512, segmented=True, residuals=False)[1]
+    other = MAXTEXT_DQ.replace("splash_mha_dq_segmented_no_residuals", "megablox_gmm")
+    assert hlo_call_cost(other) is None
+    text = f"HloModule m\n\nENTRY %main () -> bf16[4,32,2048,64] {{\n{other}\n}}\n"
+    kernels = kernel_cost(hlo.read(text))
+    # Counted as reading its operands and writing its results once, with no FLOPs, and named.
+    operands = 2 * 16 + 2 * (4 * 32 * 2048 * 64) * 2 + 2 * (4 * 8 * 2048 * 64) * 2 + 4 * (4 * 2048 * 128 + 4 * 8 * 2048
+               + 2 * 4 * 32 * 2048 + 2048 * 128)  # fmt: skip
+    results = 4 * 4 * 512 * 64 + 2 * 4 * 32 * 2048 * 64
+    assert kernels == {"calls": 1, "flops": 0.0, "bytes": operands + results, "uncounted": ["megablox_gmm"]}

@@ -13,7 +13,7 @@ from conftest import REPO, micro_config
 
 from parallelism import hlo
 from trainer.chips import CHIPS, chip_of
-from trainer.config import flatten, with_changes
+from trainer.config import flatten, from_file, with_changes
 from trainer.errors import ConfigError
 from trainer.flops import attention_forward_flops
 from trainer.planning.plan import plan
@@ -184,10 +184,7 @@ def test_fit_finds_a_variant_that_fits_a_v5e_chip_and_prints_its_command():
     assert command[:3] == ["python", "scripts/train.py", "--config=configs/tiny.py"]
     assert all(flag in command for flag in overrides if flag.split("=")[0][9:] not in best["changes"])
     # tiny's own values, then the command's flags, as train.py applies them.
-    spec = importlib.util.spec_from_file_location("tiny", f"{REPO}/configs/tiny.py")
-    tiny = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tiny)
-    cfg = tiny.get_config()
+    cfg = from_file(f"{REPO}/configs/tiny.py")
     flags = dict(f.removeprefix("--config.").split("=", 1) for f in command[3:])
     values = flatten(cfg)
     cfg = with_changes(cfg, {key: type(values[key])(text) for key, text in flags.items()})
