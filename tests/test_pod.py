@@ -122,8 +122,11 @@ def test_hosts_sharing_only_a_bucket_prepare_once_train_resume_evaluate_and_gene
     deadline = time.time() + 240
     while time.time() < deadline and all(p.poll() is None for p in procs):
         wd.forget_listings(workdir)  # what this process listed before, gcsfs would answer again
-        if any(s >= 4 for s in wd.saved_steps(workdir)):
-            break
+        try:
+            if any(s >= 4 for s in wd.saved_steps(workdir)):
+                break
+        except FileNotFoundError:  # listed while the run was writing: the prefix was there, then not yet (seen once)
+            pass
         time.sleep(0.2)
     for p in procs:
         p.send_signal(signal.SIGKILL)
