@@ -1,8 +1,8 @@
 """Build the device mesh from `config.mesh`.
 
-`mesh.stage`, `mesh.data`, `mesh.fsdp` and `mesh.tensor` size the axes within one slice (a
-TPU slice, or a host of GPUs); `mesh.dcn_data` and `mesh.dcn_fsdp` say how many
-slices an axis spans over the slower data-centre network. Tensor parallelism,
+`mesh.stage`, `mesh.data`, `mesh.fsdp`, `mesh.context` and `mesh.tensor` size the axes within one
+slice (a TPU slice, or a host of GPUs); `mesh.dcn_data`, `mesh.dcn_fsdp` and `mesh.dcn_context` say how
+many slices an axis spans over the slower data-centre network. Tensor parallelism,
 the most talkative, stays inside a slice. With several slices the device array
 comes from JAX's hybrid-mesh helper: slices are told apart by the devices'
 `slice_index` (multi-slice TPU) or, where that is absent or single, by process.
@@ -22,9 +22,10 @@ from parallelism.errors import ConfigError
 
 # Outermost to innermost: tensor parallelism talks most, so it gets the
 # closest devices (the last axis is laid over neighbours); pipeline stages
-# exchange one activation per tick with a neighbour, the least of all.
-AXES = ("stage", "data", "fsdp", "tensor")
-DCN_KEYS = (None, "dcn_data", "dcn_fsdp", None)  # no stage or tensor parallelism across slices
+# exchange one activation per tick with a neighbour, the least of all. The context axis passes
+# keys and values once per layer (trainer/model/context.py): more than FSDP's weights, less than tensor.
+AXES = ("stage", "data", "fsdp", "context", "tensor")
+DCN_KEYS = (None, "dcn_data", "dcn_fsdp", "dcn_context", None)  # no stage or tensor parallelism across slices
 
 
 def resolve_shape(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
@@ -58,12 +59,12 @@ def resolve_shape(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
 def dcn_shape(mesh_cfg) -> tuple[int, ...]:
     shape = tuple(1 if key is None else int(mesh_cfg[key]) for key in DCN_KEYS)
     if min(shape) < 1:
-        raise ConfigError(f"mesh.dcn_data and mesh.dcn_fsdp must be positive, not {shape[1:3]}.")
+        raise ConfigError(f"mesh.dcn_data, mesh.dcn_fsdp and mesh.dcn_context must be positive, not {shape[1:4]}.")
     return shape
 
 
 def device_array(mesh_cfg, devices: Sequence) -> np.ndarray:
-    """Devices laid out as (stage, data, fsdp, tensor), slices outermost along the dcn axes."""
+    """Devices laid out as (stage, data, fsdp, context, tensor), slices outermost along the dcn axes."""
     dcn = dcn_shape(mesh_cfg)
     ici_sizes = {a: int(mesh_cfg[a]) for a in AXES}
     if math.prod(dcn) == 1:
@@ -74,7 +75,7 @@ def device_array(mesh_cfg, devices: Sequence) -> np.ndarray:
     if groups != math.prod(dcn):
         unit = "slices" if by_slice else "processes (one per slice)"
         raise ConfigError(
-            f"mesh.dcn_data x mesh.dcn_fsdp = {math.prod(dcn)}, but the devices form {groups} {unit}; "
+            f"mesh.dcn_data x mesh.dcn_fsdp x mesh.dcn_context = {math.prod(dcn)}, but the devices form {groups} {unit}; "
             f"make them multiply to {groups}."
         )
     ici = resolve_shape(ici_sizes, len(devices) // groups)

@@ -23,10 +23,12 @@ from parallelism.errors import ConfigError
 # and the batch is split over every data-parallel axis.
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
-    "seq": (),
+    # Context parallelism splits every activation along the sequence over mesh.context;
+    # attention then sees the other devices' keys and values (trainer/model/context.py).
+    "seq": ("context",),
     # The residual stream's sequence axis between blocks (where the norms run);
-    # mesh.sequence_parallel sets it to tensor.
-    "residual_seq": (),
+    # mesh.sequence_parallel adds tensor.
+    "residual_seq": ("context",),
     "embed": ("fsdp",),
     "mlp": ("tensor",),
     "heads": ("tensor",),
@@ -54,7 +56,7 @@ def parse_rules(overrides: Mapping[str, Sequence[str]], sequence_parallel: bool 
             raise ConfigError(f"mesh.rules.{name} names no logical axis; known axes are {sorted(rules)}.")
         rules[name] = tuple(value)
     if sequence_parallel:
-        rules["residual_seq"] = ("tensor",)
+        rules["residual_seq"] = (*rules["residual_seq"], "tensor")
     return rules
 
 

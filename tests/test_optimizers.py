@@ -12,7 +12,7 @@ from conftest import cli_args, micro_config
 
 from trainer import experiments
 from trainer.errors import ConfigError
-from trainer.model.loss import chunked_loss_sums
+from trainer.model.loss import chunked_loss_sums, target_weights
 from trainer.optim.optimizer import make_optimizer, with_hyperparams
 from trainer.training.setup import build
 
@@ -104,7 +104,7 @@ def test_every_optimiser_learns(name, lr, corpus_dir):
 def test_z_loss_is_the_mean_square_log_normaliser():
     logits = jax.random.normal(jax.random.key(0), (2, 5, 7)) * 3
     tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, 7)
-    _, count, log_z_sq, _ = chunked_loss_sums(lambda x: x, logits, tokens, None, chunk=0)
+    _, count, log_z_sq, _ = chunked_loss_sums(lambda x: x, logits, *target_weights(tokens, None), chunk=0)
     z = np.log(np.exp(np.asarray(logits, np.float64)).sum(-1))[:, :-1]  # positions with a target
     assert float(log_z_sq) == pytest.approx((z**2).sum(), rel=1e-5) and float(count) == 8
 

@@ -26,6 +26,7 @@ REMAT_POLICIES = ("none", "full", "save_dots", "save_dots_no_batch")
 OPTIMIZERS = ("adamw", "lion", "adafactor", "sgd", "muon")
 LOSS_SCALING = ("auto", "dynamic", "none")
 ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash", "auto")
+CONTEXT_ATTENTION = ("ring", "all_gather")
 SCHEDULES = ("cosine", "wsd", "linear", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
 SOURCES = ("text_files", "tfds", "synthetic")
@@ -69,6 +70,7 @@ def _declared() -> dict[str, dict]:
         remat="none",  # one of REMAT_POLICIES
         scan_layers=True,
         attention="xla",  # one of ATTENTION_IMPLS
+        context_attention="ring",  # with mesh.context > 1: one of CONTEXT_ATTENTION (trainer/model/context.py)
         init_std=Num(0.02, "(0, inf)"),
         mup_base_width=Num(0, "[0, inf)"),  # > 0: muP, with hyperparameters tuned at this d_model
         loss_chunk=Num(
@@ -82,9 +84,12 @@ def _declared() -> dict[str, dict]:
         stage=Num(1, "[1, inf)"),  # pipeline stages: the stacked layers split into this many blocks (GPipe)
         data=Num(1, "-1 or [1, inf)"),
         fsdp=Num(-1, "-1 or [1, inf)"),
+        # Context parallelism: each sequence split over this many devices (attention: model.context_attention)
+        context=Num(1, "-1 or [1, inf)"),
         tensor=Num(1, "-1 or [1, inf)"),
         dcn_data=Num(1, "[1, inf)"),  # slices (TPU slices or hosts) the data axis spans; sizes above are per slice
         dcn_fsdp=Num(1, "[1, inf)"),
+        dcn_context=Num(1, "[1, inf)"),
         sequence_parallel=False,  # shard the residual stream's sequence axis over tensor between blocks
         rules=dict(DEFAULT_RULES),
     )

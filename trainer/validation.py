@@ -15,6 +15,7 @@ from parallelism.mesh import AXES
 from parallelism.rules import check_rules, parse_rules
 from trainer.config import (
     ATTENTION_IMPLS,
+    CONTEXT_ATTENTION,
     DTYPES,
     LOSS_SCALING,
     MIXTURE_UNITS,
@@ -60,6 +61,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     _choice("model.remat", m.remat, REMAT_POLICIES)
     _choice("model.attention", m.attention, ATTENTION_IMPLS)
+    _choice("model.context_attention", m.context_attention, CONTEXT_ATTENTION)
     _choice("optim.schedule", o.schedule, SCHEDULES)
     _choice("optim.name", o.name, OPTIMIZERS)
     _choice("precision.loss_scaling", cfg.precision.loss_scaling, LOSS_SCALING)
@@ -240,6 +242,29 @@ def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
             raise ConfigError(f"model.{key}={cfg.model[key]} does not divide over mesh.tensor={tensor}.")
     if cfg.model.d_model % mesh.shape["fsdp"]:
         raise ConfigError(f"model.d_model={cfg.model.d_model} does not divide over mesh.fsdp={mesh.shape['fsdp']}.")
+    _check_context(cfg, mesh.shape["context"])
+
+
+def _check_context(cfg: ml_collections.ConfigDict, context: int) -> None:
+    """What context parallelism needs (trainer/model/context.py): zig-zag halves, no pipeline, xla blocks."""
+    if context == 1:
+        return
+    seq = cfg.data.seq_len
+    if seq % (2 * context):
+        raise ConfigError(
+            f"data.seq_len={seq} does not split into 2 x {context} equal chunks for the context axis of {context} "
+            f"devices (each holds two, zig-zag, to balance causal work); use a multiple of {2 * context}."
+        )
+    if cfg.mesh.stage > 1:
+        raise ConfigError(
+            f"mesh.context={context} with mesh.stage={cfg.mesh.stage}: context parallelism inside pipeline stages "
+            "is not supported; use one of the two."
+        )
+    if cfg.model.attention not in ("xla", "auto"):
+        raise ConfigError(
+            f"model.attention={cfg.model.attention} cannot take the context axis's blocks (model.context_attention="
+            f"{cfg.model.context_attention} computes each block in XLA); set model.attention=xla or auto, or mesh.context=1."
+        )
 
 
 def _choice(path: str, value, valid) -> None:

@@ -11,6 +11,9 @@ is not in its future and belongs to the same packed document.
   that skips the blocks the causal mask hides; trainer/model/splash.py); elsewhere
   it runs in Pallas' interpret mode, slowly, which is how it is tested on a CPU.
 - "auto": splash on a TPU, cudnn on a GPU, xla on a CPU.
+
+With the sequence split over the mesh's context axis, attention crosses the devices as
+`model.context_attention` says (trainer/model/context.py), each block in XLA.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from trainer.model.context import context_attention, ways
 from trainer.model.splash import splash_attention
 
 AUTO = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "cudnn"}
@@ -72,8 +76,11 @@ def resolve(kind: str, platform: str) -> str:
     return AUTO.get(platform, "xla") if kind == "auto" else kind
 
 
-def attend(kind: str, q, k, v, segment_ids=None, shard=None):
-    """Dispatch on `model.attention`; config validation has already checked `kind`."""
+def attend(kind: str, q, k, v, segment_ids=None, shard=None, context_mode: str = "ring"):
+    """Dispatch on `model.attention` (and `model.context_attention` when the sequence is split over the
+    context axis); config validation has already checked both."""
+    if shard is not None and ways(shard) > 1:
+        return context_attention(context_mode, q, k, v, segment_ids, shard)
     mesh = None if shard is None else shard.mesh
     kind = resolve(kind, (jax.devices() if mesh is None else mesh.devices.flat)[0].platform)
     if kind == "xla":

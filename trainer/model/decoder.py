@@ -18,12 +18,14 @@ import dataclasses
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from parallelism import pipeline
 from parallelism.rules import LogicalSharding
+from trainer.model.context import ways, zigzag
 from trainer.model.layers import RESIDUAL, Block, RMSNorm, param, rope_tables
-from trainer.model.loss import chunked_loss_sums
+from trainer.model.loss import chunked_loss_sums, target_weights
 from trainer.model.spec import LAYERS, REMAT, ModelSpec
 
 NO_SHARDING = LogicalSharding.create(None)
@@ -54,13 +56,32 @@ class Decoder(nnx.Module):
 
     def loss_sums(self, tokens, positions, segment_ids):
         """Next-token (cross-entropy sum, token count, log(Z)^2 sum, largest |logit|); see loss.py."""
-        features = self.features(tokens, positions, segment_ids)
-        return chunked_loss_sums(self.logits, features, tokens, segment_ids, self.execution.loss_chunk)
+        targets, weights = target_weights(tokens, segment_ids)
+        order = self._order(tokens.shape[1])
+        if order is not None:  # each position's loss is its own: taken in the layers' order, nothing moves back
+            targets, weights = targets[:, order], weights[:, order]
+        features = self.features(tokens, positions, segment_ids, layer_order=True)
+        return chunked_loss_sums(self.logits, features, targets, weights, self.execution.loss_chunk)
 
-    def features(self, tokens, positions, segment_ids) -> jax.Array:
-        """The final-normed residual stream (batch, seq, d_model), through the layers as the execution says."""
+    def features(self, tokens, positions, segment_ids, layer_order: bool = False) -> jax.Array:
+        """The final-normed residual stream (batch, seq, d_model), through the layers as the execution says.
+
+        With the sequence split over the context axis the layers see it in zig-zag order
+        (trainer/model/context.py); the features come back in the given order unless `layer_order`."""
         # A transposed or mis-sliced segment/position array would broadcast silently.
         chex.assert_equal_shape([tokens, positions, *(() if segment_ids is None else (segment_ids,))])
+        order = self._order(tokens.shape[1])
+        if order is not None:
+            tokens, positions = tokens[:, order], positions[:, order]
+            segment_ids = None if segment_ids is None else segment_ids[:, order]
+        x = self._layers(tokens, positions, segment_ids)
+        return x if order is None or layer_order else x[:, np.argsort(order)]
+
+    def _order(self, seq_len: int) -> np.ndarray | None:
+        context = ways(self.shard)
+        return None if context == 1 else zigzag(seq_len, context)
+
+    def _layers(self, tokens, positions, segment_ids) -> jax.Array:
         a, run = self.arch, self.execution
         graphdef, stacked = nnx.split(self.layers)
 

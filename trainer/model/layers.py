@@ -88,7 +88,8 @@ class Attention(nnx.Module):
         k = self.shard.constrain(apply_rope(k, tables), ("batch", "seq", "kv_heads", "head_dim"))
         v = self.shard.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         if cache is None:
-            out, new_cache = attend(self.execution.attention, q, k, v, segment_ids, self.shard), None
+            run = self.execution
+            out, new_cache = attend(run.attention, q, k, v, segment_ids, self.shard, run.context_attention), None
         else:
             k_cache, v_cache, positions = cache
             start = positions[0, 0]  # all rows decode in step

@@ -33,8 +33,9 @@ def _sums(logits: jax.Array, targets: jax.Array, weights: jax.Array):
     )
 
 
-def chunked_loss_sums(logits_fn, features: jax.Array, tokens: jax.Array, segment_ids, chunk: int):
-    """(cross-entropy sum, token count, log(Z)^2 sum, largest |logit|) from features (batch, seq, d).
+def chunked_loss_sums(logits_fn, features: jax.Array, targets: jax.Array, weights: jax.Array, chunk: int):
+    """(cross-entropy sum, token count, log(Z)^2 sum, largest |logit|) from features (batch, seq, d) and
+    each position's target and weight (`target_weights`).
 
     The caller divides once per global batch. log Z (the softmax normaliser) is
     what z-loss keeps near 0, which stops the logits drifting upwards in bf16.
@@ -45,8 +46,7 @@ def chunked_loss_sums(logits_fn, features: jax.Array, tokens: jax.Array, segment
     logits and their gradient never exist at once: the largest activation of a
     large-vocabulary model, traded for one more head matmul.
     """
-    targets, weights = target_weights(tokens, segment_ids)
-    seq = tokens.shape[1]
+    seq = targets.shape[1]
     if not 0 < chunk < seq:
         ce, log_z_sq, largest = _sums(logits_fn(features), targets, weights)
         return ce, jnp.sum(weights), log_z_sq, largest

@@ -52,7 +52,9 @@ def make_generate(spec: ModelSpec, shard: LogicalSharding, *, max_new_tokens: in
     A handful of prompts cannot be split over the data-parallel devices, so the
     batch axis is replicated; parameters keep their placement.
     """
-    shard = LogicalSharding.create(shard.mesh, {**dict(shard.rules), "batch": ()})
+    # Prompts and caches are short and grow a token at a time: whole sequences on every device, so a
+    # model trained with a context axis decodes as any other.
+    shard = LogicalSharding.create(shard.mesh, {**dict(shard.rules), "batch": (), "seq": (), "residual_seq": ()})
     model = ModelDef.create(spec, shard)
 
     @jax.jit

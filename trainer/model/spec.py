@@ -78,6 +78,7 @@ class Execution:
     remat: str = "none"
     scan_layers: bool = True
     attention: str = "xla"
+    context_attention: str = "ring"  # how attention crosses mesh.context (trainer/model/context.py)
     compute_dtype: str = "float32"
     loss_chunk: int = 0  # sequence positions per chunk of the loss's logits (0 = all at once)
     stages: int = 1  # pipeline stages (mesh.stage); see parallelism/pipeline.py
@@ -87,7 +88,7 @@ class Execution:
     def from_config(cls, cfg) -> Execution:
         m = cfg.model
         return cls(remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
-                   compute_dtype=cfg.precision.compute_dtype, loss_chunk=m.loss_chunk, stages=cfg.mesh.stage,
+                   context_attention=m.context_attention, compute_dtype=cfg.precision.compute_dtype, loss_chunk=m.loss_chunk, stages=cfg.mesh.stage,
                    pipeline_microbatches=cfg.train.pipeline_microbatches)  # fmt: skip
 
 
