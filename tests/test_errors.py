@@ -88,6 +88,22 @@ CASES = {
         lambda: micro_config(data=dict(source="tfds", data_dir="/nonexistent", mixture=("a:1", "b:1"))),
         "dataset 'a' is not prepared under /nonexistent",
     ),
+    "sequence the context axis does not split in zig-zag halves": (
+        lambda: micro_config(mesh=dict(fsdp=1, data=-1, context=8), data=dict(seq_len=24)),
+        "data.seq_len=24 does not split into 2 x 8 equal chunks .* use a multiple of 16",
+    ),
+    "context axis with pipeline stages": (
+        lambda: micro_config(mesh=dict(fsdp=1, data=-1, stage=2, context=2), train=dict(pipeline_microbatches=2)),
+        "mesh.context=2 with mesh.stage=2: context parallelism inside pipeline stages is not supported",
+    ),
+    "context axis on a kernel that cannot take its blocks": (
+        lambda: micro_config(mesh=dict(fsdp=1, data=-1, context=2), model=dict(attention="splash")),
+        "model.attention=splash cannot take the context axis's blocks",
+    ),
+    "unknown context attention": (
+        lambda: micro_config(model=dict(context_attention="ulysses")),
+        "model.context_attention='ulysses' is not one of ring, all_gather",
+    ),
     "dataset that is not prepared": (
         lambda: micro_config(data=dict(source="tfds", name="no_such_dataset", data_dir="/nonexistent")),
         "not prepared",
