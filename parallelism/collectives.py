@@ -116,7 +116,8 @@ def parse(hlo_text: str) -> dict[str, dict[str, float]]:
 
 
 def textbook(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_model: int, seq_len: int,
-             micro_rows: int, microbatches: int, act_bytes: int) -> dict[str, float]:  # fmt: skip
+             micro_rows: int, microbatches: int, act_bytes: int, kv_width: int = 0,
+             context_attention: str = "ring") -> dict[str, float]:  # fmt: skip
     """Bytes each device sends per step in the standard schemes, at `act_bytes` per value.
 
     Weights travel in the compute dtype: XLA casts them before it gathers, and
@@ -126,9 +127,15 @@ def textbook(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_mode
     reduce-scatter the gradients: 3 (F-1)/F x weight bytes, once per
     microbatch. Data parallelism: all-reduce the (FSDP-sharded) gradients,
     2 (D-1)/D x their bytes. Tensor parallelism (Megatron): two activation
-    all-reduces per layer forward and two backward, 4 L x 2 (T-1)/T x b s d.
+    all-reduces per layer forward and two backward, 4 L x 2 (T-1)/T x b s/C d.
+    Context parallelism over C devices, per layer, with KV the bytes of the
+    whole sequence's keys and values (`kv_width` = kv heads x head size each)
+    for one tensor shard: all_gather gathers them forward and reduce-scatters
+    their gradients, (C-1)/C x KV each; the ring passes a 1/C block C-1 times
+    forward and C-1 times backward, and the fp32 key/value gradients C times.
     """
     d, f, t = mesh_shape["data"], mesh_shape["fsdp"], mesh_shape["tensor"]
+    c = mesh_shape.get("context", 1)
     weights = act_bytes * n_params / t  # what one tensor shard's fsdp group holds
     out = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0}
     if f > 1:
@@ -138,5 +145,12 @@ def textbook(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_mode
         out["all-reduce"] += microbatches * 2 * (d - 1) / d * weights / f
     if t > 1:
         rows = micro_rows / (d * f)
-        out["all-reduce"] += microbatches * 4 * n_layers * 2 * (t - 1) / t * rows * seq_len * d_model * act_bytes
+        out["all-reduce"] += microbatches * 4 * n_layers * 2 * (t - 1) / t * rows * seq_len / c * d_model * act_bytes
+    if c > 1:
+        kv = micro_rows / (d * f) * seq_len * 2 * kv_width / t * act_bytes
+        if context_attention == "all_gather":
+            out["all-gather"] += microbatches * n_layers * (c - 1) / c * kv
+            out["reduce-scatter"] += microbatches * n_layers * (c - 1) / c * kv
+        else:
+            out["collective-permute"] = microbatches * n_layers * kv / c * (2 * (c - 1) + c * 4 / act_bytes)
     return {k: v for k, v in out.items() if v}

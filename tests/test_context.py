@@ -10,6 +10,7 @@ import pytest
 from conftest import micro_config
 
 from trainer.evaluate import evaluate_checkpoint
+from trainer.model import context
 from trainer.model.context import zigzag
 from trainer.model.sampling import make_generate
 from trainer.storage.checkpoint import Checkpointer
@@ -55,7 +56,8 @@ def test_the_zigzag_order_gives_each_device_an_early_and_a_late_chunk():
     assert len(set(order.sum(1))) == 1 and sorted(zigzag(64, 4)) == list(range(64))
 
 
-def test_context_2_and_4_with_fsdp_and_tensor_equal_one_device():
+def test_context_2_and_4_with_fsdp_and_tensor_equal_one_device(monkeypatch):
+    monkeypatch.setattr(context, "TILE", 4)  # each block scored 4 keys at a time: the tiling is exercised
     batch = packed_batch()
     loss, grads, logits, _, params = loss_grads_logits("ring", {}, batch)
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))

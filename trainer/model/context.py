@@ -9,13 +9,15 @@ beside a late one with many. The decoder puts its inputs in that order once, bef
 Attention then runs under shard_map, each device holding its queries, in one of two ways
 (`model.context_attention`):
 - all_gather: keys and values gathered from the whole axis, the local queries attending to all of
-  them (scores per device: seq / context x seq);
-- ring: key/value blocks passed round the axis with ppermute, context steps of (seq / context)^2
-  scores merged by an online softmax; the next block is sent before this one is computed, so the
-  two can overlap. Its backward (a custom VJP, as flash attention's) recomputes each block from the
-  saved log-sum-exp, the key/value gradients travelling round the ring with their blocks.
-Both mask by each token's place in the original sequence (`slots`) and by document (segment ids),
-with grouped-query heads as in trainer/model/attention.py, each block computed in XLA.
+  them; the backward gathers them again and reduce-scatters their gradients;
+- ring: key/value blocks passed round the axis with ppermute, one block a step; the next block is
+  sent before this one is computed, so the two can overlap. The backward passes the blocks round
+  once more, their gradients travelling with them.
+Both are flash attention in XLA: an online softmax over the blocks, TILE keys at a time, and a
+custom VJP whose backward recomputes each tile's probabilities from the saved log-sum-exp, so a
+device holds its queries x TILE scores per head, whatever the sequence's length. They mask by each
+token's place in the original sequence (`_slots`) and by document (segment ids), with grouped-query
+heads as in trainer/model/attention.py.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from parallelism.rules import LogicalSharding
 
 AXIS = "context"
 NEG = float(jnp.finfo(jnp.float32).min)  # a finite "minus infinity": fully masked rows stay free of NaNs
+TILE = 512  # keys scored at once: scores per device are its queries x TILE per head, whatever the sequence
 
 
 def ways(shard: LogicalSharding) -> int:
@@ -67,91 +70,139 @@ def _scores(qg, k, mask):
     return jnp.where(mask, scores, NEG)
 
 
-def _all_gather(q, k, v, ids, seq_len: int, context: int):
-    b, t, n, h = q.shape
-    kv_heads = k.shape[2]
-    k_all, v_all = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (k, v))
-    ids_all = None if ids is None else jax.lax.all_gather(ids, AXIS, axis=1, tiled=True)
-    q_slots = _slots(jax.lax.axis_index(AXIS), seq_len, context)
-    mask = _mask(q_slots, jnp.asarray(zigzag(seq_len, context)), ids, ids_all)
-    probs = jax.nn.softmax(_scores(q.reshape(b, t, kv_heads, n // kv_heads, h), k_all, mask), axis=-1)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs.astype(v.dtype), v_all)
-    return out.reshape(b, t, n, h)
+def _tiles(x, tile: int):
+    """(batch, t, ...) -> (t / tile, batch, tile, ...): a block's keys a tile at a time, for lax.scan."""
+    return jnp.moveaxis(x.reshape(x.shape[0], -1, tile, *x.shape[2:]), 1, 0)
+
+
+def _untile(x):
+    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], -1, *x.shape[3:])
+
+
+def _tile(length: int) -> int:
+    return TILE if length % TILE == 0 else length
+
+
+def _block_forward(qg, q_slots, q_ids, k, v, k_slots, k_ids, state):
+    """The online softmax's (acc, peak, total) after the queries also see one block of keys, TILE keys at a
+    time: a device never holds more than its queries x TILE scores per head."""
+    tile = _tile(k.shape[1])
+    ids = jnp.zeros(k.shape[:2], jnp.int32) if k_ids is None else k_ids  # scan needs arrays
+
+    def step(state, x):
+        acc, peak, total = state
+        bk, bv, slots, b_ids = x
+        mask = _mask(q_slots, slots, q_ids, None if k_ids is None else b_ids)
+        scores = _scores(qg, bk, mask)
+        new_peak = jnp.maximum(peak, scores.max(-1))
+        probs = jnp.where(mask, jnp.exp(scores - new_peak[..., None]), 0.0)
+        scale = jnp.exp(peak - new_peak)
+        pv = jnp.einsum("bkgts,bskh->bkgth", probs.astype(bv.dtype), bv, preferred_element_type=jnp.float32)
+        return (acc * scale[..., None] + pv, new_peak, total * scale + probs.sum(-1)), None
+
+    xs = (_tiles(k, tile), _tiles(v, tile), k_slots.reshape(-1, tile), _tiles(ids, tile))
+    return jax.lax.scan(step, state, xs)[0]
+
+
+def _block_backward(qg, dog, lse, delta, q_slots, q_ids, k, v, k_slots, k_ids):
+    """One block's part of (dq, dk, dv), in fp32, recomputing its probabilities from the log-sum-exp."""
+    tile = _tile(k.shape[1])
+    ids = jnp.zeros(k.shape[:2], jnp.int32) if k_ids is None else k_ids
+    scale = qg.shape[-1] ** -0.5
+
+    def step(dq, x):
+        bk, bv, slots, b_ids = x
+        mask = _mask(q_slots, slots, q_ids, None if k_ids is None else b_ids)
+        probs = jnp.where(mask, jnp.exp(_scores(qg, bk, mask) - lse[..., None]), 0.0)
+        dv = jnp.einsum("bkgts,btkgh->bskh", probs.astype(dog.dtype), dog, preferred_element_type=jnp.float32)
+        d_probs = jnp.einsum("btkgh,bskh->bkgts", dog, bv, preferred_element_type=jnp.float32)
+        d_scores = probs * (d_probs - delta[..., None]) * scale
+        dq = dq + jnp.einsum("bkgts,bskh->btkgh", d_scores.astype(bk.dtype), bk, preferred_element_type=jnp.float32)
+        dk = jnp.einsum("bkgts,btkgh->bskh", d_scores.astype(qg.dtype), qg, preferred_element_type=jnp.float32)
+        return dq, (dk, dv)
+
+    xs = (_tiles(k, tile), _tiles(v, tile), k_slots.reshape(-1, tile), _tiles(ids, tile))
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32), xs)
+    return dq, _untile(dk), _untile(dv)
 
 
 def _ring_perm(context: int):
     return [(i, (i + 1) % context) for i in range(context)]  # at step s, device r holds block r - s
 
 
-def _ring_forward(q, k, v, ids, seq_len, context):
+def _gather(x):
+    return None if x is None else jax.lax.all_gather(x, AXIS, axis=1, tiled=True)
+
+
+def _forward(mode, q, k, v, ids, seq_len, context):
+    """(output, log-sum-exp) of the local queries over the whole sequence's keys."""
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
     qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
     r = jax.lax.axis_index(AXIS)
     q_slots = _slots(r, seq_len, context)
     peak = jnp.full((b, kv_heads, n // kv_heads, t), NEG, jnp.float32)
-    total = jnp.zeros_like(peak)
-    acc = jnp.zeros((b, kv_heads, n // kv_heads, t, h), jnp.float32)
-    block = (k, v, ids)
-    for step in range(context):
-        if step < context - 1:  # sent now, used next step: the transfer can overlap this block's compute
-            following = jax.lax.ppermute(block, AXIS, _ring_perm(context))
-        bk, bv, b_ids = block
-        mask = _mask(q_slots, _slots((r - step) % context, seq_len, context), ids, b_ids)
-        scores = _scores(qg, bk, mask)
-        new_peak = jnp.maximum(peak, scores.max(-1))
-        probs = jnp.where(mask, jnp.exp(scores - new_peak[..., None]), 0.0)
-        scale = jnp.exp(peak - new_peak)
-        total = total * scale + probs.sum(-1)
-        acc = acc * scale[..., None] + jnp.einsum("bkgts,bskh->bkgth", probs.astype(v.dtype), bv,
-                                                  preferred_element_type=jnp.float32)  # fmt: skip
-        peak = new_peak
-        if step < context - 1:
-            block = following
-    out = acc / total[..., None]  # every query sees at least itself, so total > 0
-    lse = peak + jnp.log(total)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype), lse
+    state = (jnp.zeros((*peak.shape, h), jnp.float32), peak, jnp.zeros_like(peak))
+    if mode == "all_gather":
+        k_slots = jnp.asarray(zigzag(seq_len, context))
+        state = _block_forward(qg, q_slots, ids, _gather(k), _gather(v), k_slots, _gather(ids), state)
+    else:
+        block = (k, v, ids)
+        for step in range(context):
+            if step < context - 1:  # sent now, used next step: the transfer can overlap this block's compute
+                following = jax.lax.ppermute(block, AXIS, _ring_perm(context))
+            k_slots = _slots((r - step) % context, seq_len, context)
+            state = _block_forward(qg, q_slots, ids, *block[:2], k_slots, block[2], state)
+            if step < context - 1:
+                block = following
+    acc, peak, total = state  # every query sees at least itself, so total > 0
+    out = (acc / total[..., None]).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h).astype(q.dtype)
+    return out, peak + jnp.log(total)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _ring(q, k, v, ids, seq_len, context):
-    return _ring_forward(q, k, v, ids, seq_len, context)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
+def _attention(mode, q, k, v, ids, seq_len, context):
+    return _forward(mode, q, k, v, ids, seq_len, context)[0]
 
 
-def _ring_fwd(q, k, v, ids, seq_len, context):
-    out, lse = _ring_forward(q, k, v, ids, seq_len, context)
+def _attention_fwd(mode, q, k, v, ids, seq_len, context):
+    out, lse = _forward(mode, q, k, v, ids, seq_len, context)
     return out, (q, k, v, ids, out, lse)
 
 
-def _ring_bwd(seq_len, context, residuals, d_out):
+def _attention_bwd(mode, seq_len, context, residuals, d_out):
+    """Flash attention's backward over the blocks: keys and values gathered again (all_gather, their
+    gradients reduce-scattered back), or passed round the ring once more with their gradients."""
     q, k, v, ids, out, lse = residuals
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
-    group = n // kv_heads
-    qg = q.reshape(b, t, kv_heads, group, h)
-    dog = d_out.reshape(b, t, kv_heads, group, h)
+    qg = q.reshape(b, t, kv_heads, n // kv_heads, h)
+    dog = d_out.reshape(qg.shape)
     # D = rowsum(dO * O): the softmax's backward term, as in flash attention
     delta = jnp.einsum("btkgh,btkgh->bkgt", dog.astype(jnp.float32), out.reshape(qg.shape).astype(jnp.float32))
     r = jax.lax.axis_index(AXIS)
     q_slots = _slots(r, seq_len, context)
-    dq = jnp.zeros(qg.shape, jnp.float32)
-    block = (k, v, ids, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    for step in range(context):
-        bk, bv, b_ids, dk, dv = block
-        mask = _mask(q_slots, _slots((r - step) % context, seq_len, context), ids, b_ids)
-        probs = jnp.where(mask, jnp.exp(_scores(qg, bk, mask) - lse[..., None]), 0.0)
-        dv = dv + jnp.einsum("bkgts,btkgh->bskh", probs.astype(d_out.dtype), dog, preferred_element_type=jnp.float32)
-        d_probs = jnp.einsum("btkgh,bskh->bkgts", dog, bv, preferred_element_type=jnp.float32)
-        d_scores = probs * (d_probs - delta[..., None]) * h**-0.5
-        dq = dq + jnp.einsum("bkgts,bskh->btkgh", d_scores.astype(bk.dtype), bk, preferred_element_type=jnp.float32)
-        dk = dk + jnp.einsum("bkgts,btkgh->bskh", d_scores.astype(q.dtype), qg, preferred_element_type=jnp.float32)
-        # After `context` passes every block and its gradients are back with their owner.
-        block = jax.lax.ppermute((bk, bv, b_ids, dk, dv), AXIS, _ring_perm(context))
-    _, _, _, dk, dv = block
+    if mode == "all_gather":
+        k_slots = jnp.asarray(zigzag(seq_len, context))
+        dq, dk, dv = _block_backward(qg, dog, lse, delta, q_slots, ids, _gather(k), _gather(v), k_slots, _gather(ids))
+        dk, dv = (jax.lax.psum_scatter(g, AXIS, scatter_dimension=1, tiled=True) for g in (dk, dv))
+    else:
+        dq = jnp.zeros(qg.shape, jnp.float32)
+        block = (k, v, ids, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        for step in range(context):
+            bk, bv, b_ids, dk, dv = block
+            k_slots = _slots((r - step) % context, seq_len, context)
+            dq_part, dk_part, dv_part = _block_backward(qg, dog, lse, delta, q_slots, ids, bk, bv, k_slots, b_ids)
+            dq, dk, dv = dq + dq_part, dk + dk_part, dv + dv_part
+            # The gradients travel on with their block: after `context` passes they are back with its owner.
+            # The block itself is not needed after the last step.
+            moving = (bk, bv, b_ids, dk, dv) if step < context - 1 else (dk, dv)
+            block = jax.lax.ppermute(moving, AXIS, _ring_perm(context))
+        dk, dv = block[-2:]
     return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def context_attention(mode: str, q, k, v, segment_ids, shard: LogicalSharding):
@@ -161,13 +212,12 @@ def context_attention(mode: str, q, k, v, segment_ids, shard: LogicalSharding):
     heads = shard.spec(("batch", "seq", "heads", None))
     kv = shard.spec(("batch", "seq", "kv_heads", None))
     ids = shard.spec(("batch", "seq"))
-    local = {"ring": _ring, "all_gather": _all_gather}[mode]
     if segment_ids is None:
-        body = lambda q, k, v: local(q, k, v, None, seq_len, context)  # noqa: E731
+        body = lambda q, k, v: _attention(mode, q, k, v, None, seq_len, context)  # noqa: E731
         return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, kv, kv), out_specs=heads, check_vma=False)(
             q, k, v
         )
-    body = lambda q, k, v, i: local(q, k, v, i, seq_len, context)  # noqa: E731
+    body = lambda q, k, v, i: _attention(mode, q, k, v, i, seq_len, context)  # noqa: E731
     return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, kv, kv, ids), out_specs=heads, check_vma=False)(
         q, k, v, segment_ids
     )

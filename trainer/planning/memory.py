@@ -51,7 +51,8 @@ def shard_bytes(tree, itemsize: int | None = None) -> int:
     )
 
 
-def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, platform: str) -> dict[str, float]:
+def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, platform: str,
+                              context: int = 1) -> dict[str, float]:  # fmt: skip
     """Elements per token one layer keeps for the backward pass, under each remat policy.
 
     Head and MLP-width tensors are split over `tensor`; the residual-width ones
@@ -62,11 +63,21 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     small, remat none: XLA:TPU's heap 24.2 GiB on v5p-8, 24.8 counted so, 36.9
     with three), and as many for the layer being recomputed. Fused kernels keep
     only their output and statistics.
+
+    Over a context axis (trainer/model/context.py) a device holds seq / context of the tokens, each block
+    in XLA: all_gather scores each local query against the whole sequence and keeps the gathered keys and
+    values; the ring scores seq / context keys at a time and keeps none of them (its backward recomputes
+    each block from the saved log-sum-exp), so only the layer being worked on holds one block's scores.
     """
     a = spec.arch
     d, f = a.d_model, a.d_ff / tensor
     q, kv = a.n_heads * a.head_dim / tensor, a.n_kv_heads * a.head_dim / tensor
-    scores = (4 / act_bytes) * a.n_heads * seq_len / tensor if materialises_scores(spec, platform) else 0
+    ring = context > 1 and spec.execution.context_attention == "ring"
+    keys = seq_len // context if ring else seq_len
+    scores = (4 / act_bytes) * a.n_heads * keys / tensor if context > 1 or materialises_scores(spec, platform) else 0
+    kept_scores = 0 if ring else scores
+    gathered_kv = 2 * kv * (context - 1) if context > 1 and not ring else 0
+    log_sum_exp = (4 / act_bytes) * a.n_heads / tensor if ring else 0
     # q, k, v; the attention's out projection; gate, up. The down projection's output is only added to the
     # residual, which the next layer keeps as its input: no backward reads it, so nothing keeps it (llm_1b,
     # save_dots, fsdp=2 x tensor=2 on v5p-8: XLA:TPU's heap holds, per layer, two residual-width arrays,
@@ -83,14 +94,14 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     # (llm_1b, remat none, splash: 85.6k elements per token and layer compiled, 50.7k counted above,
     # 4 f in bf16 elements), and the PV matmul reads the softmax in bf16 beside the fp32 one.
     mixed = act_bytes < 4
-    whole = elementwise + (4 * f if mixed else 0)
+    whole = elementwise + (4 * f if mixed else 0) + gathered_kv + log_sum_exp
     return {
-        "none": whole + (1.5 if mixed else 2) * scores,
+        "none": whole + (1.5 if mixed else 2) * kept_scores,
         "full": d,
-        "save_dots_no_batch": d + projections,
+        "save_dots_no_batch": d + projections + gathered_kv + log_sum_exp,
         # + the fp32 scores and the attention's output where they are matmuls' (a fused kernel's output is
         # not a dot: remat recomputes it).
-        "save_dots": d + projections + (scores + q if scores else 0),
+        "save_dots": d + projections + gathered_kv + log_sum_exp + (kept_scores + q if kept_scores else 0),
         # The layer being recomputed under remat, its backward at once: its scores as a layer keeps them
         # without remat, but not the fp32 gate and up. llm_1b under full remat on v5p-8, the heap beyond
         # the state, gradients, weights and kept inputs: with splash at fsdp=2 x tensor=2 1.85 GiB, and
@@ -98,7 +109,7 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
         # dot_product at fsdp=4, seq 1024 / 2048 / 4096 / 8192 at the same tokens: heaps of 11.08 /
         # 14.19 / 21.99 / 38.11 GiB, counted 11.76 / 14.76 / 20.76 / 32.76 (the scores once: 10.76 /
         # 12.76 / 16.76 / 24.76); the compiler keeps more of them per token the longer the sequence.
-        "recomputed": elementwise + (1.5 if mixed else 2) * scores,
+        "recomputed": elementwise + gathered_kv + (1.5 if mixed else 2) * scores,
     }
 
 
@@ -114,9 +125,10 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str, gradi
     the microbatch's gradient (`gradient_bytes`), which the backward pass makes and the loss does not hold."""
     t = cfg.train
     rows = microbatch_size(cfg) / (mesh_shape["data"] * mesh_shape["fsdp"])
-    tokens, tensor = rows * cfg.data.seq_len, mesh_shape["tensor"]
+    context = mesh_shape.get("context", 1)
+    tokens, tensor = rows * cfg.data.seq_len / context, mesh_shape["tensor"]
     act = jnp.dtype(cfg.precision.compute_dtype).itemsize
-    per_layer = layer_activation_elements(spec, cfg.data.seq_len, tensor, act, platform)
+    per_layer = layer_activation_elements(spec, cfg.data.seq_len, tensor, act, platform, context)
     layers_here = spec.arch.n_layers // mesh_shape["stage"]
     kept = tokens * layers_here * per_layer[spec.execution.remat] * act
     if mesh_shape["stage"] > 1:
@@ -128,7 +140,7 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str, gradi
     # 30.3 MB there, 29.4 predicted with two copies).
     chunk = spec.execution.loss_chunk
     copies = 1 if platform == "tpu" else 2
-    logits = copies * (rows * chunk if chunk else tokens) * 4 * spec.arch.vocab_size / tensor
+    logits = copies * (rows * chunk / context if chunk else tokens) * 4 * spec.arch.vocab_size / tensor
     # Beside them, the final features in the compute dtype and fp32 and their fp32 gradient (small,
     # fsdp=2 x tensor=2 on v5p: f32 and bf16 [32, 1024, 768] buffers at the peak, with the logits).
     logits += tokens * spec.arch.d_model * (8 + act)

@@ -136,6 +136,8 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
                 micro_rows=microbatch_size(cfg),
                 microbatches=t.grad_accum_steps,
                 act_bytes=jnp.dtype(cfg.precision.compute_dtype).itemsize,
+                kv_width=setup.spec.arch.n_kv_heads * setup.spec.arch.head_dim,
+                context_attention=cfg.model.context_attention,
             ),  # fmt: skip
         }
     return result

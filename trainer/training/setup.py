@@ -62,7 +62,8 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     spec = ModelSpec.from_config(cfg)
     # 'auto' attention becomes the kernel for these devices here, so the planner's arithmetic and
     # every report name the kernel that runs.
-    kernel = resolve(spec.execution.attention, mesh.devices.flat[0].platform)
+    # With a context axis each attention block is XLA's (trainer/model/context.py).
+    kernel = "xla" if mesh.shape["context"] > 1 else resolve(spec.execution.attention, mesh.devices.flat[0].platform)
     spec = dataclasses.replace(spec, execution=dataclasses.replace(spec.execution, attention=kernel))
     model = ModelDef.create(spec, shard)
     tx = make_optimizer(cfg, model.logical_names)
