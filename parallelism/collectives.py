@@ -122,7 +122,7 @@ def textbook(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_mode
 
     Weights travel in the compute dtype: XLA casts them before it gathers, and
     the gradient of a cast weight is in the compute dtype until it has been
-    reduced (the cast back to fp32 moves after the collective). FSDP (ZeRO-3):
+    reduced (the cast back to fp32 moves after the collective). FSDP (ZeRO-3, over fsdp x context):
     all-gather the weights for the forward and again for the backward,
     reduce-scatter the gradients: 3 (F-1)/F x weight bytes, once per
     microbatch. Data parallelism: all-reduce the (FSDP-sharded) gradients,
@@ -134,8 +134,8 @@ def textbook(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_mode
     their gradients, (C-1)/C x KV each; the ring passes a 1/C block C-1 times
     forward and C-1 times backward, and the fp32 key/value gradients C times.
     """
-    d, f, t = mesh_shape["data"], mesh_shape["fsdp"], mesh_shape["tensor"]
-    c = mesh_shape.get("context", 1)
+    d, t, c = mesh_shape["data"], mesh_shape["tensor"], mesh_shape.get("context", 1)
+    f = mesh_shape["fsdp"] * c  # weights are sharded over context too (parallelism/rules.py)
     weights = act_bytes * n_params / t  # what one tensor shard's fsdp group holds
     out = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0}
     if f > 1:
@@ -144,10 +144,10 @@ def textbook(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_mode
     if d > 1:
         out["all-reduce"] += microbatches * 2 * (d - 1) / d * weights / f
     if t > 1:
-        rows = micro_rows / (d * f)
+        rows = micro_rows / (d * f / c)
         out["all-reduce"] += microbatches * 4 * n_layers * 2 * (t - 1) / t * rows * seq_len / c * d_model * act_bytes
     if c > 1:
-        kv = micro_rows / (d * f) * seq_len * 2 * kv_width / t * act_bytes
+        kv = micro_rows / (d * f / c) * seq_len * 2 * kv_width / t * act_bytes
         if context_attention == "all_gather":
             out["all-gather"] += microbatches * n_layers * (c - 1) / c * kv
             out["reduce-scatter"] += microbatches * n_layers * (c - 1) / c * kv

@@ -29,7 +29,10 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     # The residual stream's sequence axis between blocks (where the norms run);
     # mesh.sequence_parallel adds tensor.
     "residual_seq": ("context",),
-    "embed": ("fsdp",),
+    # Weights are sharded over the context axis too: its devices hold different tokens of the same
+    # sequences, so their gradients are summed like data parallelism's, and reduce-scattered shards
+    # beat an all-reduce of whole ones. Activations' embed stays whole (batch and seq took both axes).
+    "embed": ("fsdp", "context"),
     "mlp": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),

@@ -240,8 +240,12 @@ def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
     for key in ("d_ff", "vocab_size"):
         if cfg.model[key] % tensor:
             raise ConfigError(f"model.{key}={cfg.model[key]} does not divide over mesh.tensor={tensor}.")
-    if cfg.model.d_model % mesh.shape["fsdp"]:
-        raise ConfigError(f"model.d_model={cfg.model.d_model} does not divide over mesh.fsdp={mesh.shape['fsdp']}.")
+    weight_ways = mesh.shape["fsdp"] * mesh.shape["context"]
+    if cfg.model.d_model % weight_ways:
+        raise ConfigError(
+            f"model.d_model={cfg.model.d_model} does not divide over mesh.fsdp x mesh.context={weight_ways} "
+            "(weights are sharded over both)."
+        )
     _check_context(cfg, mesh.shape["context"])
 
 

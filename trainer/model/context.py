@@ -126,6 +126,49 @@ def _block_backward(qg, dog, lse, delta, q_slots, q_ids, k, v, k_slots, k_ids):
     return dq, _untile(dk), _untile(dv)
 
 
+def _first(x, n: int, axis: int = 1):
+    return None if x is None else jax.lax.slice_in_dim(x, 0, n, axis=axis)
+
+
+def _last(x, n: int, axis: int = 1):
+    return None if x is None else jax.lax.slice_in_dim(x, x.shape[axis] - n, x.shape[axis], axis=axis)
+
+
+def _half_block_forward(early, qg, q_slots, q_ids, k, v, k_slots, k_ids, state):
+    """Another device's block, half of it computed. Device r holds chunks (r, 2C-1-r) and the block
+    (s, 2C-1-s). If the block is from earlier on the ring (s < r: `early`), all our queries see its
+    first chunk and none its second; otherwise only our second chunk sees it, all of it. Either way half
+    the block's scores, and the same work on every device."""
+    u = qg.shape[1] // 2
+
+    def first_keys(state):
+        return _block_forward(qg, q_slots, q_ids, _first(k, u), _first(v, u), k_slots[:u], _first(k_ids, u), state)
+
+    def last_queries(state):
+        kept = tuple(_last(x, u, axis=3) for x in state)
+        new = _block_forward(_last(qg, u), q_slots[u:], _last(q_ids, u), k, v, k_slots, k_ids, kept)
+        return tuple(jnp.concatenate([_first(x, u, axis=3), n], axis=3) for x, n in zip(state, new, strict=True))
+
+    return jax.lax.cond(early, first_keys, last_queries, state)
+
+
+def _half_block_backward(early, qg, dog, lse, delta, q_slots, q_ids, k, v, k_slots, k_ids):
+    """`_half_block_backward`'s gradients: (dq, dk, dv) with zeros where the half was skipped."""
+    u = qg.shape[1] // 2
+
+    def first_keys():
+        dq, dk, dv = _block_backward(qg, dog, lse, delta, q_slots, q_ids, _first(k, u), _first(v, u), k_slots[:u],
+                                     _first(k_ids, u))  # fmt: skip
+        return dq, *(jnp.concatenate([g, jnp.zeros_like(g)], axis=1) for g in (dk, dv))
+
+    def last_queries():
+        dq, dk, dv = _block_backward(_last(qg, u), _last(dog, u), _last(lse, u, 3), _last(delta, u, 3), q_slots[u:],
+                                     _last(q_ids, u), k, v, k_slots, k_ids)  # fmt: skip
+        return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
+
+    return jax.lax.cond(early, first_keys, last_queries)
+
+
 def _ring_perm(context: int):
     return [(i, (i + 1) % context) for i in range(context)]  # at step s, device r holds block r - s
 
@@ -152,7 +195,10 @@ def _forward(mode, q, k, v, ids, seq_len, context):
             if step < context - 1:  # sent now, used next step: the transfer can overlap this block's compute
                 following = jax.lax.ppermute(block, AXIS, _ring_perm(context))
             k_slots = _slots((r - step) % context, seq_len, context)
-            state = _block_forward(qg, q_slots, ids, *block[:2], k_slots, block[2], state)
+            if step == 0:  # our own block: causal
+                state = _block_forward(qg, q_slots, ids, *block[:2], k_slots, block[2], state)
+            else:
+                state = _half_block_forward(r >= step, qg, q_slots, ids, *block[:2], k_slots, block[2], state)
             if step < context - 1:
                 block = following
     acc, peak, total = state  # every query sees at least itself, so total > 0
@@ -192,7 +238,11 @@ def _attention_bwd(mode, seq_len, context, residuals, d_out):
         for step in range(context):
             bk, bv, b_ids, dk, dv = block
             k_slots = _slots((r - step) % context, seq_len, context)
-            dq_part, dk_part, dv_part = _block_backward(qg, dog, lse, delta, q_slots, ids, bk, bv, k_slots, b_ids)
+            inputs = (qg, dog, lse, delta, q_slots, ids, bk, bv, k_slots, b_ids)
+            if step == 0:
+                dq_part, dk_part, dv_part = _block_backward(*inputs)
+            else:
+                dq_part, dk_part, dv_part = _half_block_backward(r >= step, *inputs)
             dq, dk, dv = dq + dq_part, dk + dk_part, dv + dv_part
             # The gradients travel on with their block: after `context` passes they are back with its owner.
             # The block itself is not needed after the last step.

@@ -161,7 +161,7 @@ def gathered_bytes(spec, mesh_shape: dict[str, int], act_bytes: int) -> int:
     compute dtype with the head's fp32 gradient before it is reduce-scattered, and two layers' weights
     (the one computing and the next, prefetched). XLA:TPU's buffers for llm_1b at fsdp=4 hold exactly
     these (bf16[32768,2048] twice, f32[2048,32768], bf16 layer matrices)."""
-    fsdp = mesh_shape["fsdp"]
+    fsdp = mesh_shape["fsdp"] * mesh_shape.get("context", 1)  # the rules shard weights over both
     if fsdp == 1:
         return 0
     a, tensor = spec.arch, mesh_shape["tensor"]
