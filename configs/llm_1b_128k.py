@@ -7,8 +7,8 @@
 The model is llm_1b's, its RoPE stretched for 64 times the context it was trained at (Llama 3's
 frequency scaling: model.rope_scaling). The mesh splits every sequence over context=8 devices
 (ring attention, trainer/model/context.py) and the rest over fsdp. A global batch of 8 sequences
-is 1M tokens; 4 microbatches of 2 sequences, one per fsdp group. docs/long_context.md has the plan
-at 8k / 32k / 128k and context 1 / 4 / 8.
+is 1M tokens; 4 microbatches of 2 sequences, one per fsdp group. docs/mesh.md ("Long context") has the
+plan at 8k / 32k / 128k and context 1 / 4 / 8.
 """
 
 import os

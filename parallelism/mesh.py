@@ -75,8 +75,8 @@ def device_array(mesh_cfg, devices: Sequence) -> np.ndarray:
     if groups != math.prod(dcn):
         unit = "slices" if by_slice else "processes (one per slice)"
         raise ConfigError(
-            f"mesh.dcn_data x mesh.dcn_fsdp x mesh.dcn_context = {math.prod(dcn)}, but the devices form {groups} {unit}; "
-            f"make them multiply to {groups}."
+            f"mesh.dcn_data x mesh.dcn_fsdp x mesh.dcn_context = {math.prod(dcn)}, but the devices form {groups} "
+            f"{unit}; make them multiply to {groups}."
         )
     ici = resolve_shape(ici_sizes, len(devices) // groups)
     return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=not by_slice)

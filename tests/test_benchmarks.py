@@ -25,6 +25,7 @@ def quick(corpus_dir, out):
     return [
         ("checkpoint.py", [*SYNTHETIC, "--repeats=1"], "checkpoint"),
         ("compile_layers.py", [*SYNTHETIC, "--layers=1,2"], "compile_layers"),
+        ("context.py", [*SYNTHETIC, "--seq_lens=64", "--contexts=1,2", "--steps=1"], "context"),
         ("input_pipeline.py", [*data, "--batches=2", "--steps=1"], "input_pipeline"),
         ("input_pipeline.py", [*data, "--per_core", "--batches=2"], "input_pipeline_per_core"),
         ("overhead.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "overhead"),

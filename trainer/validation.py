@@ -267,7 +267,8 @@ def _check_context(cfg: ml_collections.ConfigDict, context: int) -> None:
     if cfg.model.attention not in ("xla", "auto"):
         raise ConfigError(
             f"model.attention={cfg.model.attention} cannot take the context axis's blocks (model.context_attention="
-            f"{cfg.model.context_attention} computes each block in XLA); set model.attention=xla or auto, or mesh.context=1."
+            f"{cfg.model.context_attention} computes each block in XLA); set model.attention=xla or auto, or "
+            "mesh.context=1."
         )
 
 

@@ -264,9 +264,7 @@ def context_attention(mode: str, q, k, v, segment_ids, shard: LogicalSharding):
     ids = shard.spec(("batch", "seq"))
     if segment_ids is None:
         body = lambda q, k, v: _attention(mode, q, k, v, None, seq_len, context)  # noqa: E731
-        return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, kv, kv), out_specs=heads, check_vma=False)(
-            q, k, v
-        )
+        return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, kv, kv), out_specs=heads, check_vma=False)(q, k, v)
     body = lambda q, k, v, i: _attention(mode, q, k, v, i, seq_len, context)  # noqa: E731
     return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, kv, kv, ids), out_specs=heads, check_vma=False)(
         q, k, v, segment_ids

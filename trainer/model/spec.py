@@ -88,7 +88,8 @@ class Execution:
     def from_config(cls, cfg) -> Execution:
         m = cfg.model
         return cls(remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
-                   context_attention=m.context_attention, compute_dtype=cfg.precision.compute_dtype, loss_chunk=m.loss_chunk, stages=cfg.mesh.stage,
+                   context_attention=m.context_attention, compute_dtype=cfg.precision.compute_dtype,
+                   loss_chunk=m.loss_chunk, stages=cfg.mesh.stage,
                    pipeline_microbatches=cfg.train.pipeline_microbatches)  # fmt: skip
 
 
