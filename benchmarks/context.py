@@ -12,16 +12,14 @@ steps after the compile.
 """
 
 import os
-import statistics
 import sys
-import time
 
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
-from timing import synthetic_batch  # noqa: E402
+from timing import step_seconds_and_memory  # noqa: E402
 
 from trainer import cli  # noqa: E402
 
@@ -31,26 +29,6 @@ _CONTEXTS = flags.DEFINE_list("contexts", ["1", "2", "4"], "Context axis sizes t
 _STEPS = flags.DEFINE_integer("steps", 2, "Timed steps per cell (after one to compile).")
 _SIMULATE = flags.DEFINE_integer("simulate_devices", 8, "Simulated CPU devices (0 = the real ones).")
 _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
-
-
-def measure(cfg) -> tuple[float, int]:
-    import jax
-
-    from trainer.training.setup import build
-    from trainer.training.step import abstract_batch, memory_per_device
-
-    setup = build(cfg)
-    abstract = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, setup.batch_sharding)
-    compiled = setup.train_step().lower(setup.abstract_state(), abstract).compile()
-    _, batch = synthetic_batch(cfg, setup)
-    state, times = setup.new_state(), []
-    for i in range(_STEPS.value + 1):
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), memory_per_device(compiled, setup.mesh.devices.flat[0].platform)["total"]
 
 
 def main():
@@ -66,7 +44,7 @@ def main():
             cfg.data.seq_len = cfg.model.max_seq_len = seq
             cfg.mesh.update(data=1, context=context, fsdp=devices // context, tensor=1, stage=1)
             cfg.train.update(global_batch_size=devices // context, grad_accum_steps=1)
-            seconds, memory = measure(cfg)
+            seconds, memory = step_seconds_and_memory(cfg, _STEPS.value)
             figures[f"seq{seq}_context{context}_step_s"] = seconds
             figures[f"seq{seq}_context{context}_mib"] = memory / 2**20
     report("context", figures, append=_APPEND.value)

@@ -8,42 +8,20 @@ XLA's compiled total per device (trainer/planning/plan.py).
 """
 
 import os
-import statistics
 import sys
-import time
 
 from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
-from timing import synthetic_batch  # noqa: E402
+from timing import step_seconds_and_memory  # noqa: E402
 
 from trainer import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per policy (after one to compile).")
 _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
-
-
-def measure(cfg) -> tuple[float, int]:
-    import jax
-
-    from trainer.training.setup import build
-    from trainer.training.step import abstract_batch, memory_per_device
-
-    setup = build(cfg)
-    abstract = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, setup.batch_sharding)
-    compiled = setup.train_step().lower(setup.abstract_state(), abstract).compile()
-    _, batch = synthetic_batch(cfg, setup)
-    state, times = setup.new_state(), []
-    for i in range(_STEPS.value + 1):
-        start = time.perf_counter()
-        state, metrics = compiled(state, batch)
-        jax.block_until_ready(metrics)
-        if i:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times), memory_per_device(compiled, setup.mesh.devices.flat[0].platform)["total"]
 
 
 def main():
@@ -53,7 +31,7 @@ def main():
     for policy in REMAT:
         cfg = _CONFIG.value.copy_and_resolve_references()
         cfg.model.remat = policy
-        seconds, memory = measure(cfg)
+        seconds, memory = step_seconds_and_memory(cfg, _STEPS.value)
         figures[f"{policy}_step_s"] = seconds
         figures[f"{policy}_gib"] = memory / 2**30
     report("remat", figures, append=_APPEND.value)

@@ -24,3 +24,27 @@ def synthetic_batch(cfg, setup) -> tuple[dict, dict]:
     rows = range(cfg.train.global_batch_size)
     local = next(iter(streams.batches(streams.Stream.from_config(synthetic), "train", rows, shuffle=False)))
     return local, streams.to_global(local, setup.batch_sharding, cfg.train.global_batch_size)
+
+
+def step_seconds_and_memory(cfg, steps: int) -> tuple[float, int]:
+    """The median of `steps` train steps after the one that compiles, and XLA's compiled total bytes per
+    device (trainer/training/step.py memory_per_device), for a config on this process's devices."""
+    import statistics
+
+    import jax
+
+    from trainer.training.setup import build
+    from trainer.training.step import abstract_batch, memory_per_device
+
+    setup = build(cfg)
+    abstract = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, setup.batch_sharding)
+    compiled = setup.train_step().lower(setup.abstract_state(), abstract).compile()
+    _, batch = synthetic_batch(cfg, setup)
+    state, times = setup.new_state(), []
+    for i in range(steps + 1):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times), memory_per_device(compiled, setup.mesh.devices.flat[0].platform)["total"]
