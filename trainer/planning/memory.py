@@ -64,20 +64,23 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     with three), and as many for the layer being recomputed. Fused kernels keep
     only their output and statistics.
 
-    Over a context axis (trainer/model/context.py) a device holds seq / context of the tokens, each block
-    in XLA: all_gather scores each local query against the whole sequence and keeps the gathered keys and
-    values; the ring scores seq / context keys at a time and keeps none of them (its backward recomputes
-    each block from the saved log-sum-exp), so only the layer being worked on holds one block's scores.
+    Over a context axis (trainer/model/context.py) a device holds seq / context of the tokens, and
+    attention is flash attention in XLA: a layer keeps its inputs, output and log-sum-exp, and only the
+    layer being worked on holds scores. The program scores TILE keys at a time, but the compilers keep
+    about a whole block's (ring: seq / context keys; all_gather: seq) at once: counted so, llm_1b_128k on
+    v5p-32 at 8k / 32k tokens and context 4 is 2.91 / 15.11 GiB against heaps of 2.82 / 14.78; the tiny
+    micro model on XLA:CPU at 8k, context 4, 325 MiB compiled with 512-key tiles, 708 MiB untiled. Why
+    the tiles do not bring it to queries x TILE is not known yet.
     """
     a = spec.arch
     d, f = a.d_model, a.d_ff / tensor
     q, kv = a.n_heads * a.head_dim / tensor, a.n_kv_heads * a.head_dim / tensor
-    ring = context > 1 and spec.execution.context_attention == "ring"
-    keys = seq_len // context if ring else seq_len
-    scores = (4 / act_bytes) * a.n_heads * keys / tensor if context > 1 or materialises_scores(spec, platform) else 0
-    kept_scores = 0 if ring else scores
-    gathered_kv = 2 * kv * (context - 1) if context > 1 and not ring else 0
-    log_sum_exp = (4 / act_bytes) * a.n_heads / tensor if ring else 0
+    split = context > 1
+    keys = seq_len // context if split and spec.execution.context_attention == "ring" else seq_len
+    scores = (4 / act_bytes) * a.n_heads * keys / tensor if split or materialises_scores(spec, platform) else 0
+    kept_scores = 0 if split else scores
+    gathered_kv = 2 * kv * (context - 1) if split and spec.execution.context_attention == "all_gather" else 0
+    log_sum_exp = (4 / act_bytes) * a.n_heads / tensor if split else 0
     # q, k, v; the attention's out projection; gate, up. The down projection's output is only added to the
     # residual, which the next layer keeps as its input: no backward reads it, so nothing keeps it (llm_1b,
     # save_dots, fsdp=2 x tensor=2 on v5p-8: XLA:TPU's heap holds, per layer, two residual-width arrays,
@@ -94,14 +97,14 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     # (llm_1b, remat none, splash: 85.6k elements per token and layer compiled, 50.7k counted above,
     # 4 f in bf16 elements), and the PV matmul reads the softmax in bf16 beside the fp32 one.
     mixed = act_bytes < 4
-    whole = elementwise + (4 * f if mixed else 0) + gathered_kv + log_sum_exp
+    whole = elementwise + (4 * f if mixed else 0) + log_sum_exp
     return {
         "none": whole + (1.5 if mixed else 2) * kept_scores,
         "full": d,
-        "save_dots_no_batch": d + projections + gathered_kv + log_sum_exp,
+        "save_dots_no_batch": d + projections + log_sum_exp,
         # + the fp32 scores and the attention's output where they are matmuls' (a fused kernel's output is
         # not a dot: remat recomputes it).
-        "save_dots": d + projections + gathered_kv + log_sum_exp + (kept_scores + q if kept_scores else 0),
+        "save_dots": d + projections + log_sum_exp + (kept_scores + q if kept_scores else 0),
         # The layer being recomputed under remat, its backward at once: its scores as a layer keeps them
         # without remat, but not the fp32 gate and up. llm_1b under full remat on v5p-8, the heap beyond
         # the state, gradients, weights and kept inputs: with splash at fsdp=2 x tensor=2 1.85 GiB, and
