@@ -54,7 +54,8 @@ def objects(prefix: str) -> dict[str, bytes]:
     return {name[len(prefix) :]: fs.cat(name) for name in names}
 
 
-@pytest.mark.parametrize("processes", [1, 2])
+# One process runs a subset of the two-process drill (which adds "failed on another process"): pytest -m slow.
+@pytest.mark.parametrize("processes", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_storage_and_memory_faults_move_nothing_and_damage_is_set_aside(bucket, tmp_path, processes):
     root = f"runs/faults{processes}"
     workdir = f"gs://{root}"

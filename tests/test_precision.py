@@ -91,6 +91,8 @@ def script_losses(args, workdir):
         return [r for r in map(json.loads, f) if "loss" in r]
 
 
+# 160 s in CI (pytest -m slow); fp16 tracking fp32 is also checked by the test above on text batches
+@pytest.mark.slow
 def test_tiny_learns_and_fp16_as_shipped_finishes_it_and_tracks_fp32(tmp_path, corpus_dir):
     """configs/tiny.py through the script, 16 steps: it learns; and with its precision settings
     untouched but the dtype, the fp16 loss scale falls from 2^15 by itself without the run counting
