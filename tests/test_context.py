@@ -46,7 +46,9 @@ def loss_grads_logits(mode: str, mesh: dict, batch: dict, params=None):
     batch = jax.device_put(batch, setup.batch_sharding)
     step = jax.jit(jax.value_and_grad(loss)).lower(params, batch).compile()
     value, grads = step(params, batch)
-    logits = jax.jit(lambda p, b: setup.model.apply(p, b["tokens"], b["positions"], b["segment_ids"]))(params, batch)
+    # Logits with the documents, and without segment ids (one causal sequence per row)
+    logits = jax.jit(lambda p, b: [setup.model.apply(p, b["tokens"], b["positions"], ids)
+                                   for ids in (b["segment_ids"], None)])(params, batch)  # fmt: skip
     return float(value), jax.device_get(grads), np.asarray(logits), step.as_text(), jax.device_get(params)
 
 

@@ -50,6 +50,14 @@ def test_fsdp_across_slices_splits_the_fsdp_axis_by_slice():
     assert [set(slices[i : i + 2].ravel()) for i in range(0, 8, 2)] == [{0}, {1}, {2}, {3}]
 
 
+def test_context_across_slices_splits_the_context_axis_by_slice():
+    devices = [FakeDevice(i, slice_index=i // 4) for i in range(8)]
+    array = device_array(mesh_cfg(fsdp=2, context=2, tensor=1, dcn_context=2), devices)
+    assert array.shape == (1, 1, 2, 4, 1)
+    slices = np.vectorize(lambda d: d.slice_index)(array)[0, 0]
+    assert all(set(slices[:, i : i + 2].ravel()) == {i // 2} for i in (0, 2))  # each slice holds two of the four
+
+
 def test_dcn_sizes_must_match_the_slices_present():
     with pytest.raises(ConfigError, match="dcn_context = 2, but the devices form 1 processes"):
         make_mesh(mesh_cfg(dcn_data=2))

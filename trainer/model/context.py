@@ -83,11 +83,17 @@ def _tile(length: int) -> int:
     return TILE if length % TILE == 0 else length
 
 
+def _key_tiles(k, v, k_slots, k_ids):
+    """A block's keys, values, positions and segment ids, TILE at a time (lax.scan's inputs; zeros for
+    absent ids, which the mask then ignores)."""
+    tile = _tile(k.shape[1])
+    ids = jnp.zeros(k.shape[:2], jnp.int32) if k_ids is None else k_ids
+    return _tiles(k, tile), _tiles(v, tile), k_slots.reshape(-1, tile), _tiles(ids, tile)
+
+
 def _block_forward(qg, q_slots, q_ids, k, v, k_slots, k_ids, state):
     """The online softmax's (acc, peak, total) after the queries also see one block of keys, TILE keys at a
     time: a device never holds more than its queries x TILE scores per head."""
-    tile = _tile(k.shape[1])
-    ids = jnp.zeros(k.shape[:2], jnp.int32) if k_ids is None else k_ids  # scan needs arrays
 
     def step(state, x):
         acc, peak, total = state
@@ -100,14 +106,11 @@ def _block_forward(qg, q_slots, q_ids, k, v, k_slots, k_ids, state):
         pv = jnp.einsum("bkgts,bskh->bkgth", probs.astype(bv.dtype), bv, preferred_element_type=jnp.float32)
         return (acc * scale[..., None] + pv, new_peak, total * scale + probs.sum(-1)), None
 
-    xs = (_tiles(k, tile), _tiles(v, tile), k_slots.reshape(-1, tile), _tiles(ids, tile))
-    return jax.lax.scan(step, state, xs)[0]
+    return jax.lax.scan(step, state, _key_tiles(k, v, k_slots, k_ids))[0]
 
 
 def _block_backward(qg, dog, lse, delta, q_slots, q_ids, k, v, k_slots, k_ids):
     """One block's part of (dq, dk, dv), in fp32, recomputing its probabilities from the log-sum-exp."""
-    tile = _tile(k.shape[1])
-    ids = jnp.zeros(k.shape[:2], jnp.int32) if k_ids is None else k_ids
     scale = qg.shape[-1] ** -0.5
 
     def step(dq, x):
@@ -121,8 +124,7 @@ def _block_backward(qg, dog, lse, delta, q_slots, q_ids, k, v, k_slots, k_ids):
         dk = jnp.einsum("bkgts,btkgh->bskh", d_scores.astype(qg.dtype), qg, preferred_element_type=jnp.float32)
         return dq, (dk, dv)
 
-    xs = (_tiles(k, tile), _tiles(v, tile), k_slots.reshape(-1, tile), _tiles(ids, tile))
-    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32), xs)
+    dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32), _key_tiles(k, v, k_slots, k_ids))
     return dq, _untile(dk), _untile(dv)
 
 
@@ -153,7 +155,7 @@ def _half_block_forward(early, qg, q_slots, q_ids, k, v, k_slots, k_ids, state):
 
 
 def _half_block_backward(early, qg, dog, lse, delta, q_slots, q_ids, k, v, k_slots, k_ids):
-    """`_half_block_backward`'s gradients: (dq, dk, dv) with zeros where the half was skipped."""
+    """The gradients of `_half_block_forward`'s half: (dq, dk, dv), zeros where the half was skipped."""
     u = qg.shape[1] // 2
 
     def first_keys():

@@ -67,10 +67,12 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     Over a context axis (trainer/model/context.py) a device holds seq / context of the tokens, and
     attention is flash attention in XLA: a layer keeps its inputs, output and log-sum-exp, and only the
     layer being worked on holds scores. The program scores TILE keys at a time, but the compilers keep
-    about a whole block's (ring: seq / context keys; all_gather: seq) at once: counted so, llm_1b_128k on
-    v5p-32 at 8k / 32k tokens and context 4 is 2.91 / 15.11 GiB against heaps of 2.82 / 14.78; the tiny
-    micro model on XLA:CPU at 8k, context 4, 325 MiB compiled with 512-key tiles, 708 MiB untiled. Why
-    the tiles do not bring it to queries x TILE is not known yet.
+    about a whole block's (ring: seq / context keys; all_gather: seq) at once. Chosen after seeing two
+    compiles, llm_1b_128k on v5p-32 at 8k / 32k tokens and context 4: counted so 2.91 / 15.11 GiB against
+    heaps of 2.82 / 14.78. On the three other context compiles of docs/mesh.md's table, not looked at
+    first, it is off by up to 2x (32k, context 8: 5.48 against 10.80). XLA:CPU, micro model at 8k and
+    context 4: 325 MiB with 512-key tiles, 708 untiled. Why the tiles do not bring it to queries x TILE
+    is not known yet.
     """
     a = spec.arch
     d, f = a.d_model, a.d_ff / tensor

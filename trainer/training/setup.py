@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding, parse_rules
 from trainer.model.attention import resolve
+from trainer.model.context import ways
 from trainer.model.decoder import ModelDef
 from trainer.model.spec import ModelSpec
 from trainer.optim.optimizer import make_optimizer
@@ -63,7 +64,7 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     # 'auto' attention becomes the kernel for these devices here, so the planner's arithmetic and
     # every report name the kernel that runs.
     # With a context axis each attention block is XLA's (trainer/model/context.py).
-    kernel = "xla" if mesh.shape["context"] > 1 else resolve(spec.execution.attention, mesh.devices.flat[0].platform)
+    kernel = "xla" if ways(shard) > 1 else resolve(spec.execution.attention, mesh.devices.flat[0].platform)
     spec = dataclasses.replace(spec, execution=dataclasses.replace(spec.execution, attention=kernel))
     model = ModelDef.create(spec, shard)
     tx = make_optimizer(cfg, model.logical_names)
