@@ -132,3 +132,32 @@ def test_a_long_evaluation_that_makes_batches_is_no_hang(tmp_path):
     start = time.monotonic()
     evaluator(params)
     assert time.monotonic() - start > 2 * 2.0
+
+
+RACE = """
+import sys, threading, time
+from trainer.training.hang import HangWatch
+
+def slow_workers():  # the data workers' stacks take a while to gather: the watchdog's request comes meanwhile
+    time.sleep(3)
+    return []
+
+watch = HangWatch(1.0, lambda: 7, "/tmp/race", slow_workers)
+watch.progress()
+time.sleep(3.5)  # the watch has judged the hang and is gathering stacks
+# What parallelism/distributed.py's watchdog does when another process stopped asking for stacks: ask, then exit.
+watch._write_on_request("process 0 of 2 stopped: no progress")
+sys.stdout.flush()
+import os; os._exit(1)
+"""
+
+
+def test_a_stop_from_another_process_while_this_one_reports_its_own_hang_keeps_its_sentence():
+    """Both processes' watches fire together: the other's stop reaches this one while its own report is being
+    written; it must still say its sentence (seen as a flake of the two-process drill above)."""
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", RACE], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert re.search(r"error: no progress for \d+ s at step 7 .* every thread's stack is above and in ", out.stderr), (
+        out.stderr[-3000:]
+    )

@@ -41,6 +41,7 @@ from parallelism import distributed
 
 BACKSTOP_SECONDS = 60
 _ending = threading.Lock()  # one ending per process: the watch's, or the watchdog's on another's
+_said = threading.Event()  # the watch's own ending has printed its sentence
 
 
 class HangWatch:
@@ -115,6 +116,7 @@ class HangWatch:
             "newest complete checkpoint."
         )
         print(f"error: {sentence}", file=sys.stderr, flush=True)
+        _said.set()
         distributed.stop_all(sentence, stacks=True)  # several processes: the others end too, and never returns
         sys.stdout.flush()
         os._exit(1)
@@ -123,6 +125,8 @@ class HangWatch:
         if _ending.acquire(blocking=False):
             where = self._write(reason)
             print(f"this process's stacks are above and in {where}", file=sys.stderr, flush=True)
+        else:  # this process's own watch is ending it (both fired together): let it finish saying where
+            _said.wait(timeout=BACKSTOP_SECONDS)
 
     def _write(self, reason: str) -> str:
         """Every thread's stack and the data workers', to stderr and to a local file, whose path it returns."""
