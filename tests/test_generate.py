@@ -37,6 +37,11 @@ def test_cached_greedy_decoding_equals_recomputing_the_prefix(mesh, n_devices):
     prompt = np.random.default_rng(0).integers(3, 384, (2, 7)).astype(np.int32)
     generate = make_generate(setup.spec, setup.shard, max_new_tokens=12)
     np.testing.assert_array_equal(np.asarray(generate(params, prompt, 0)), naive_generate(setup, params, prompt, 12))
+    # Prompts of different lengths side by side, the shorter padded with other tokens: each row as if alone.
+    lengths = np.array([7, 4], np.int32)
+    got = np.asarray(generate(params, prompt, 0, lengths))
+    np.testing.assert_array_equal(got[1], naive_generate(setup, params, prompt[1:, :4], 12)[0])
+    np.testing.assert_array_equal(got[0], naive_generate(setup, params, prompt[:1], 12)[0])
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy_and_sampling_equals_uncached_sampling():

@@ -159,6 +159,13 @@ def _declared() -> dict[str, dict]:
         wandb_project="trainer",  # the W&B project a `wandb` tracker logs to (entity, mode: WANDB_* variables)
         sample_prompts=(),  # at each evaluation (none without one), complete these greedily and sampled
         sample_tokens=Num(64, "[1, inf)"),  # tokens generated per sample
+        # lm-evaluation-harness tasks (the `eval` extra) scored on the run's mesh every `harness_every` steps
+        # (0: at each validation, train.eval_every) and at the end; metrics harness/<task>/<metric>.
+        harness_tasks=(),
+        harness_every=Num(0, "[0, inf)"),
+        harness_limit=Num(0.0, "[0, inf)"),  # documents per task (below 1: that share of them); 0 = all
+        harness_fewshot=Num(-1, "[-1, inf)"),  # examples in each prompt; -1 = each task's own
+        harness_include_path="",  # a folder of task YAML files of your own (tasks over local data)
         # No step, evaluation batch or checkpoint for this long: write every thread's stack and end the run
         # (all its processes), so that the scheduler relaunches it (trainer/training/hang.py); 0 = never.
         hang_seconds=Num(1800.0, "[0, inf)"),

@@ -92,9 +92,10 @@ class Attention(nnx.Module):
             out, new_cache = attend(run.attention, q, k, v, segment_ids, self.shard, run.context_attention), None
         else:
             k_cache, v_cache, positions = cache
-            start = positions[0, 0]  # all rows decode in step
-            k_cache = jax.lax.dynamic_update_slice_in_dim(k_cache, k.astype(k_cache.dtype), start, axis=1)
-            v_cache = jax.lax.dynamic_update_slice_in_dim(v_cache, v.astype(v_cache.dtype), start, axis=1)
+            # Each row writes at its own position: prompts of different lengths decode side by side.
+            write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(c, new, at, axis=0))
+            k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])
+            v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])
             out, new_cache = cached_attention(q, k_cache, v_cache, positions), (k_cache, v_cache)
         return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)), new_cache
 

@@ -47,10 +47,13 @@ def empty_cache(spec: ModelSpec, batch: int, length: int, shard: LogicalSharding
 
 def make_generate(spec: ModelSpec, shard: LogicalSharding, *, max_new_tokens: int,
                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):  # fmt: skip
-    """A jitted (params, prompt (batch, P) int32, seed) -> (batch, max_new_tokens) continuation.
+    """A jitted (params, prompt (batch, P) int32, seed[, lengths (batch,)]) -> (batch, max_new_tokens)
+    continuation.
 
-    A handful of prompts cannot be split over the data-parallel devices, so the
-    batch axis is replicated; parameters keep their placement.
+    With `lengths`, row i's prompt is its first lengths[i] tokens (the rest is padding): each row goes on from
+    its own end, writing over its padding in the cache before any query can see it. A handful of prompts
+    cannot be split over the data-parallel devices, so the batch axis is replicated; parameters keep their
+    placement.
     """
     # Prompts and caches are short and grow a token at a time: whole sequences on every device, so a
     # model trained with a context axis decodes as any other.
@@ -58,19 +61,20 @@ def make_generate(spec: ModelSpec, shard: LogicalSharding, *, max_new_tokens: in
     model = ModelDef.create(spec, shard)
 
     @jax.jit
-    def generate(params, prompt, seed):
+    def generate(params, prompt, seed, lengths=None):
         batch, prompt_len = prompt.shape
+        lengths = jnp.full((batch,), prompt_len) if lengths is None else lengths
         cache = empty_cache(spec, batch, prompt_len + max_new_tokens, shard)
         keys = jax.random.split(jax.random.key(seed), max_new_tokens)
         positions = jnp.broadcast_to(jnp.arange(prompt_len), prompt.shape)
         logits, cache = model.apply(params, prompt, positions, cache, method="decode")
-        first = sample(logits[:, -1], keys[0], temperature, top_k, top_p)
+        first = sample(logits[jnp.arange(batch), lengths - 1], keys[0], temperature, top_k, top_p)
         out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
 
         def step(i, carry):
             out, cache = carry
             token = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
-            pos = jnp.full((batch, 1), prompt_len + i - 1)
+            pos = (lengths + i - 1)[:, None]
             logits, cache = model.apply(params, token, pos, cache, method="decode")
             return out.at[:, i].set(sample(logits[:, -1], keys[i], temperature, top_k, top_p)), cache
 

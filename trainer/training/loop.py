@@ -30,6 +30,7 @@ from trainer import samples
 from trainer.config import microbatch_size
 from trainer.data import corpora, streams, workers
 from trainer.data.tokenizers import load_tokenizer
+from trainer.errors import ConfigError
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, peak_flops
 from trainer.storage import resume, run_tokenizer
@@ -65,6 +66,9 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
         corpora.check_vocab(cfg)
         if cfg.train.sample_prompts:
             samples.check_prompts(cfg, load_tokenizer(cfg.data))
+    if cfg.train.harness_tasks:  # the harness installed, its tasks known and their data in reach (every host)
+        harness_module().load_tasks(harness_module().task_manager(cfg.train.harness_include_path),
+                                    list(cfg.train.harness_tasks))  # fmt: skip
     if cfg.data.source != "synthetic":
         wd.wait_for_storage(corpora.data_dir(cfg.data), cfg.checkpoint.retry_seconds, say, "data.data_dir")
         if primary:
@@ -87,6 +91,17 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
         run_tokenizer.store(cfg, workdir)
     barrier("tokenizer stored")
     return dataclasses.replace(setup, cfg=run_tokenizer.use_copy(cfg, workdir)), init
+
+
+def harness_module():
+    """trainer/harness.py, which needs the `eval` extra: imported only by runs that ask for the harness."""
+    try:
+        from trainer import harness
+    except ImportError as e:
+        raise ConfigError(
+            f'train.harness_tasks needs lm-evaluation-harness, which is not installed ({e}): pip install -e ".[eval]".'
+        ) from None
+    return harness
 
 
 def train(cfg, workdir: str) -> dict:
@@ -199,6 +214,9 @@ class Run:
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
         self.evaluator = Evaluator(setup, self.rows) if t.eval_every else None
         self.samples = samples.Samples(setup, load_tokenizer(cfg.data)) if t.sample_prompts else None
+        self.harness = None
+        if t.harness_tasks:
+            self.harness = harness_module().InLoop(setup, load_tokenizer(cfg.data), workdir, self.hang)
         self.sampled = False
         self.compiled: dict = {}
         self.dispatched: list[tuple[int, int]] = []  # (step, tokens) of the steps not yet logged
@@ -350,8 +368,10 @@ class Run:
     def evaluate_and_save(self, force_save: bool) -> None:
         cfg, step, done = self.cfg, self.step, self.trained >= self.target
         evaluate = self.evaluator is not None and (step % cfg.train.eval_every == 0 or done)
+        every = cfg.train.harness_every or cfg.train.eval_every
+        harness = self.harness is not None and (done or bool(every) and step % every == 0)
         save = step % cfg.checkpoint.every_steps == 0 or done or force_save
-        if not (evaluate or save):
+        if not (evaluate or harness or save):
             return
         # Let queued training steps finish first, so that the pause excluded
         # from step_time is evaluation and saving alone.
@@ -367,6 +387,12 @@ class Run:
                 with self.hang.suspended() if not self.sampled else contextlib.nullcontext():  # the first compiles
                     self.writer.samples(step, self.samples(self.state.params))
                 self.sampled = True
+        if harness:
+            self.goodput.enter("eval")
+            result, line = self.harness(self.state.params, step)
+            self.last.update(result)
+            self.writer.write(step, result, console=line)
+            self.hang.progress()
         if save:
             self.goodput.enter("checkpoint")
             self._save(step)

@@ -1,0 +1,189 @@
+"""lm-evaluation-harness on our checkpoints, against the harness's own `hf` backend on the exported model.
+
+The tasks are the harness YAML files in tests/lm_eval_tasks over local jsonl: a multiple-choice task, a
+generation task with a stop sequence and a rolling perplexity task, some of whose requests are longer than
+the model's context (32 tokens), so that the truncation is compared too.
+"""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import CPU_FLAGS, REPO, cli_args, micro_config
+from test_resume import params_at
+
+pytest.importorskip("lm_eval", reason="the eval extra is not installed: pip install -e '.[eval]'")
+pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
+
+import lm_eval  # noqa: E402
+
+from trainer import harness  # noqa: E402
+from trainer.errors import ConfigError  # noqa: E402
+from trainer.huggingface import export_checkpoint  # noqa: E402
+from trainer.training.loop import train  # noqa: E402
+
+TASKS = "tests/lm_eval_tasks"  # read relative to the repository, where the tests run
+NAMES = ["tiny_choice", "tiny_complete", "tiny_rolling"]
+PAIRS = [("the cat", "sat on", "the mat"), ("the dog", "ran to", "the tree"), ("a bird", "flew over", "the house"),
+         ("the fox", "jumped over", "the river")]  # fmt: skip
+
+
+def sentences_config(tmp, **train_cfg):
+    data = dict(source="text_files", name="sentences", paths=f"{tmp}/corpus/*.txt", data_dir=f"{tmp}/tfds")
+    return micro_config(data=data, train=dict(dict(steps=200, log_every=50), **train_cfg))
+
+
+def write_corpus(tmp):
+    os.makedirs(f"{tmp}/corpus", exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(200):
+        text = " ".join("{} {} {}.".format(*PAIRS[k]) for k in rng.integers(0, 4, 6))
+        with open(f"{tmp}/corpus/{i}.txt", "w") as f:
+            f.write(text + "\n")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("harness")
+    write_corpus(tmp)
+    cfg = sentences_config(tmp)
+    workdir, exported = str(tmp / "run"), str(tmp / "hf")
+    train(cfg, workdir)
+    export_checkpoint(cfg, workdir, None, exported)
+    return cfg, workdir, exported
+
+
+def hf_backend(exported, names, **model_args):
+    manager = lm_eval.tasks.TaskManager(include_path=TASKS)
+    args = dict(pretrained=exported, dtype="float32", max_length=32, **model_args)
+    return lm_eval.simple_evaluate(model="hf", model_args=args, tasks=names, task_manager=manager, batch_size=1,
+                                   device="cpu", bootstrap_iters=0, log_samples=True)  # fmt: skip
+
+
+def responses(samples):
+    """{(task, doc_id): the model's answers to the document's requests}: log-likelihoods (and greedy flags)
+    or generated text."""
+    return {(task, s["doc_id"]): s["resps"] for task, docs in samples.items() for s in docs}
+
+
+def assert_same(ours, theirs, atol):
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        for a, b in zip(ours[key], theirs[key], strict=True):
+            a, b = a[0], b[0]  # one response per request (the files hold numbers as strings)
+            if isinstance(a, (list, tuple)):  # (log-likelihood, greedy)
+                assert abs(float(a[0]) - float(b[0])) <= atol and str(a[1]) == str(b[1]), (key, a, b)
+            elif key[0] == "tiny_rolling":  # a text's log-likelihood
+                assert abs(float(a) - float(b)) <= atol, (key, a, b)
+            else:  # generated text
+                assert a == b, key
+
+
+def test_the_harness_scores_a_checkpoint_as_its_hf_backend_scores_the_export_on_one_device_and_eight(trained):
+    cfg, workdir, exported = trained
+    ours = harness.evaluate_checkpoint(cfg, workdir, NAMES, include_path=TASKS, bootstrap_iters=0,
+                                       devices=jax.devices()[:1])  # fmt: skip
+    # The harness's hf backend: its tokenizer (exported with ours) begins every text with the begin-of-document
+    # id; for rolling perplexity, told not to (add_bos_token=False), it conditions the first window on that id
+    # as we do, instead of scoring the id as the text's first token.
+    hf = hf_backend(exported, NAMES[:2])
+    hf_rolling = hf_backend(exported, NAMES[2:], add_bos_token=False)
+    theirs = {**responses(hf["samples"]), **responses(hf_rolling["samples"])}
+    assert_same(responses(ours["samples"]), theirs, atol=2e-4)
+    for results in (hf, hf_rolling):
+        for task, values in results["results"].items():
+            for metric, value in values.items():
+                if isinstance(value, float):
+                    np.testing.assert_allclose(ours["results"][task][metric], value, rtol=1e-5, err_msg=metric)
+    # Requests cut to fit: every choice of the 4 long multiple-choice documents, the 2 long prompts.
+    long_choices = sum(1 + len(d["context"]) + len(" " + c) > 33 for d in docs("choice") for c in d["choices"])
+    long_prompts = sum(1 + len(d["context"]) > 32 - 12 for d in docs("complete"))
+    assert ours["truncated"] == {"loglikelihood": long_choices, "generate_until": long_prompts} == {
+        "loglikelihood": 16, "generate_until": 2}  # fmt: skip
+    # A model that has learnt the corpus (whose sentences end as these tasks' answers do) knows most of them.
+    assert (
+        ours["results"]["tiny_choice"]["acc,none"] >= 0.75
+        and ours["results"]["tiny_complete"]["exact_match,none"] >= 0.75
+    )
+
+    # The script, on 8 devices (fsdp 4 x tensor 2), in a process of its own: the same answers and files.
+    eight = sentences_config(os.path.dirname(workdir))
+    eight.mesh.update(fsdp=4, tensor=2)
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {CPU_FLAGS}"}
+    args = [*cli_args(eight), f"--workdir={workdir}", f"--tasks={','.join(NAMES)}", f"--include_path={TASKS}",
+            "--bootstrap_iters=0"]  # fmt: skip
+    out = subprocess.run([sys.executable, "scripts/lm_eval.py", *args], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "|tiny_choice" in out.stdout and "requests cut from the left to fit the model's context" in out.stdout
+    folder = f"{workdir}/lm_eval/step200"
+    written = json.load(open(newest(f"{folder}/results_*.json")))  # (the run above wrote one too)
+    assert written["truncated"] == ours["truncated"]
+    samples = {}
+    for task in NAMES:
+        samples[task] = [json.loads(line) for line in open(newest(f"{folder}/samples_{task}_*.jsonl"))]
+    assert_same(responses(samples), responses(ours["samples"]), atol=1e-5)
+
+
+def newest(pattern):
+    return sorted(glob.glob(pattern))[-1]  # the harness names its files by the time, to the microsecond
+
+
+def docs(name):
+    return [json.loads(line) for line in open(os.path.join(REPO, TASKS, f"{name}.jsonl"))]
+
+
+def test_in_the_loop_on_a_pipeline_mesh_it_logs_each_task_and_resume_stays_bit_exact(trained, tmp_path):
+    """Harness at steps 3 and 6 on stage 2 x fsdp 2 x tensor 2, the run stopped at 3 and resumed: parameters
+    equal a run without the harness bit for bit; the logged figures equal the script's on one device."""
+    cfg, workdir, _ = trained
+    tmp = os.path.dirname(workdir)
+    tasks = dict(harness_tasks=("tiny_choice", "tiny_rolling"), harness_every=3, harness_limit=4,
+                 harness_include_path=TASKS)  # fmt: skip
+
+    def piped(steps, **train_cfg):  # a constant schedule: 3 steps and 6 schedule the same rates
+        c = sentences_config(tmp, steps=steps, pipeline_microbatches=2, **train_cfg)
+        c.mesh.update(stage=2, fsdp=2, tensor=2)
+        c.optim.update(schedule="constant", warmup_steps=1)
+        return c
+
+    run = str(tmp_path / "with_harness")
+    train(piped(3, **tasks), run)
+    train(piped(6, **tasks), run)  # resumed at 3
+    plain = piped(6)
+    train(plain, str(tmp_path / "without"))
+    for a, b in zip(*(jax.tree.leaves(params_at(plain, w, 6)) for w in (run, str(tmp_path / "without"))), strict=True):
+        np.testing.assert_array_equal(a, b)
+    logged = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
+    logged = {r["step"]: r for r in logged if "harness/tiny_choice/acc" in r}
+    assert sorted(logged) == [3, 6] and os.path.isfile(newest(f"{run}/lm_eval/step6/results_*.json"))
+    alone = harness.evaluate_checkpoint(sentences_config(tmp), run, ["tiny_choice", "tiny_rolling"], 6, limit=4,
+                                        include_path=TASKS, bootstrap_iters=0, devices=jax.devices()[:1])  # fmt: skip
+    for name, value in harness.metrics(alone).items():
+        np.testing.assert_allclose(logged[6][name], value, rtol=1e-5, err_msg=name)
+    assert {"harness/tiny_rolling/word_perplexity", "harness/tiny_choice/acc_norm"} <= set(logged[6])
+
+
+def test_an_unknown_task_or_one_whose_data_is_out_of_reach_is_one_sentence(trained):
+    with pytest.raises(ConfigError, match=r"lm-eval knows no task 'tiny_choise' \(did you mean tiny_choice"):
+        harness.load_tasks(harness.task_manager(TASKS), ["tiny_choise"])
+    # A task whose data is on the Hub, on a machine without a network (HF_HUB_OFFLINE: at once, rather than
+    # after the Hub client's retries), from the script: one sentence, before anything compiles.
+    cfg, workdir, _ = trained
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    args = [*cli_args(cfg), f"--workdir={workdir}", "--tasks=tiny_choice,arc_easy", f"--include_path={TASKS}"]
+    out = subprocess.run([sys.executable, "scripts/lm_eval.py", *args], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 1
+    error = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert error == [
+        "error: task 'arc_easy' reads its data from the Hugging Face Hub (allenai/ai2_arc) and this machine cannot "
+        "reach it: run it once where there is a network (the data is then cached under HF_HOME), or "
+        f"{harness.LOCAL_DATA}."
+    ], out.stderr[-3000:]
+    assert "compiled" not in out.stdout + out.stderr
