@@ -26,6 +26,7 @@ def quick(corpus_dir, out):
         ("checkpoint.py", [*SYNTHETIC, "--repeats=1"], "checkpoint"),
         ("compile_layers.py", [*SYNTHETIC, "--layers=1,2"], "compile_layers"),
         ("context.py", [*SYNTHETIC, "--seq_lens=64", "--contexts=1,2", "--steps=1"], "context"),
+        ("harness.py", [*SYNTHETIC, "--requests=16"], "harness"),
         ("input_pipeline.py", [*data, "--batches=2", "--steps=1"], "input_pipeline"),
         ("input_pipeline.py", [*data, "--per_core", "--batches=2"], "input_pipeline_per_core"),
         ("overhead.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "overhead"),
@@ -60,7 +61,8 @@ def test_every_benchmark_script_has_a_smoke_run():
 
 
 def test_every_benchmark_runs_and_prints_what_results_records(corpus_dir, tmp_path):
-    pytest.importorskip("torch")  # vs_pytorch.py: the hf extra, which CI installs
+    pytest.importorskip("torch")  # vs_pytorch.py and harness.py: the hf extra, which CI installs
+    pytest.importorskip("lm_eval")  # harness.py: the eval extra, which CI installs
     pytest.importorskip("libtpu")  # memory_calibration.py: the tpu extra, which CI installs
     fields = recorded_fields()
     out = tmp_path / "calibration.jsonl"
