@@ -187,3 +187,44 @@ def test_an_unknown_task_or_one_whose_data_is_out_of_reach_is_one_sentence(train
         f"{harness.LOCAL_DATA}."
     ], out.stderr[-3000:]
     assert "compiled" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
+def test_requests_are_tokenized_as_the_hf_backend_tokenizes_them_with_the_exported_tokenizer(tmp_path, kind):
+    """With a SentencePiece model or a tokenizer.json, each method's tokens are those the hf backend gets from
+    the exported tokenizer (which begins every text with the begin-of-document id): the harness's own pair
+    splitting run over that tokenizer."""
+    import transformers
+    from lm_eval.api.model import TemplateLM
+    from test_huggingface import llama3_style_tokenizer
+
+    from trainer.data.tokenizers import load_tokenizer, train_sentencepiece
+    from trainer.huggingface import write_tokenizer
+
+    if kind == "sentencepiece":
+        path = str(tmp_path / "spm.model")
+        stdlib = os.path.dirname(os.__file__)
+        train_sentencepiece([open(os.path.join(stdlib, f)).read() for f in ("os.py", "glob.py", "abc.py")], 400, path)
+    else:
+        path = str(tmp_path / "tok")
+        llama3_style_tokenizer(path)
+    cfg = micro_config(data=dict(tokenizer=kind, tokenizer_path=path))
+    write_tokenizer(cfg.data, str(tmp_path / "hf"))
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ours = harness.HarnessLM(None, None, load_tokenizer(cfg.data))
+
+    class HfBackend:  # what HFLM's tokenization is: TemplateLM's splitting over the tokenizer's own encode
+        backend = "causal"
+
+        def tok_encode(self, text, add_special_tokens=None):
+            return (
+                exported.encode(text) if add_special_tokens is None else exported.encode(text, add_special_tokens=False)
+            )
+
+    pairs = [("The quick brown fox", " jumps over"), ("def f(x):", "\n    return x"), ("ünïcode ✓ ", "🐍 snake"),
+             ("  leading", " spaces  ")]  # fmt: skip
+    for context, continuation in pairs:
+        assert ours._encode_pair(context, continuation) == TemplateLM._encode_pair(HfBackend(), context, continuation)
+        assert [ours.prefix_token_id, *ours.tok_encode(context)] == exported.encode(context)  # a generation prompt
+        assert ours.tok_encode(context + continuation) == exported.encode(context + continuation,
+                                                                          add_special_tokens=False)  # fmt: skip
