@@ -188,6 +188,7 @@ def test_a_gone_bucket_is_one_sentence(bucket):
         wd.wait_for_storage("gs://nosuchbucket/run", 5, print)
 
 
+@pytest.mark.slow  # an exhaustive drill (every object of a checkpoint); CI's 25 minutes: 24:27 on 2026-11-26
 def test_a_set_aside_interrupted_at_any_object_leaves_one_whole_copy(bucket):
     """In a bucket a move is many requests: copies, checks, deletes. The storage refuses from the k-th on,
     for k inside each of those phases, then answers again: the relaunch resumes from the previous
