@@ -19,8 +19,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 from absl import flags  # noqa: E402
 
-from trainer import cli  # noqa: E402
-from trainer.errors import ConfigError  # noqa: E402
+from trainer import cli, harness  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")
@@ -35,11 +34,7 @@ flags.mark_flags_as_required(["tasks"])
 
 
 def main():
-    try:
-        from trainer import harness
-    except ImportError as e:
-        raise ConfigError(f'lm-evaluation-harness is not installed ({e}): pip install -e ".[eval]".') from None
-    harness.evaluate_checkpoint(
+    harness.load().evaluate_checkpoint(
         _CONFIG.value, _WORKDIR.value or cli.default_workdir(), _TASKS.value, _STEP.value, limit=_LIMIT.value,
         num_fewshot=_FEWSHOT.value, include_path=_INCLUDE.value, bootstrap_iters=_BOOTSTRAP.value,
         log_samples=_SAMPLES.value,

@@ -22,8 +22,8 @@ pytest.importorskip("transformers", reason="the hf extra is not installed: pip i
 
 import lm_eval  # noqa: E402
 
-from trainer import harness  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
+from trainer.harness import evaluation as harness  # noqa: E402
 from trainer.huggingface import export_checkpoint  # noqa: E402
 from trainer.training.loop import train  # noqa: E402
 
@@ -169,7 +169,15 @@ def test_in_the_loop_on_a_pipeline_mesh_it_logs_each_task_and_resume_stays_bit_e
     assert {"harness/tiny_rolling/word_perplexity", "harness/tiny_choice/acc_norm"} <= set(logged[6])
 
 
-def test_an_unknown_task_or_one_whose_data_is_out_of_reach_is_one_sentence(trained):
+def test_an_unknown_task_or_one_whose_data_is_out_of_reach_is_one_sentence(trained, monkeypatch):
+    import trainer.harness
+
+    with monkeypatch.context() as m:  # as without the eval extra
+        m.setitem(sys.modules, "lm_eval", None)
+        m.delitem(sys.modules, "trainer.harness.evaluation")
+        m.delattr(trainer.harness, "evaluation")
+        with pytest.raises(ConfigError, match=r'lm-evaluation-harness is not installed .*pip install -e ".\[eval\]"'):
+            trainer.harness.load()
     with pytest.raises(ConfigError, match=r"lm-eval knows no task 'tiny_choise' \(did you mean tiny_choice"):
         harness.load_tasks(harness.task_manager(TASKS), ["tiny_choise"])
     # A task whose data is on the Hub, on a machine without a network (HF_HUB_OFFLINE: at once, rather than

@@ -26,11 +26,10 @@ import jax
 import numpy as np
 
 from parallelism.distributed import barrier, fetch, wait_if_a_process_died
-from trainer import samples
+from trainer import harness, samples
 from trainer.config import microbatch_size
 from trainer.data import corpora, streams, workers
 from trainer.data.tokenizers import load_tokenizer
-from trainer.errors import ConfigError
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, peak_flops
 from trainer.storage import resume, run_tokenizer
@@ -67,8 +66,7 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
         if cfg.train.sample_prompts:
             samples.check_prompts(cfg, load_tokenizer(cfg.data))
     if cfg.train.harness_tasks:  # the harness installed, its tasks known and their data in reach (every host)
-        harness_module().load_tasks(harness_module().task_manager(cfg.train.harness_include_path),
-                                    list(cfg.train.harness_tasks))  # fmt: skip
+        harness.load().check(cfg)
     if cfg.data.source != "synthetic":
         wd.wait_for_storage(corpora.data_dir(cfg.data), cfg.checkpoint.retry_seconds, say, "data.data_dir")
         if primary:
@@ -91,17 +89,6 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
         run_tokenizer.store(cfg, workdir)
     barrier("tokenizer stored")
     return dataclasses.replace(setup, cfg=run_tokenizer.use_copy(cfg, workdir)), init
-
-
-def harness_module():
-    """trainer/harness.py, which needs the `eval` extra: imported only by runs that ask for the harness."""
-    try:
-        from trainer import harness
-    except ImportError as e:
-        raise ConfigError(
-            f'train.harness_tasks needs lm-evaluation-harness, which is not installed ({e}): pip install -e ".[eval]".'
-        ) from None
-    return harness
 
 
 def train(cfg, workdir: str) -> dict:
@@ -214,9 +201,8 @@ class Run:
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
         self.evaluator = Evaluator(setup, self.rows) if t.eval_every else None
         self.samples = samples.Samples(setup, load_tokenizer(cfg.data)) if t.sample_prompts else None
-        self.harness = None
-        if t.harness_tasks:
-            self.harness = harness_module().InLoop(setup, load_tokenizer(cfg.data), workdir, self.hang)
+        tokens = load_tokenizer(cfg.data) if t.harness_tasks else None
+        self.harness = harness.load().InLoop(setup, tokens, workdir, self.hang) if t.harness_tasks else None
         self.sampled = False
         self.compiled: dict = {}
         self.dispatched: list[tuple[int, int]] = []  # (step, tokens) of the steps not yet logged

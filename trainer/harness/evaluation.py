@@ -288,6 +288,11 @@ def evaluate_checkpoint(cfg, workdir: str, tasks: list[str], step: int | None = 
     return results
 
 
+def check(cfg) -> None:
+    """train.harness_tasks found, and their data read, before a run compiles anything."""
+    load_tasks(task_manager(cfg.train.harness_include_path), list(cfg.train.harness_tasks))
+
+
 class InLoop:
     """The training loop's harness (train.harness_*): its tasks are found and their data read when the run
     starts, before anything compiles; `__call__(params, step)` returns the metrics to log and, on process 0,
