@@ -14,7 +14,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from conftest import CPU_FLAGS, REPO, cli_args, micro_config
+from conftest import REPO, cli_args, micro_config
 from test_resume import params_at
 
 pytest.importorskip("lm_eval", reason="the eval extra is not installed: pip install -e '.[eval]'")
@@ -84,7 +84,7 @@ def assert_same(ours, theirs, atol):
                 assert a == b, key
 
 
-def test_the_harness_scores_a_checkpoint_as_its_hf_backend_scores_the_export_on_one_device_and_eight(trained):
+def test_the_harness_scores_a_checkpoint_as_its_hf_backend_scores_the_export_on_one_device_and_on_a_pod(trained):
     cfg, workdir, exported = trained
     ours = harness.evaluate_checkpoint(cfg, workdir, NAMES, include_path=TASKS, bootstrap_iters=0,
                                        devices=jax.devices()[:1])  # fmt: skip
@@ -111,16 +111,18 @@ def test_the_harness_scores_a_checkpoint_as_its_hf_backend_scores_the_export_on_
         and ours["results"]["tiny_complete"]["exact_match,none"] >= 0.75
     )
 
-    # The script, on 8 devices (fsdp 4 x tensor 2), in a process of its own: the same answers and files.
+    # The script on two processes of 4 devices each (context 2 x fsdp 2 x tensor 2: each request's tokens split
+    # zig-zag over the context axis, the batch over fsdp, the heads over tensor): the same answers and files.
     eight = sentences_config(os.path.dirname(workdir))
-    eight.mesh.update(fsdp=4, tensor=2)
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {CPU_FLAGS}"}
+    eight.mesh.update(context=2, fsdp=2, tensor=2)
     args = [*cli_args(eight), f"--workdir={workdir}", f"--tasks={','.join(NAMES)}", f"--include_path={TASKS}",
             "--bootstrap_iters=0"]  # fmt: skip
-    out = subprocess.run([sys.executable, "scripts/lm_eval.py", *args], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=600)  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "|tiny_choice" in out.stdout and "requests cut from the left to fit the model's context" in out.stdout
+    out = subprocess.run([sys.executable, "scripts/launch_local.py", "-n", "2", "--devices_per_process", "4", "--",
+                          sys.executable, "scripts/lm_eval.py", *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "[0] |tiny_choice" in out.stdout and "requests cut from the left to fit the model's context" in out.stdout
+    assert "[1] |" not in out.stdout  # one table, from process 0
     folder = f"{workdir}/lm_eval/step200"
     written = json.load(open(newest(f"{folder}/results_*.json")))  # (the run above wrote one too)
     assert written["truncated"] == ours["truncated"]
