@@ -1,4 +1,5 @@
-"""Every test runs on the CPU with 8 simulated devices; set before JAX starts."""
+"""Every test runs on the CPU with 8 simulated devices; set before JAX starts. TRAINER_TEST_PLATFORMS=cuda
+runs them on a GPU instead (the kernel tests that say so, such as test_attention's cuDNN check)."""
 
 import dataclasses
 import os
@@ -7,7 +8,7 @@ import subprocess
 import sys
 import tempfile
 
-os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["JAX_PLATFORMS"] = os.environ.get("TRAINER_TEST_PLATFORMS", "cpu")
 # XLA:CPU's concurrency-optimised scheduler lets one device's thread run an all-gather while another
 # runs an independent all-reduce; with every one of the pool's threads in one of the two, neither gathers
 # its participants and the process aborts after the collective timeout (seen: a train step on 8 simulated

@@ -130,3 +130,36 @@ def test_a_splash_call_is_read_from_hlo_in_either_form_and_another_kernel_is_nam
                + 2 * 4 * 32 * 2048 + 2048 * 128)  # fmt: skip
     results = 4 * 4 * 512 * 64 + 2 * 4 * 32 * 2048 * 64
     assert kernels == {"calls": 1, "flops": 0.0, "bytes": operands + results, "uncounted": ["megablox_gmm"]}
+
+
+def test_the_gathered_keys_through_jax_nn_equal_the_reference_on_cudnn_where_there_is_a_gpu():
+    """all_gather's fused form (model.attention=cudnn): each of 2 context shards' queries over the gathered
+    keys, the axis emulated by vmap so that one device runs both; forward and gradients against the einsum
+    reference. On a GPU the kernel is cuDNN's (bf16, as it requires); elsewhere JAX's XLA path checks the
+    ordering and masks."""
+    from trainer.model.attention import gathered_local
+    from trainer.model.context import zigzag
+
+    gpu = jax.devices()[0].platform == "gpu"
+    dtype, atol = (jnp.bfloat16, 2e-2) if gpu else (jnp.float32, 2e-5)
+    q, k, v, segments = packed_gqa(t=256)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    order = zigzag(256, 2)
+
+    def split(x):  # the zig-zag layout, one slice per context shard: (2, batch, 128, ...)
+        return jnp.moveaxis(x[:, order].reshape(x.shape[0], 2, 128, *x.shape[2:]), 1, 0)
+
+    def joined(x):  # back to the sequence's order
+        return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], 256, *x.shape[3:])[:, np.argsort(order)]
+
+    def gathered(q, k, v, s):
+        local = lambda q, k, v, s: gathered_local(q, k, v, s, 256, 2, "cudnn" if gpu else None)  # noqa: E731
+        return joined(jax.vmap(local, axis_name="context")(split(q), split(k), split(v), split(s)))
+
+    out = jax.jit(gathered)(q, k, v, segments)
+    reference = xla_attention(*(x.astype(jnp.float32) for x in (q, k, v)), segments)
+    np.testing.assert_allclose(out.astype(jnp.float32), reference, atol=atol)
+    _, grads = jax.jit(lambda *a: value_and_grads(gathered, *a))(q, k, v, segments)
+    _, ref_grads = value_and_grads(xla_attention, *(x.astype(jnp.float32) for x in (q, k, v)), segments)
+    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
+        np.testing.assert_allclose(a.astype(jnp.float32), b.astype(jnp.float32), atol=10 * atol, err_msg=f"d{name}")

@@ -21,22 +21,25 @@ from trainer.training.state import abstract_params
 BATCH, SEQ = 8, 32
 
 
-def packed_batch(seed=0) -> dict:
-    """Documents of random lengths (about 7 tokens), their positions restarting at 0, padding (id 0) at
-    the end of each row."""
+def packed_batch(seed=0, rows=BATCH, seq=SEQ, starts=0.15) -> dict:
+    """Documents of random lengths (about 1 / `starts` tokens), their positions restarting at 0, padding
+    (id 0) at the end of each row."""
     rng = np.random.default_rng(seed)
-    segments = np.cumsum(rng.random((BATCH, SEQ)) < 0.15, axis=1).astype(np.int32) + 1
+    segments = np.cumsum(rng.random((rows, seq)) < starts, axis=1).astype(np.int32) + 1
     segments[:, -3:] = 0
     positions = np.zeros_like(segments)
-    for t in range(1, SEQ):
+    for t in range(1, seq):
         same = segments[:, t] == segments[:, t - 1]
         positions[:, t] = np.where(same, positions[:, t - 1] + 1, 0)
-    tokens = rng.integers(0, 384, (BATCH, SEQ)).astype(np.int32)
+    tokens = rng.integers(0, 384, (rows, seq)).astype(np.int32)
     return dict(tokens=tokens, segment_ids=segments, positions=positions)
 
 
-def loss_grads_logits(mode: str, mesh: dict, batch: dict, params=None):
-    setup = build(micro_config(mesh={"fsdp": 1, "data": -1, **mesh}, model=dict(context_attention=mode)))
+def loss_grads_logits(mode: str, mesh: dict, batch: dict, params=None, attention="xla"):
+    seq = batch["tokens"].shape[1]
+    model = dict(context_attention=mode, attention=attention, max_seq_len=max(64, seq))
+    train = dict(global_batch_size=len(batch["tokens"]))
+    setup = build(micro_config(mesh={"fsdp": 1, "data": -1, **mesh}, model=model, data=dict(seq_len=seq), train=train))
     params = setup.new_state().params if params is None else jax.device_put(params, setup.state_shardings.params)
 
     def loss(p, b):
@@ -78,6 +81,21 @@ def test_context_2_and_4_with_fsdp_and_tensor_equal_one_device(monkeypatch):
     # per step backward), or gathered at once. Both also permute the tokens into zig-zag order.
     ring, gathered = collectives["ring", 2], collectives["all_gather", 2]
     assert ring[0] > gathered[0] and gathered[1] > ring[1], collectives
+
+
+def test_splash_over_the_gathered_keys_equals_one_device():
+    """model.attention=splash with all_gather at context 2 x fsdp 2 x tensor 2: the Pallas kernel (interpret
+    mode here) on each device's queries in zig-zag order, its mask reading their original positions;
+    loss, gradients and logits as XLA's attention on one device."""
+    batch = packed_batch(rows=8, seq=256, starts=0.02)  # one 128-token block per device and row
+    loss, grads, logits, _, params = loss_grads_logits("ring", {}, batch)
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
+    mesh = dict(context=2, fsdp=2, tensor=2)
+    other, other_grads, other_logits, hlo, _ = loss_grads_logits("all_gather", mesh, batch, params, "splash")
+    assert other == pytest.approx(loss, rel=1e-6)
+    np.testing.assert_allclose(other_logits, logits, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(other_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5 * scale)
 
 
 def test_a_run_split_over_context_trains_resumes_onto_another_context_evaluates_and_decodes(tmp_path):

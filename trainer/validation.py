@@ -250,7 +250,8 @@ def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
 
 
 def _check_context(cfg: ml_collections.ConfigDict, context: int) -> None:
-    """What context parallelism needs (trainer/model/context.py): zig-zag halves, no pipeline, xla blocks."""
+    """What context parallelism needs (trainer/model/context.py): zig-zag halves, no pipeline, and blocks in XLA
+    or splash over the gathered keys."""
     if context == 1:
         return
     seq = cfg.data.seq_len
@@ -264,10 +265,12 @@ def _check_context(cfg: ml_collections.ConfigDict, context: int) -> None:
             f"mesh.context={context} with mesh.stage={cfg.mesh.stage}: context parallelism inside pipeline stages "
             "is not supported; use one of the two."
         )
-    if cfg.model.attention not in ("xla", "auto"):
+    fused_gathered = cfg.model.attention in ("splash", "cudnn") and cfg.model.context_attention == "all_gather"
+    if cfg.model.attention not in ("xla", "auto") and not fused_gathered:
         raise ConfigError(
-            f"model.attention={cfg.model.attention} cannot take the context axis's blocks (model.context_attention="
-            f"{cfg.model.context_attention} computes each block in XLA); set model.attention=xla or auto, or "
+            f"model.attention={cfg.model.attention} cannot take the context axis's blocks with "
+            f"model.context_attention={cfg.model.context_attention} (the blocks' softmax is merged in XLA); set "
+            "model.attention=xla or auto, or splash or cudnn with model.context_attention=all_gather, or "
             "mesh.context=1."
         )
 

@@ -13,7 +13,8 @@ is not in its future and belongs to the same packed document.
 - "auto": splash on a TPU, cudnn on a GPU, xla on a CPU.
 
 With the sequence split over the mesh's context axis, attention crosses the devices as
-`model.context_attention` says (trainer/model/context.py), each block in XLA.
+`model.context_attention` says: ring or all_gather in XLA, block by block (trainer/model/context.py),
+or, for all_gather with splash or cudnn, the fused kernel over the gathered keys.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from trainer.model.context import context_attention, ways
+from trainer.model.context import context_attention, gathered, positions, ways
 from trainer.model.splash import splash_attention
 
 AUTO = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "cudnn"}
@@ -76,13 +77,54 @@ def resolve(kind: str, platform: str) -> str:
     return AUTO.get(platform, "xla") if kind == "auto" else kind
 
 
+def context_kernel(kind: str, mode: str, platform: str) -> str:
+    """What computes attention over the context axis: with `model.context_attention=all_gather`, the fused
+    kernel `model.attention` resolves to (splash, cudnn) over the gathered keys; otherwise flash attention
+    in XLA, block by block (trainer/model/context.py)."""
+    fused = resolve(kind, platform)
+    return fused if mode == "all_gather" and fused in ("splash", "cudnn") else "xla"
+
+
+def gathered_attention(q, k, v, segment_ids, shard, implementation: str | None = "cudnn"):
+    """all_gather through `jax.nn.dot_product_attention` (cuDNN's fused kernel on a GPU): each device's
+    queries, in zig-zag order, over the keys and values gathered from the context axis in the sequence's
+    order, under the mask their original positions and documents give. The mask is an explicit
+    (rows, 1, queries, keys) array: cuDNN takes it as a bias, so it costs queries x keys per row."""
+    seq_len, context = q.shape[1], ways(shard)
+    heads = shard.spec(("batch", "seq", "heads", None))
+    kv = shard.spec(("batch", "seq", "kv_heads", None))
+    if segment_ids is None:
+        body = lambda q, k, v: gathered_local(q, k, v, None, seq_len, context, implementation)  # noqa: E731
+        return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, kv, kv), out_specs=heads, check_vma=False)(q, k, v)
+    body = lambda q, k, v, i: gathered_local(q, k, v, i, seq_len, context, implementation)  # noqa: E731
+    ids = shard.spec(("batch", "seq"))
+    return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, kv, kv, ids), out_specs=heads, check_vma=False)(
+        q, k, v, segment_ids
+    )
+
+
+def gathered_local(q, k, v, ids, seq_len: int, context: int, implementation: str | None):
+    """One device's part of `gathered_attention`, under an axis named context (shard_map's, or vmap's)."""
+    mask = (positions(seq_len, context)[:, None] >= jnp.arange(seq_len)[None, :])[None, None]
+    if ids is not None:
+        mask = mask & (ids[:, None, :, None] == gathered(ids, seq_len, context)[:, None, None, :])
+    k, v = gathered(k, seq_len, context), gathered(v, seq_len, context)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+
+
 def attend(kind: str, q, k, v, segment_ids=None, shard=None, context_mode: str = "ring"):
     """Dispatch on `model.attention` (and `model.context_attention` when the sequence is split over the
     context axis); config validation has already checked both."""
-    if shard is not None and ways(shard) > 1:
-        return context_attention(context_mode, q, k, v, segment_ids, shard)
     mesh = None if shard is None else shard.mesh
-    kind = resolve(kind, (jax.devices() if mesh is None else mesh.devices.flat)[0].platform)
+    platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
+    if shard is not None and ways(shard) > 1:
+        kernel = context_kernel(kind, context_mode, platform)
+        if kernel == "splash":
+            return splash_attention(q, k, v, segment_ids, shard)
+        if kernel == "cudnn":
+            return gathered_attention(q, k, v, segment_ids, shard)
+        return context_attention(context_mode, q, k, v, segment_ids, shard)
+    kind = resolve(kind, platform)
     if kind == "xla":
         return xla_attention(q, k, v, segment_ids)
     if kind == "splash":

@@ -56,6 +56,19 @@ def _slots(device, seq_len: int, context: int) -> jax.Array:
     return jnp.concatenate([device * chunk + steps, (2 * context - 1 - device) * chunk + steps])
 
 
+def gathered(x, seq_len: int, context: int):
+    """Inside shard_map: a sequence-split array (keys, values, segment ids) gathered from the whole
+    context axis and put back in the sequence's order (None stays None)."""
+    if x is None:
+        return None
+    return jax.lax.all_gather(x, AXIS, axis=1, tiled=True)[:, np.argsort(zigzag(seq_len, context))]
+
+
+def positions(seq_len: int, context: int) -> jax.Array:
+    """Inside shard_map: the original positions of this device's tokens, in its order."""
+    return _slots(jax.lax.axis_index(AXIS), seq_len, context)
+
+
 def _mask(q_slots, k_slots, q_ids, k_ids):
     """(batch|1, 1, 1, q, k): causal by original position, within one document; broadcast over groups."""
     mask = (k_slots[None, :] <= q_slots[:, None])[None]

@@ -26,6 +26,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info
 
 from trainer.chips import CHIPS, chip_of
+from trainer.model.context import AXIS, gathered, ways, zigzag
 
 LANES, SUBLANES = 128, 8  # a TPU vreg's shape: the kernel pads per-row residuals and ids to it
 BLOCKS = (128, 256, 512, 1024)  # the kernel needs multiples of 128; 1024 x 1024 float32 scores are 4 MiB of VMEM
@@ -56,49 +57,81 @@ def block_size(seq_len: int, head_dim: int, group: int, device_kind: str) -> int
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel(seq_len: int, group: int, block: int, interpret: bool):
-    """A causal kernel for one key/value head and the `group` query heads that share it (MQA form)."""
-    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((seq_len, seq_len))] * group)
-    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
-                              block_kv_dkv=block, block_kv_dkv_compute=block, use_fused_bwd_kernel=True)  # fmt: skip
-    return splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret)
+def _kernel(seq_len: int, group: int, block: int, interpret: bool, context: int = 1, block_kv: int | None = None):
+    """A causal kernel for one key/value head and the `group` query heads that share it (MQA form).
+
+    Over a context axis the queries arrive in the zig-zag layout, split into `context` shards (each
+    device's), and the keys in the sequence's order: the mask's query positions (`q_sequence`, which the
+    kernel and its block map read) are then the layout's original positions."""
+    causal = splash_mask.CausalMask((seq_len, seq_len))
+    if context > 1:
+        causal.q_sequence = zigzag(seq_len, context).astype(np.int32)
+    mask = splash_mask.MultiHeadMask([causal] * group)
+    kv = block_kv or block
+    # The fused backward writes a dq partial per key block: over the gathered keys of a long sequence that is
+    # (seq / block) x dq's size (128k tokens, context 8: 128 x 16k queries), so there dq has its own kernel.
+    fused = context == 1
+    split = {} if fused else dict(block_q_dq=block, block_kv_dq=kv)
+    sizes = splash.BlockSizes(block_q=block, block_kv=kv, block_kv_compute=kv, block_q_dkv=block, block_kv_dkv=kv,
+                              block_kv_dkv_compute=kv, use_fused_bwd_kernel=fused, **split)  # fmt: skip
+    # Made inside a trace and cached for the next: its block map must be concrete arrays, not that trace's.
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mqa(mask, block_sizes=sizes, head_shards=1, q_seq_shards=context,
+                                      interpret=interpret)  # fmt: skip
 
 
 def splash_attention(q, k, v, segment_ids=None, shard=None, block: int | None = None):
     """The Pallas kernel on each device's shard: a Mosaic kernel cannot be partitioned by XLA, so it
     runs under shard_map, batch split over the batch axes and heads over `tensor`, each device
-    holding whole sequences (sequence-parallel layouts are gathered first)."""
+    holding whole sequences (sequence-parallel layouts are gathered first).
+
+    With the sequence split over the context axis (model.context_attention=all_gather), each device
+    keeps its queries and gathers the keys, values and their segment ids from the whole axis, putting
+    them back in the sequence's order; the kernel's mask reads its queries' original positions, and its
+    block map skips the blocks the causal mask hides. The backward reduce-scatters the keys' and
+    values' gradients (the gather's transpose)."""
     _, t, n, h = q.shape
     kv_heads = k.shape[2]
     mesh = None if shard is None else shard.mesh
     device = (jax.devices() if mesh is None else mesh.devices.flat)[0]
-    group = n // kv_heads
-    kernel = _kernel(t, group, block or block_size(t, h, group, device.device_kind), device.platform != "tpu")
+    group, context = n // kv_heads, 1 if shard is None else ways(shard)
+    block = block or block_size(t // context, h, group, device.device_kind)
+    # Key blocks below the kernel's 128 (a short device share of a short sequence): the keys in one block.
+    block_kv = block if block % 128 == 0 else t
+    kernel = _kernel(t, group, block, device.platform != "tpu", context, block_kv)
 
-    def local(q, k, v, segment_ids):
+    def local(kernel, q, k, v, segment_ids):
+        kv_ids = segment_ids
+        if context > 1:
+            k, v, kv_ids = (gathered(x, t, context) for x in (k, v, segment_ids))
         rows, local_kv = q.shape[0], k.shape[2]
         # (rows, t, heads, h) -> (rows, kv heads, group, t, h): query heads grouped by their kv head
-        qg = (q * h**-0.5).reshape(rows, t, local_kv, -1, h).transpose(0, 2, 3, 1, 4)
+        qg = (q * h**-0.5).reshape(rows, q.shape[1], local_kv, -1, h).transpose(0, 2, 3, 1, 4)
         kg, vg = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-        def one(q, k, v, ids):
-            return kernel(q, k, v, segment_ids=None if ids is None else splash.SegmentIds(ids, ids))
+        def one(q, k, v, q_ids, kv_ids):
+            return kernel(q, k, v, segment_ids=None if q_ids is None else splash.SegmentIds(q_ids, kv_ids))
 
-        per_row = jax.vmap(one, in_axes=(0, 0, 0, None))  # over kv heads
-        out = jax.vmap(per_row, in_axes=(0, 0, 0, None if segment_ids is None else 0))(qg, kg, vg, segment_ids)
-        return out.transpose(0, 3, 1, 2, 4).reshape(rows, t, -1, h).astype(q.dtype)
+        per_row = jax.vmap(one, in_axes=(0, 0, 0, None, None))  # over kv heads
+        ids_axis = None if segment_ids is None else 0
+        out = jax.vmap(per_row, in_axes=(0, 0, 0, ids_axis, ids_axis))(qg, kg, vg, segment_ids, kv_ids)
+        return out.transpose(0, 3, 1, 2, 4).reshape(rows, q.shape[1], -1, h).astype(q.dtype)
 
     if mesh is None:
-        return local(q, k, v, segment_ids)
-    heads = shard.spec(("batch", None, "heads", None))
-    kv = shard.spec(("batch", None, "kv_heads", None))
+        return local(kernel, q, k, v, segment_ids)
+    seq = "seq" if context > 1 else None
+    heads = shard.spec(("batch", seq, "heads", None))
+    kv = shard.spec(("batch", seq, "kv_heads", None))
+    # Each device's share of the kernel's block map: its queries' rows (the whole map without context).
+    kernel_spec = kernel.manual_sharding_spec(jax.NamedSharding(mesh, jax.P(None, AXIS if context > 1 else None)))
     if segment_ids is None:
-        mapped = jax.shard_map(lambda q, k, v: local(q, k, v, None), mesh=mesh, in_specs=(heads, kv, kv),
-                               out_specs=heads, check_vma=False)  # fmt: skip
-        return mapped(q, k, v)
-    ids = shard.spec(("batch", None))
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(heads, kv, kv, ids), out_specs=heads, check_vma=False)
-    return mapped(q, k, v, segment_ids)
+        mapped = jax.shard_map(lambda kernel, q, k, v: local(kernel, q, k, v, None), mesh=mesh,
+                               in_specs=(kernel_spec, heads, kv, kv), out_specs=heads, check_vma=False)  # fmt: skip
+        return mapped(kernel, q, k, v)
+    ids = shard.spec(("batch", seq))
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=(kernel_spec, heads, kv, kv, ids), out_specs=heads,
+                           check_vma=False)  # fmt: skip
+    return mapped(kernel, q, k, v, segment_ids)
 
 
 def _fetches(indices: np.ndarray) -> int:
@@ -194,7 +227,8 @@ def hlo_call_cost(line: str) -> tuple[int, int] | None:
     lines included), ours or another program's: the form and phase from the kernel's name, the block sizes
     from the metadata the kernel attaches, the shapes from its operands (q [instances..., heads, seq,
     head_dim], then k: [instances..., seq, head_dim] multi-query, [instances..., kv heads, seq, head_dim]
-    multi-head). None for a custom call that is not one."""
+    multi-head). None for a custom call that is not one, or that is one device's queries over the gathered
+    keys of a context axis (not counted yet: its block map is the zig-zag mask's share)."""
     name, meta = _NAME.search(line), _METADATA.search(line)
     operands = line.find("operand_layout_constraints=")
     if not (name and meta and operands >= 0):
@@ -203,6 +237,8 @@ def hlo_call_cost(line: str) -> tuple[int, int] | None:
     form, phase, segmented, residuals = name.group(1), name.group(2), bool(name.group(3)), name.group(4) == "residuals"
     (dtype, q), (_, k) = _ARRAYS.findall(line[operands:])[:2]  # the first two float operands: q, k
     *outer, heads, seq_len, head_dim = (int(n) for n in q.split(","))
+    if int(k.split(",")[-2]) != seq_len:  # a context shard's queries over the gathered keys: not this schedule
+        return None
     kv_heads = 1 if form == "mqa" else int(k.split(",")[-3])
     suffix = {"fwd": "", "dkv": "_dkv", "dq": "_dq"}[phase]
     # The fused backward's results hold dq partials, [instances..., key blocks, heads, seq, head_dim].

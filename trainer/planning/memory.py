@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from trainer.config import microbatch_size
+from trainer.model.attention import context_kernel
 
 # How far the total may be from XLA:TPU's heap on compiles it was never fitted to: within 35% in all 32 of
 # benchmarks/memory_calibration.py's held-out set (within 10% in 23), the bound stated before they were compiled.
@@ -72,16 +73,21 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     heaps of 2.82 / 14.78. On the three other context compiles of docs/mesh.md's table, not looked at
     first, it is off by up to 2x (32k, context 8: 5.48 against 10.80). XLA:CPU, micro model at 8k and
     context 4: 325 MiB with 512-key tiles, 708 untiled. Why the tiles do not bring it to queries x TILE
-    is not known yet.
+    is not known yet. The splash kernel over the gathered keys (all_gather on a TPU) holds no scores in
+    memory, and keeps the gathered keys and values for its backward.
     """
     a = spec.arch
     d, f = a.d_model, a.d_ff / tensor
     q, kv = a.n_heads * a.head_dim / tensor, a.n_kv_heads * a.head_dim / tensor
     split = context > 1
-    keys = seq_len // context if split and spec.execution.context_attention == "ring" else seq_len
-    scores = (4 / act_bytes) * a.n_heads * keys / tensor if split or materialises_scores(spec, platform) else 0
+    e = spec.execution
+    in_xla = split and context_kernel(e.attention, e.context_attention, platform) == "xla"
+    keys = seq_len // context if split and e.context_attention == "ring" else seq_len
+    scores = (4 / act_bytes) * a.n_heads * keys / tensor if in_xla or materialises_scores(spec, platform) else 0
     kept_scores = 0 if split else scores
-    gathered_kv = 2 * kv * (context - 1) if split and spec.execution.context_attention == "all_gather" else 0
+    gathered_kv = 2 * kv * (context - 1) if split and e.context_attention == "all_gather" else 0
+    # The splash kernel over the gathered keys keeps them for its backward; XLA's blocks gather them again.
+    kept_kv = gathered_kv if split and not in_xla else 0
     log_sum_exp = (4 / act_bytes) * a.n_heads / tensor if split else 0
     # q, k, v; the attention's out projection; gate, up. The down projection's output is only added to the
     # residual, which the next layer keeps as its input: no backward reads it, so nothing keeps it (llm_1b,
@@ -101,7 +107,7 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     mixed = act_bytes < 4
     whole = elementwise + (4 * f if mixed else 0) + log_sum_exp
     return {
-        "none": whole + (1.5 if mixed else 2) * kept_scores,
+        "none": whole + kept_kv + (1.5 if mixed else 2) * kept_scores,
         "full": d,
         "save_dots_no_batch": d + projections + log_sum_exp,
         # + the fp32 scores and the attention's output where they are matmuls' (a fused kernel's output is

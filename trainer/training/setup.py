@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding, parse_rules
-from trainer.model.attention import resolve
+from trainer.model.attention import context_kernel, resolve
 from trainer.model.context import ways
 from trainer.model.decoder import ModelDef
 from trainer.model.spec import ModelSpec
@@ -63,8 +63,10 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     spec = ModelSpec.from_config(cfg)
     # 'auto' attention becomes the kernel for these devices here, so the planner's arithmetic and
     # every report name the kernel that runs.
-    # With a context axis each attention block is XLA's (trainer/model/context.py).
-    kernel = "xla" if ways(shard) > 1 else resolve(spec.execution.attention, mesh.devices.flat[0].platform)
+    # With a context axis: splash over the gathered keys, or XLA's blocks (trainer/model/attention.py).
+    e, platform = spec.execution, mesh.devices.flat[0].platform
+    split = ways(shard) > 1
+    kernel = context_kernel(e.attention, e.context_attention, platform) if split else resolve(e.attention, platform)
     spec = dataclasses.replace(spec, execution=dataclasses.replace(spec.execution, attention=kernel))
     model = ModelDef.create(spec, shard)
     tx = make_optimizer(cfg, model.logical_names)
