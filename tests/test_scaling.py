@@ -116,6 +116,7 @@ def run_script(*args, timeout=900, processes=1):
     return out.stdout
 
 
+@pytest.mark.slow  # 294 s in CI (the largest single test): the suite passed 25 minutes with it
 def test_a_micro_sweep_on_a_bucket_fits_and_checks_its_prediction(corpus_dir, bucket):
     """One budget of three sizes, through the script, with --out in a bucket: the sweep on two processes (each
     point trained by both, the lab's files written and its lines said by process 0 alone), then resumed, then
