@@ -251,7 +251,7 @@ def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
 
 def _check_context(cfg: ml_collections.ConfigDict, context: int) -> None:
     """What context parallelism needs (trainer/model/context.py): zig-zag halves, no pipeline, and blocks in XLA
-    or splash over the gathered keys."""
+    or a fused kernel (splash, cudnn) over the gathered keys."""
     if context == 1:
         return
     seq = cfg.data.seq_len

@@ -22,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from trainer.model.context import context_attention, gathered, positions, ways
+from trainer.model.context import context_attention, gathered, over_context, positions, ways
 from trainer.model.splash import splash_attention
 
 AUTO = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "cudnn"}
@@ -91,16 +91,8 @@ def gathered_attention(q, k, v, segment_ids, shard, implementation: str | None =
     order, under the mask their original positions and documents give. The mask is an explicit
     (rows, 1, queries, keys) array: cuDNN takes it as a bias, so it costs queries x keys per row."""
     seq_len, context = q.shape[1], ways(shard)
-    heads = shard.spec(("batch", "seq", "heads", None))
-    kv = shard.spec(("batch", "seq", "kv_heads", None))
-    if segment_ids is None:
-        body = lambda q, k, v: gathered_local(q, k, v, None, seq_len, context, implementation)  # noqa: E731
-        return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, kv, kv), out_specs=heads, check_vma=False)(q, k, v)
     body = lambda q, k, v, i: gathered_local(q, k, v, i, seq_len, context, implementation)  # noqa: E731
-    ids = shard.spec(("batch", "seq"))
-    return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, kv, kv, ids), out_specs=heads, check_vma=False)(
-        q, k, v, segment_ids
-    )
+    return over_context(body, q, k, v, segment_ids, shard)
 
 
 def gathered_local(q, k, v, ids, seq_len: int, context: int, implementation: str | None):

@@ -270,17 +270,22 @@ def _attention_bwd(mode, seq_len, context, residuals, d_out):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def over_context(body, q, k, v, segment_ids, shard: LogicalSharding):
+    """`body(q, k, v, ids)` on each device's share of a sequence split over the context axis (rows over the
+    batch axes, heads over tensor); `ids` is None without segment ids."""
+    heads = shard.spec(("batch", "seq", "heads", None))
+    kv = shard.spec(("batch", "seq", "kv_heads", None))
+    if segment_ids is None:
+        mapped = jax.shard_map(lambda q, k, v: body(q, k, v, None), mesh=shard.mesh, in_specs=(heads, kv, kv),
+                               out_specs=heads, check_vma=False)  # fmt: skip
+        return mapped(q, k, v)
+    ids = shard.spec(("batch", "seq"))
+    mapped = jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, kv, kv, ids), out_specs=heads, check_vma=False)
+    return mapped(q, k, v, segment_ids)
+
+
 def context_attention(mode: str, q, k, v, segment_ids, shard: LogicalSharding):
     """Causal attention over a sequence split (zig-zag) over the context axis; q, k, v and the segment
     ids are global arrays whose sequence axis the rules shard over it."""
     context, seq_len = ways(shard), q.shape[1]
-    heads = shard.spec(("batch", "seq", "heads", None))
-    kv = shard.spec(("batch", "seq", "kv_heads", None))
-    ids = shard.spec(("batch", "seq"))
-    if segment_ids is None:
-        body = lambda q, k, v: _attention(mode, q, k, v, None, seq_len, context)  # noqa: E731
-        return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, kv, kv), out_specs=heads, check_vma=False)(q, k, v)
-    body = lambda q, k, v, i: _attention(mode, q, k, v, i, seq_len, context)  # noqa: E731
-    return jax.shard_map(body, mesh=shard.mesh, in_specs=(heads, kv, kv, ids), out_specs=heads, check_vma=False)(
-        q, k, v, segment_ids
-    )
+    return over_context(lambda q, k, v, i: _attention(mode, q, k, v, i, seq_len, context), q, k, v, segment_ids, shard)

@@ -63,7 +63,7 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     spec = ModelSpec.from_config(cfg)
     # 'auto' attention becomes the kernel for these devices here, so the planner's arithmetic and
     # every report name the kernel that runs.
-    # With a context axis: splash over the gathered keys, or XLA's blocks (trainer/model/attention.py).
+    # With a context axis: a fused kernel over the gathered keys, or XLA's blocks (attention.context_kernel).
     e, platform = spec.execution, mesh.devices.flat[0].platform
     split = ways(shard) > 1
     kernel = context_kernel(e.attention, e.context_attention, platform) if split else resolve(e.attention, platform)
