@@ -117,7 +117,9 @@ def parse(hlo_text: str) -> dict[str, dict[str, float]]:
 
 def textbook(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_model: int, seq_len: int,
              micro_rows: int, microbatches: int, act_bytes: int, kv_width: int = 0,
-             context_attention: str = "ring") -> dict[str, float]:  # fmt: skip
+             context_attention: str = "ring", expert_params: int = 0, moe_layers: int = 0,
+             experts_per_token: int = 0, exchanged: float = 1.0,
+             recomputed: bool = False) -> dict[str, float]:  # fmt: skip
     """Bytes each device sends per step in the standard schemes, at `act_bytes` per value.
 
     Weights travel in the compute dtype: XLA casts them before it gathers, and
@@ -133,21 +135,32 @@ def textbook(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_mode
     for one tensor shard: all_gather gathers them forward and reduce-scatters
     their gradients, (C-1)/C x KV each; the ring passes a 1/C block C-1 times
     forward and C-1 times backward, and the fp32 key/value gradients C times.
+
+    Expert parallelism over E devices (trainer/model/moe.py): the other weights are sharded over it too
+    (FSDP over fsdp x context x expert), the `expert_params` (every expert's weights) over fsdp x context
+    within their 1/E. Each of `moe_layers` sends its tokens' `experts_per_token` copies to the experts'
+    devices and back, forward and backward: 4 all-to-alls of (E-1)/E x the copies' bytes (6 when remat
+    `recomputed` the forward), times `exchanged`, the buffer's size over the copies' (a capacity's factor;
+    the padded dropless exchange's E).
     """
-    d, t, c = mesh_shape["data"], mesh_shape["tensor"], mesh_shape.get("context", 1)
+    d, t, c, e = mesh_shape["data"], mesh_shape["tensor"], mesh_shape.get("context", 1), mesh_shape.get("expert", 1)
     f = mesh_shape["fsdp"] * c  # weights are sharded over context too (parallelism/rules.py)
-    weights = act_bytes * n_params / t  # what one tensor shard's fsdp group holds
     out = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0}
-    if f > 1:
-        out["all-gather"] += microbatches * 2 * (f - 1) / f * weights
-        out["reduce-scatter"] += microbatches * (f - 1) / f * weights
-    if d > 1:
-        out["all-reduce"] += microbatches * 2 * (d - 1) / d * weights / f
+    for params, ways in ((n_params - expert_params, f * e), (expert_params, f)):
+        weights = act_bytes * params / t  # what one tensor shard's fsdp group holds
+        if ways > 1:
+            out["all-gather"] += microbatches * 2 * (ways - 1) / ways * weights / (f * e / ways)
+            out["reduce-scatter"] += microbatches * (ways - 1) / ways * weights / (f * e / ways)
+        if d > 1:
+            out["all-reduce"] += microbatches * 2 * (d - 1) / d * weights / (f * e)
+    rows = micro_rows / (d * f / c * e)  # each device's share of a microbatch's rows
     if t > 1:
-        rows = micro_rows / (d * f / c)
         out["all-reduce"] += microbatches * 4 * n_layers * 2 * (t - 1) / t * rows * seq_len / c * d_model * act_bytes
+    if e > 1 and moe_layers:
+        copies = rows * seq_len / c * experts_per_token * d_model * act_bytes
+        out["all-to-all"] = microbatches * moe_layers * (6 if recomputed else 4) * (e - 1) / e * copies * exchanged
     if c > 1:
-        kv = micro_rows / (d * f / c) * seq_len * 2 * kv_width / t * act_bytes
+        kv = rows * seq_len * 2 * kv_width / t * act_bytes
         if context_attention == "all_gather":
             out["all-gather"] += microbatches * n_layers * (c - 1) / c * kv
             out["reduce-scatter"] += microbatches * n_layers * (c - 1) / c * kv

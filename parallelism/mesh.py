@@ -1,6 +1,6 @@
 """Build the device mesh from `config.mesh`.
 
-`mesh.stage`, `mesh.data`, `mesh.fsdp`, `mesh.context` and `mesh.tensor` size the axes within one
+`mesh.stage`, `mesh.data`, `mesh.fsdp`, `mesh.expert`, `mesh.context` and `mesh.tensor` size the axes within one
 slice (a TPU slice, or a host of GPUs); `mesh.dcn_data`, `mesh.dcn_fsdp` and `mesh.dcn_context` say how
 many slices an axis spans over the slower data-centre network. Tensor parallelism,
 the most talkative, stays inside a slice. With several slices the device array
@@ -24,8 +24,10 @@ from parallelism.errors import ConfigError
 # closest devices (the last axis is laid over neighbours); pipeline stages
 # exchange one activation per tick with a neighbour, the least of all. The context axis passes
 # keys and values once per layer (trainer/model/context.py): more than FSDP's weights, less than tensor.
-AXES = ("stage", "data", "fsdp", "context", "tensor")
-DCN_KEYS = (None, "dcn_data", "dcn_fsdp", "dcn_context", None)  # no stage or tensor parallelism across slices
+# The expert axis exchanges each MoE layer's tokens with an all-to-all (trainer/model/moe.py).
+AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
+# No stage, expert or tensor parallelism across slices.
+DCN_KEYS = (None, "dcn_data", "dcn_fsdp", None, "dcn_context", None)
 
 
 def resolve_shape(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
@@ -59,12 +61,13 @@ def resolve_shape(sizes: dict[str, int], n_devices: int) -> tuple[int, ...]:
 def dcn_shape(mesh_cfg) -> tuple[int, ...]:
     shape = tuple(1 if key is None else int(mesh_cfg[key]) for key in DCN_KEYS)
     if min(shape) < 1:
-        raise ConfigError(f"mesh.dcn_data, mesh.dcn_fsdp and mesh.dcn_context must be positive, not {shape[1:4]}.")
+        given = tuple(s for s, key in zip(shape, DCN_KEYS, strict=True) if key)
+        raise ConfigError(f"mesh.dcn_data, mesh.dcn_fsdp and mesh.dcn_context must be positive, not {given}.")
     return shape
 
 
 def device_array(mesh_cfg, devices: Sequence) -> np.ndarray:
-    """Devices laid out as (stage, data, fsdp, context, tensor), slices outermost along the dcn axes."""
+    """Devices laid out as (stage, data, fsdp, expert, context, tensor), slices outermost along the dcn axes."""
     dcn = dcn_shape(mesh_cfg)
     ici_sizes = {a: int(mesh_cfg[a]) for a in AXES}
     if math.prod(dcn) == 1:

@@ -22,7 +22,8 @@ from parallelism.errors import ConfigError
 # tensor parallelism splits MLP width, heads and vocabulary (Megatron style),
 # and the batch is split over every data-parallel axis.
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+    # The expert axis is data-parallel outside the MoE layers: each of its devices holds other rows.
+    "batch": ("data", "fsdp", "expert"),
     # Context parallelism splits every activation along the sequence over mesh.context;
     # attention then sees the other devices' keys and values (trainer/model/context.py).
     "seq": ("context",),
@@ -32,7 +33,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     # Weights are sharded over the context axis too: its devices hold different tokens of the same
     # sequences, so their gradients are summed like data parallelism's, and reduce-scattered shards
     # beat an all-reduce of whole ones. Activations' embed stays whole (batch and seq took both axes).
-    "embed": ("fsdp", "context"),
+    # The same holds for the expert axis; an expert's weights take it for their expert dimension first.
+    "embed": ("fsdp", "context", "expert"),
+    "expert": ("expert",),  # an MoE layer's experts (trainer/model/moe.py)
     "mlp": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),

@@ -168,7 +168,9 @@ def main():
         print(json.dumps(result))
         return
     gib = 2**30
-    print(f"parameters        {result['n_params']:,} ({result['n_params_non_embedding']:,} non-embedding)")
+    active = result["n_params_active"]
+    routed = f", {active:,} active per token" if active != result["n_params"] else ""
+    print(f"parameters        {result['n_params']:,} ({result['n_params_non_embedding']:,} non-embedding{routed})")
     print(f"FLOPs per token   {result['flops_per_token']:.4g}  = {result['flops_formula']}")
     print(f"FLOPs per step    {result['flops_per_step']:.4g}  ({result['tokens_per_step']:,} tokens)")
     print(f"mesh              {result['mesh']} on {result['devices']} x {result['device_kind']}")

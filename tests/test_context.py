@@ -43,7 +43,7 @@ def loss_grads_logits(mode: str, mesh: dict, batch: dict, params=None, attention
     params = setup.new_state().params if params is None else jax.device_put(params, setup.state_shardings.params)
 
     def loss(p, b):
-        ce, count, _, _ = setup.model.apply(p, b["tokens"], b["positions"], b["segment_ids"], method="loss_sums")
+        ce, count, _, _, _ = setup.model.apply(p, b["tokens"], b["positions"], b["segment_ids"], method="loss_sums")
         return ce / count
 
     batch = jax.device_put(batch, setup.batch_sharding)

@@ -32,7 +32,7 @@ CASES = {
     "two wildcard axes": (lambda: micro_config(mesh=dict(data=-1, fsdp=-1)), "at most one axis"),
     "batch not divisible over data x fsdp": (
         lambda: micro_config(train=dict(global_batch_size=12)),
-        "12 sequences .* does not divide over data x fsdp = 8",
+        "12 sequences .* does not divide over data x fsdp x expert = 8",
     ),
     "microbatch not divisible": (
         lambda: micro_config(train=dict(global_batch_size=16, grad_accum_steps=4)),
@@ -47,6 +47,27 @@ CASES = {
         "model.n_heads=4 does not divide over mesh.tensor=8",
     ),
     "unknown key": (unknown_key, "unknown config key 'optim.lrr'"),
+    "more experts per token than experts": (
+        lambda: micro_config(model=dict(moe=dict(num_experts=4, experts_per_token=6))),
+        "model.moe.experts_per_token=6 exceeds model.moe.num_experts=4",
+    ),
+    "experts that the expert axis does not divide": (
+        lambda: micro_config(model=dict(moe=dict(num_experts=6)), mesh=dict(expert=4, fsdp=2)),
+        "model.moe.num_experts=6 does not divide over mesh.expert=4",
+    ),
+    "an expert axis without experts": (
+        lambda: micro_config(mesh=dict(expert=2, fsdp=4)),
+        "mesh.expert=2 splits experts, but the model has none",
+    ),
+    "a capacity factor of zero": (
+        lambda: micro_config(model=dict(moe=dict(num_experts=4, impl="capacity", capacity_factor=0.0))),
+        r"model.moe.capacity_factor=0.0 must be in \(0, inf\)",
+    ),
+    "experts in pipeline stages": (
+        lambda: micro_config(model=dict(moe=dict(num_experts=4)), mesh=dict(stage=2, fsdp=4),
+                             train=dict(pipeline_microbatches=2)),  # fmt: skip
+        "experts inside pipeline stages are not supported",
+    ),
     "unknown remat policy": (
         lambda: micro_config(model=dict(remat="sometimes")),
         "model.remat='sometimes' is not one of none, full",

@@ -1,4 +1,4 @@
-"""Interop with transformers' own LlamaForCausalLM and AutoTokenizer, in both directions."""
+"""Interop with transformers (Llama, Mixtral and Qwen3-MoE models, AutoTokenizer), in both directions."""
 
 import os
 import sysconfig
@@ -15,6 +15,7 @@ from trainer.data.tokenizers import BOS_ID, ByteTokenizer, SentencePieceTokenize
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.evaluate import evaluate_checkpoint  # noqa: E402
 from trainer.huggingface import export_checkpoint, import_checkpoint, write_tokenizer  # noqa: E402
+from trainer.model.sampling import make_generate  # noqa: E402
 from trainer.storage.resume import load_params  # noqa: E402
 from trainer.training.loop import train  # noqa: E402
 from trainer.training.setup import build  # noqa: E402
@@ -251,3 +252,37 @@ def test_exported_byte_tokenizer_encodes_as_training_fed_the_model(tmp_path):
         got = exported(text).input_ids
         assert got == [BOS_ID, *ByteTokenizer().encode(text).tolist()], text
         assert exported.decode(got, skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_imports_from_transformers_decodes_as_it_does_and_exports_back(tmp_path, kind):
+    """Mixtral (every layer 8 experts, top 2) and Qwen3-MoE (query/key norms, its first layer dense), built
+    small and random by transformers: our logits are theirs, our greedy continuation theirs, and the
+    exported directory loads back into transformers with the same logits."""
+    torch.manual_seed(0)
+    shape = dict(vocab_size=384, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=64, rms_norm_eps=1e-5, initializer_range=0.2, num_experts_per_tok=2,
+                 tie_word_embeddings=False)  # fmt: skip
+    if kind == "mixtral":
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**shape, intermediate_size=32,
+                                                                           num_local_experts=8))  # fmt: skip
+        ours = dict(d_ff=32, moe=dict(num_experts=8, experts_per_token=2, d_ff=32))
+    else:
+        config = transformers.Qwen3MoeConfig(**shape, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                                             num_experts=8, norm_topk_prob=True, mlp_only_layers=[0])  # fmt: skip
+        model = transformers.Qwen3MoeForCausalLM(config)
+        ours = dict(qk_norm=True, moe=dict(num_experts=8, experts_per_token=2, d_ff=32, dense_layers=1))
+    model.save_pretrained(str(tmp_path / "hf"))
+    cfg = micro_config(model=dict(norm_eps=1e-5, rope_theta=model.config.rope_parameters["rope_theta"], **ours))
+    workdir = str(tmp_path / "run")
+    import_checkpoint(str(tmp_path / "hf"), cfg, workdir)
+    logits = our_logits(cfg, workdir)
+    np.testing.assert_allclose(logits, hf_logits(model), rtol=1e-4, atol=1e-4)
+    setup, _, params = load_params(cfg, workdir)
+    ours_greedy = np.asarray(make_generate(setup.spec, setup.shard, max_new_tokens=8)(params, TOKENS[:, :6], 0))
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(TOKENS[:, :6]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[:, 6:].numpy()  # fmt: skip
+    np.testing.assert_array_equal(ours_greedy, theirs)
+    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
+    np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), logits, rtol=1e-4, atol=1e-4)

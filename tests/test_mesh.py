@@ -25,36 +25,37 @@ class FakeDevice:
 
 
 def mesh_cfg(**sizes):
-    sizes = {"stage": 1, "data": 1, "fsdp": -1, "context": 1, "tensor": 1, "dcn_data": 1, "dcn_fsdp": 1,
+    sizes = {"stage": 1, "data": 1, "fsdp": -1, "expert": 1, "context": 1, "tensor": 1, "dcn_data": 1, "dcn_fsdp": 1,
              "dcn_context": 1, **sizes}  # fmt: skip
     return ml_collections.ConfigDict(sizes)
 
 
 def test_minus_one_takes_the_rest():
-    assert dict(make_mesh(mesh_cfg(tensor=2)).shape) == {"stage": 1, "data": 1, "fsdp": 4, "context": 1, "tensor": 2}
+    shape = {"stage": 1, "data": 1, "fsdp": 4, "expert": 1, "context": 1, "tensor": 2}
+    assert dict(make_mesh(mesh_cfg(tensor=2)).shape) == shape
 
 
 def test_data_across_slices_keeps_every_slice_whole():
     devices = [FakeDevice(i, slice_index=i // 8) for i in range(16)]
     array = device_array(mesh_cfg(tensor=2, dcn_data=2), devices)
-    assert array.shape == (1, 2, 4, 1, 2)  # stage 1, data = 2 slices x 1, fsdp 4 and tensor 2 inside each
-    slices = np.vectorize(lambda d: d.slice_index)(array)[0, :, :, 0]
+    assert array.shape == (1, 2, 4, 1, 1, 2)  # stage 1, data = 2 slices x 1, fsdp 4 and tensor 2 inside each
+    slices = np.vectorize(lambda d: d.slice_index)(array)[0, :, :, 0, 0]
     assert (slices[0] == 0).all() and (slices[1] == 1).all()  # only the data axis crosses the slower network
 
 
 def test_fsdp_across_slices_splits_the_fsdp_axis_by_slice():
     devices = [FakeDevice(i, slice_index=i // 4) for i in range(16)]
     array = device_array(mesh_cfg(fsdp=2, tensor=2, dcn_fsdp=4), devices)
-    assert array.shape == (1, 1, 8, 1, 2)
-    slices = np.vectorize(lambda d: d.slice_index)(array)[0, 0, :, 0]
+    assert array.shape == (1, 1, 8, 1, 1, 2)
+    slices = np.vectorize(lambda d: d.slice_index)(array)[0, 0, :, 0, 0]
     assert [set(slices[i : i + 2].ravel()) for i in range(0, 8, 2)] == [{0}, {1}, {2}, {3}]
 
 
 def test_context_across_slices_splits_the_context_axis_by_slice():
     devices = [FakeDevice(i, slice_index=i // 4) for i in range(8)]
     array = device_array(mesh_cfg(fsdp=2, context=2, tensor=1, dcn_context=2), devices)
-    assert array.shape == (1, 1, 2, 4, 1)
-    slices = np.vectorize(lambda d: d.slice_index)(array)[0, 0]
+    assert array.shape == (1, 1, 2, 1, 4, 1)
+    slices = np.vectorize(lambda d: d.slice_index)(array)[0, 0, :, 0]
     assert all(set(slices[:, i : i + 2].ravel()) == {i // 2} for i in (0, 2))  # each slice holds two of the four
 
 

@@ -90,7 +90,7 @@ def test_remat_and_scan_change_nothing_numerically(remat, scan):
         model = ModelDef.create(spec, NO_SHARDING)
 
         def loss(p):
-            s, n, _, _ = model.apply(p, x, positions, None, method="loss_sums")
+            s, n, _, _, _ = model.apply(p, x, positions, None, method="loss_sums")
             return s / n
 
         return jax.jit(jax.value_and_grad(loss))(params)
@@ -181,7 +181,7 @@ def test_the_training_loss_matches_a_numpy_reference(tie, chunk):
     tok = np.asarray(tokens(b=2, t=16, seed=4))
     segments = np.array([[1] * 6 + [2] * 8 + [0] * 2, [1] * 16])  # packing and padding
     positions = np.array([list(range(6)) + list(range(8)) + [0, 0], list(range(16))])
-    s, n, log_z_sq, largest = model.apply(params, tok, positions, segments, method="loss_sums")
+    s, n, log_z_sq, largest, _ = model.apply(params, tok, positions, segments, method="loss_sums")
     loss, z_sq, biggest = numpy_loss(params, spec.arch, tok, segments, positions)
     assert float(n) == 5 + 7 + 15
     assert float(s / n) == pytest.approx(loss, rel=1e-5)

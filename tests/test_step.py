@@ -159,7 +159,7 @@ def test_per_layer_gradient_norms_equal_an_independent_gradient():
     _, metrics = setup.train_step()(state, b)
 
     def mean_loss(p):
-        ce, count, _, _ = setup.model.apply(p, b["tokens"], b["positions"], b["segment_ids"], method="loss_sums")
+        ce, count, _, _, _ = setup.model.apply(p, b["tokens"], b["positions"], b["segment_ids"], method="loss_sums")
         return ce / count
 
     grads = jax.grad(mean_loss)(params)

@@ -33,6 +33,7 @@ SOURCES = ("text_files", "tfds", "synthetic")
 TOKENIZERS = ("byte", "sentencepiece", "hf")
 TRACKERS = ("tensorboard", "wandb")
 MIXTURE_UNITS = ("tokens", "documents")
+MOE_IMPLS = ("dropless", "capacity")
 
 
 class Num(NamedTuple):
@@ -66,6 +67,7 @@ def _declared() -> dict[str, dict]:
             original_max_len=Num(8192, "[1, inf)"),
         ),
         norm_eps=Num(1e-5, "(0, inf)"),
+        qk_norm=False,  # RMSNorm each query and key head before RoPE (Qwen3's attention)
         tie_embeddings=False,
         remat="none",  # one of REMAT_POLICIES
         scan_layers=True,
@@ -76,6 +78,20 @@ def _declared() -> dict[str, dict]:
         loss_chunk=Num(
             0, "[0, inf)"
         ),  # > 0: the loss makes logits this many positions at a time (less memory, one more matmul)
+        # Mixture of experts (trainer/model/moe.py): num_experts 0 keeps every layer's MLP dense.
+        moe=dict(
+            num_experts=Num(0, "[0, inf)"),
+            experts_per_token=Num(2, "[1, inf)"),  # top-k
+            shared_experts=Num(0, "[0, inf)"),  # always-on experts (one MLP this many times moe.d_ff wide)
+            d_ff=Num(0, "[0, inf)"),  # each expert's MLP width; 0 = model.d_ff
+            dense_layers=Num(0, "[0, inf)"),  # the first layers keep a dense MLP ...
+            every=Num(1, "[1, inf)"),  # ... and of the rest every this-many-th is MoE (1 = all of them)
+            impl="dropless",  # one of MOE_IMPLS: grouped matmuls over sorted tokens, or fixed expert buffers
+            capacity_factor=Num(1.25, "(0, inf)"),  # impl=capacity: each expert's buffer over an even share
+            aux_loss=Num(0.01, "[0, inf)"),  # weight of the load-balancing loss (Switch Transformer's form)
+            z_loss=Num(0.001, "[0, inf)"),  # weight of the router's log(Z)^2
+            router_bias=Num(0.0, "[0, inf)"),  # > 0: DeepSeek-V3's loss-free balancing, the bias's step per update
+        ),
     )
     # Each size is a device count (within a slice) or -1 for "the rest". `rules`
     # places each logical axis on mesh axes (a tuple; () replicates), e.g.
@@ -86,6 +102,7 @@ def _declared() -> dict[str, dict]:
         fsdp=Num(-1, "-1 or [1, inf)"),
         # Context parallelism: each sequence split over this many devices (attention: model.context_attention)
         context=Num(1, "-1 or [1, inf)"),
+        expert=Num(1, "-1 or [1, inf)"),  # expert parallelism: model.moe's experts split over this many devices
         tensor=Num(1, "-1 or [1, inf)"),
         dcn_data=Num(1, "[1, inf)"),  # slices (TPU slices or hosts) the data axis spans; sizes above are per slice
         dcn_fsdp=Num(1, "[1, inf)"),

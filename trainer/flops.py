@@ -6,7 +6,10 @@ FLOPs per token (training, forward + backward), PaLM's convention:
 
 N counts every parameter that takes part in a matmul: all parameters except an
 untied input embedding table (a lookup, not a matmul); a tied table is counted
-once, as the output projection. The attention term is the QK^T and AV matmuls
+once, as the output projection. With a mixture of experts N is the active
+parameters: of each MoE layer's experts only the experts_per_token a token goes
+to (the router and any shared experts are counted whole), as MaxText and
+DeepSeek count them. The attention term is the QK^T and AV matmuls
 at full length: the causal half that a kernel may skip is NOT subtracted, so
 MFU figures compare directly with PaLM's and MaxText's.
 
@@ -36,13 +39,25 @@ def count_params(abstract_params: dict) -> dict[str, int]:
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding - head}
 
 
+def inactive_params(arch: Architecture, abstract_params: dict) -> int:
+    """Parameters a token does not meet: in each MoE layer the experts it is not routed to (and the router's
+    bias, which only picks)."""
+    moe = abstract_params["layers"].get("moe")
+    if moe is None:
+        return 0
+    layers, experts = moe["router_bias"].shape
+    expert = sum(math.prod(moe[w].shape) for w in ("w_gate", "w_up", "w_down")) // (layers * experts)
+    return layers * (expert * (experts - arch.moe.experts_per_token) + experts)
+
+
 FORMULA = "6 * N_matmul + 12 * n_layers * n_heads * head_dim * seq_len"
 
 
 def matmul_params(arch: Architecture, abstract_params: dict) -> int:
-    """N of the formula: every parameter but an untied input embedding table."""
+    """N of the formula: every parameter but an untied input embedding table and the experts a token skips."""
     counts = count_params(abstract_params)
-    return counts["total"] - (0 if arch.tie_embeddings else counts["embedding"])
+    lookup = 0 if arch.tie_embeddings else counts["embedding"]
+    return counts["total"] - lookup - inactive_params(arch, abstract_params)
 
 
 def attention_forward_flops(arch: Architecture, seq_len: int) -> float:

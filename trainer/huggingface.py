@@ -1,9 +1,7 @@
-"""Weights and tokenizers to and from Hugging Face's Llama format.
+"""Checkpoints and tokenizers to and from Hugging Face's formats (Llama, Qwen3, Mixtral, Qwen3-MoE: how
+our weights map onto theirs is trainer/hf_tensors.py).
 
-Our parameters map one to one onto `LlamaForCausalLM`'s: the attention and MLP
-kernels are stored (in, out) here and (out, in) there, heads are folded into
-the projection width, and RoPE already uses Hugging Face's half-split layout,
-so no permutation is needed. Files are written with safetensors' numpy API:
+Files are written with safetensors' numpy API:
 exporting needs neither torch nor transformers, only `safetensors` and (for the
 tokenizer) `tokenizers`, both in the `hf` extra.
 """
@@ -20,145 +18,10 @@ from etils import epath
 from trainer.config import flatten
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer
 from trainer.errors import ConfigError
-from trainer.model.spec import Architecture
+from trainer.hf_tensors import from_hf_tensors, hf_config, model_keys_from_hf, to_hf_tensors
 from trainer.storage import run_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
-
-
-def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int] = (BOS_ID, EOS_ID, PAD_ID)) -> dict:
-    """`special`: the tokenizer's (begin, end, padding) ids."""
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.d_model,
-        "intermediate_size": spec.d_ff,
-        "num_hidden_layers": spec.n_layers,
-        "num_attention_heads": spec.n_heads,
-        "num_key_value_heads": spec.n_kv_heads,
-        "head_dim": spec.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": max_seq_len,
-        "rms_norm_eps": spec.norm_eps,
-        "rope_theta": spec.rope_theta,  # transformers 4.x
-        "rope_scaling": {"rope_type": "llama3", **_llama3(spec)} if spec.rope_scaling.factor != 1 else None,  # 4.x
-        "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"}  # 5.x
-        if spec.rope_scaling.factor == 1
-        else {"rope_theta": spec.rope_theta, "rope_type": "llama3", **_llama3(spec)},
-        "tie_word_embeddings": spec.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": special[0],
-        "eos_token_id": special[1],
-        "pad_token_id": special[2],
-        "dtype": "float32",
-        "torch_dtype": "float32",
-    }
-
-
-def _llama3(spec: Architecture) -> dict:
-    r = spec.rope_scaling
-    return {"factor": r.factor, "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor,
-            "original_max_position_embeddings": r.original_max_len}  # fmt: skip
-
-
-def model_keys_from_hf(config: dict) -> dict:
-    """Our model.* values for a Hugging Face Llama config; refuses what our model does not implement."""
-    # RoPE: transformers 5.x writes rope_parameters, 4.x rope_scaling (None or a dict) beside rope_theta.
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    unsupported = {
-        "model_type": config.get("model_type") != "llama",
-        "hidden_act": config.get("hidden_act", "silu") != "silu",
-        "attention_bias": bool(config.get("attention_bias")),
-        "mlp_bias": bool(config.get("mlp_bias")),
-        "rope_scaling": rope_type not in ("default", "llama3"),
-    }
-    if any(unsupported.values()):
-        bad = ", ".join(f"{k}={config.get(k)!r}" for k, v in unsupported.items() if v)
-        raise ConfigError(f"this Hugging Face model has {bad}, which this trainer's Llama does not implement.")
-    heads = config["num_attention_heads"]
-    if config.get("head_dim", config["hidden_size"] // heads) * heads != config["hidden_size"]:
-        raise ConfigError("this Hugging Face model's head_dim x heads differs from hidden_size; not supported.")
-    theta = rope.get("rope_theta", config.get("rope_theta", 10_000.0))
-    scaling = {}
-    if rope_type == "llama3":
-        scaling = {"rope_scaling.factor": float(rope["factor"]),
-                   "rope_scaling.low_freq_factor": float(rope["low_freq_factor"]),
-                   "rope_scaling.high_freq_factor": float(rope["high_freq_factor"]),
-                   "rope_scaling.original_max_len": int(rope["original_max_position_embeddings"])}  # fmt: skip
-    return {
-        **scaling,
-        "vocab_size": config["vocab_size"],
-        "d_model": config["hidden_size"],
-        "n_layers": config["num_hidden_layers"],
-        "n_heads": heads,
-        "n_kv_heads": config.get("num_key_value_heads", heads),
-        "d_ff": config["intermediate_size"],
-        "rope_theta": float(theta),
-        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-    }
-
-
-def to_hf_tensors(params: dict, spec: Architecture) -> dict[str, np.ndarray]:
-    layers = params["layers"]
-    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]["scale"]}
-    if not spec.tie_embeddings:
-        # muP divides our logits by m; Llama has no output multiplier, so the head carries it
-        # (muP refuses tied embeddings, so the input table is untouched).
-        out["lm_head.weight"] = params["lm_head"].T / spec.width_multiplier
-    d = spec.d_model
-    for i in range(spec.n_layers):
-        a, m = layers["attn"], layers["mlp"]
-        prefix = f"model.layers.{i}."
-        out[prefix + "self_attn.q_proj.weight"] = a["wq"][i].reshape(d, -1).T
-        out[prefix + "self_attn.k_proj.weight"] = a["wk"][i].reshape(d, -1).T
-        out[prefix + "self_attn.v_proj.weight"] = a["wv"][i].reshape(d, -1).T
-        out[prefix + "self_attn.o_proj.weight"] = a["wo"][i].reshape(-1, d).T
-        out[prefix + "mlp.gate_proj.weight"] = m["w_gate"][i].T
-        out[prefix + "mlp.up_proj.weight"] = m["w_up"][i].T
-        out[prefix + "mlp.down_proj.weight"] = m["w_down"][i].T
-        out[prefix + "input_layernorm.weight"] = layers["attn_norm"]["scale"][i]
-        out[prefix + "post_attention_layernorm.weight"] = layers["mlp_norm"]["scale"][i]
-    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
-
-
-def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture) -> dict:
-    d, n, k, h = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
-
-    def stack(name, fn):
-        return np.stack([fn(t[f"model.layers.{i}.{name}"]) for i in range(spec.n_layers)])
-
-    params = {
-        "embed": t["model.embed_tokens.weight"],
-        "final_norm": {"scale": t["model.norm.weight"]},
-        "layers": {
-            "attn": {
-                "wq": stack("self_attn.q_proj.weight", lambda w: w.T.reshape(d, n, h)),
-                "wk": stack("self_attn.k_proj.weight", lambda w: w.T.reshape(d, k, h)),
-                "wv": stack("self_attn.v_proj.weight", lambda w: w.T.reshape(d, k, h)),
-                "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d)),
-            },
-            "mlp": {
-                "w_gate": stack("mlp.gate_proj.weight", lambda w: w.T),
-                "w_up": stack("mlp.up_proj.weight", lambda w: w.T),
-                "w_down": stack("mlp.down_proj.weight", lambda w: w.T),
-            },
-            "attn_norm": {"scale": stack("input_layernorm.weight", lambda w: w)},
-            "mlp_norm": {"scale": stack("post_attention_layernorm.weight", lambda w: w)},
-        },
-    }
-    if not spec.tie_embeddings:
-        params["lm_head"] = t["lm_head.weight"].T * spec.width_multiplier  # undo the export's muP folding
-    return _as_float32(params)
-
-
-def _as_float32(tree):
-    if isinstance(tree, dict):
-        return {k: _as_float32(v) for k, v in tree.items()}
-    return np.ascontiguousarray(tree, np.float32)
 
 
 def write_weights(tensors: dict[str, np.ndarray], out_dir: str) -> None:
@@ -275,7 +138,7 @@ def bpe_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
 
 
 def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
-    """Write a Llama-format directory (config, safetensors, tokenizer) for a checkpoint; returns its step."""
+    """Write a Hugging Face directory (config, safetensors, tokenizer) for a checkpoint; returns its step."""
     import jax
 
     from trainer.storage.resume import load_params
@@ -298,7 +161,8 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
 
 
 def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
-    """Write the weights of a Hugging Face Llama directory as step 0 of a new run in `workdir`.
+    """Write the weights of a Hugging Face directory (one of hf_tensors.FAMILIES) as step 0 of a new run in
+    `workdir`.
 
     The optimiser state starts fresh and the data from the beginning: train.py
     continues from it, eval.py evaluates it.

@@ -19,6 +19,7 @@ from trainer.config import (
     DTYPES,
     LOSS_SCALING,
     MIXTURE_UNITS,
+    MOE_IMPLS,
     OPTIMIZERS,
     RANGES,
     READ_ONLY_UNDER,
@@ -98,6 +99,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"train.grad_accum_steps={t.grad_accum_steps} microbatches."
         )
     _check_pipeline(cfg)
+    _check_moe(cfg)
     if cfg.stability.max_bad_steps > cfg.stability.bad_window:
         raise ConfigError(
             f"stability.max_bad_steps={cfg.stability.max_bad_steps} bad steps can never occur within "
@@ -215,15 +217,44 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
         )
 
 
+def _check_moe(cfg: ml_collections.ConfigDict) -> None:
+    """What a mixture of experts needs (trainer/model/moe.py), before any mesh exists."""
+    m = cfg.model.moe
+    _choice("model.moe.impl", m.impl, MOE_IMPLS)
+    if not m.num_experts:
+        return
+    if m.experts_per_token > m.num_experts:
+        raise ConfigError(
+            f"model.moe.experts_per_token={m.experts_per_token} exceeds model.moe.num_experts={m.num_experts}: "
+            "a token cannot go to more experts than there are; lower it or add experts."
+        )
+    if m.dense_layers >= cfg.model.n_layers:
+        raise ConfigError(
+            f"model.moe.dense_layers={m.dense_layers} leaves none of the model.n_layers={cfg.model.n_layers} layers "
+            "for experts; use fewer dense layers, or model.moe.num_experts=0 for a dense model."
+        )
+    if m.every != 1:
+        raise ConfigError(
+            f"model.moe.every={m.every}: interleaving dense and MoE layers is not supported yet; use every=1 "
+            "(every layer after model.moe.dense_layers has experts)."
+        )
+    if cfg.mesh.stage > 1:
+        raise ConfigError(
+            f"model.moe.num_experts={m.num_experts} with mesh.stage={cfg.mesh.stage}: experts inside pipeline "
+            "stages are not supported; use mesh.stage=1 (spread the experts with mesh.expert)."
+        )
+
+
 def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
     """Refuse a batch or head count that does not divide over the mesh."""
-    data_ways = mesh.shape["data"] * mesh.shape["fsdp"]
+    _check_experts(cfg, mesh.shape["expert"], mesh.shape["tensor"])
+    data_ways = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
     tensor = mesh.shape["tensor"]
     micro = microbatch_size(cfg)
     if micro % data_ways:
         raise ConfigError(
             f"each microbatch of {micro} sequences (train.global_batch_size / train.grad_accum_steps) "
-            f"does not divide over data x fsdp = {data_ways} devices; make it a multiple of {data_ways}."
+            f"does not divide over data x fsdp x expert = {data_ways} devices; make it a multiple of {data_ways}."
         )
     piece = micro // cfg.train.pipeline_microbatches
     if piece % data_ways:
@@ -247,6 +278,23 @@ def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
             "(weights are sharded over both)."
         )
     _check_context(cfg, mesh.shape["context"])
+
+
+def _check_experts(cfg: ml_collections.ConfigDict, expert: int, tensor: int) -> None:
+    m = cfg.model.moe
+    if expert > 1 and not m.num_experts:
+        raise ConfigError(
+            f"mesh.expert={expert} splits experts, but the model has none (model.moe.num_experts=0); put those "
+            "devices on mesh.data or mesh.fsdp."
+        )
+    if m.num_experts % expert:
+        raise ConfigError(
+            f"model.moe.num_experts={m.num_experts} does not divide over mesh.expert={expert}; use an expert axis "
+            f"that divides {m.num_experts}."
+        )
+    width = m.d_ff or cfg.model.d_ff
+    if m.num_experts and width % tensor:
+        raise ConfigError(f"each expert's d_ff={width} (model.moe.d_ff) does not divide over mesh.tensor={tensor}.")
 
 
 def _check_context(cfg: ml_collections.ConfigDict, context: int) -> None:

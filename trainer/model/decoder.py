@@ -26,7 +26,7 @@ from parallelism.rules import LogicalSharding
 from trainer.model.context import ways, zigzag
 from trainer.model.layers import RESIDUAL, Block, RMSNorm, param, rope_tables
 from trainer.model.loss import chunked_loss_sums, target_weights
-from trainer.model.spec import LAYERS, REMAT, ModelSpec
+from trainer.model.spec import LAYERS, REMAT, Architecture, ModelSpec
 
 NO_SHARDING = LogicalSharding.create(None)
 
@@ -36,12 +36,19 @@ class Decoder(nnx.Module):
         a = spec.arch
         self.embed = param(rngs, (a.vocab_size, a.d_model), ("vocab", "embed"), spec.init_std)
 
-        @nnx.split_rngs(splits=a.n_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
-        def stacked_blocks(rngs):
-            return Block(spec, shard, rngs)
+        def stacked_blocks(count: int, moe: bool):
+            @nnx.split_rngs(splits=count)
+            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+            def create(rngs):
+                return Block(spec, shard, rngs, moe)
 
-        self.layers = stacked_blocks(rngs)
+            return create(rngs)
+
+        # With experts, the first moe.dense_layers keep their MLP: a stack of their own, run first.
+        first = a.moe.dense_layers if a.moe.num_experts else 0
+        if first:
+            self.dense_layers = stacked_blocks(first, moe=False)
+        self.layers = stacked_blocks(a.n_layers - first, moe=a.moe.num_experts > 0)
         self.final_norm = RMSNorm(a.d_model, a.norm_eps)
         if not a.tie_embeddings:
             self.lm_head = param(rngs, (a.d_model, a.vocab_size), ("embed", "vocab"), spec.init_std)
@@ -55,51 +62,74 @@ class Decoder(nnx.Module):
         return self.logits(self.features(tokens, positions, segment_ids))
 
     def loss_sums(self, tokens, positions, segment_ids):
-        """Next-token (cross-entropy sum, token count, log(Z)^2 sum, largest |logit|); see loss.py."""
+        """Next-token (cross-entropy sum, token count, log(Z)^2 sum, largest |logit|; see loss.py), and the MoE
+        layers' statistics ({} without experts; each (moe layers, ...), see moe.py)."""
         targets, weights = target_weights(tokens, segment_ids)
         order = self._order(tokens.shape[1])
         if order is not None:  # each position's loss is its own: taken in the layers' order, nothing moves back
             targets, weights = targets[:, order], weights[:, order]
-        features = self.features(tokens, positions, segment_ids, layer_order=True)
-        return chunked_loss_sums(self.logits, features, targets, weights, self.execution.loss_chunk)
+        features, stats = self._through_layers(tokens, positions, segment_ids)
+        return (*chunked_loss_sums(self.logits, features, targets, weights, self.execution.loss_chunk), stats)
 
-    def features(self, tokens, positions, segment_ids, layer_order: bool = False) -> jax.Array:
-        """The final-normed residual stream (batch, seq, d_model), through the layers as the execution says.
+    def features(self, tokens, positions, segment_ids) -> jax.Array:
+        """The final-normed residual stream (batch, seq, d_model), through the layers as the execution says."""
+        order = self._order(tokens.shape[1])
+        x = self._through_layers(tokens, positions, segment_ids)[0]
+        return x if order is None else x[:, np.argsort(order)]
 
-        With the sequence split over the context axis the layers see it in zig-zag order
-        (trainer/model/context.py); the features come back in the given order unless `layer_order`."""
+    def _through_layers(self, tokens, positions, segment_ids):
+        """(features in the layers' order, MoE statistics). With the sequence split over the context axis the
+        layers see it in zig-zag order (trainer/model/context.py)."""
         # A transposed or mis-sliced segment/position array would broadcast silently.
         chex.assert_equal_shape([tokens, positions, *(() if segment_ids is None else (segment_ids,))])
         order = self._order(tokens.shape[1])
         if order is not None:
             tokens, positions = tokens[:, order], positions[:, order]
             segment_ids = None if segment_ids is None else segment_ids[:, order]
-        x = self._layers(tokens, positions, segment_ids)
-        return x if order is None or layer_order else x[:, np.argsort(order)]
+        return self._layers(tokens, positions, segment_ids)
 
     def _order(self, seq_len: int) -> np.ndarray | None:
         context = ways(self.shard)
         return None if context == 1 else zigzag(seq_len, context)
 
-    def _layers(self, tokens, positions, segment_ids) -> jax.Array:
+    def _stacks(self) -> list:
+        """The stacked blocks in order: the dense first layers of a mixture of experts, then the rest."""
+        return [self.dense_layers, self.layers] if hasattr(self, "dense_layers") else [self.layers]
+
+    def _layers(self, tokens, positions, segment_ids):
         a, run = self.arch, self.execution
-        graphdef, stacked = nnx.split(self.layers)
+        x = self._embed(tokens)
+        if run.stages > 1:  # dense layers only (validation refuses experts in a pipeline)
+            graphdef, stacked = nnx.split(self.layers)
+            layer = self._layer(graphdef)
+            x = self._pipelined(lambda *args: layer(*args)[0], stacked, x, positions, segment_ids)
+            return self.final_norm(x), {}
+        tables = rope_tables(positions, a.head_dim, a.rope_theta, a.rope_scaling)
+        stats = {}
+        for stack in self._stacks():
+            graphdef, stacked = nnx.split(stack)
+            layer = self._layer(graphdef)
+            if run.scan_layers:
+                x, stats = jax.lax.scan(lambda x, p, layer=layer: layer(x, p, tables, segment_ids), x, stacked)
+            else:
+                each = []
+                for i in range(jax.tree.leaves(stacked)[0].shape[0]):
+                    x, layer_stats = layer(x, jax.tree.map(lambda w, i=i: w[i], stacked), tables, segment_ids)
+                    each.append(layer_stats)
+                stats = jax.tree.map(lambda *s: jnp.stack(s), *each)
+        return self.final_norm(x), stats  # the last stack's: the one with the experts
+
+    def _layer(self, graphdef):
+        """One block as a function of its parameters, under the remat policy: (x, MoE statistics)."""
+        run = self.execution
 
         def layer(x, params, tables, segment_ids):
-            return nnx.merge(graphdef, params)(x, tables, segment_ids)[0]
+            x, _, stats = nnx.merge(graphdef, params)(x, tables, segment_ids)
+            return x, stats
 
         if REMAT[run.remat] is not None:
             layer = jax.checkpoint(layer, policy=REMAT[run.remat], prevent_cse=not run.scan_layers)
-        x = self._embed(tokens)
-        if run.stages > 1:
-            return self.final_norm(self._pipelined(layer, stacked, x, positions, segment_ids))
-        tables = rope_tables(positions, a.head_dim, a.rope_theta, a.rope_scaling)
-        if run.scan_layers:
-            x = jax.lax.scan(lambda x, params: (layer(x, params, tables, segment_ids), None), x, stacked)[0]
-        else:
-            for i in range(a.n_layers):
-                x = layer(x, jax.tree.map(lambda w, i=i: w[i], stacked), tables, segment_ids)
-        return self.final_norm(x)
+        return layer
 
     def decode(self, tokens, positions, cache):
         """Logits for `tokens` at `positions` given a KV cache of earlier positions; returns (logits, cache).
@@ -108,27 +138,38 @@ class Decoder(nnx.Module):
         call can prefill a whole prompt or extend by a token.
         """
         chex.assert_equal_shape([tokens, positions])
-        graphdef, stacked = nnx.split(self.layers)
         tables = rope_tables(positions, self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
+        x, done, caches = self._embed(tokens), 0, []
+        for stack in self._stacks():
+            graphdef, stacked = nnx.split(stack)
+            count = jax.tree.leaves(stacked)[0].shape[0]
 
-        def layer(x, inputs):
-            params, k, v = inputs
-            return nnx.merge(graphdef, params)(x, tables, None, (k, v, positions))
+            def layer(x, inputs, graphdef=graphdef):
+                params, k, v = inputs
+                x, cache, _ = nnx.merge(graphdef, params)(x, tables, None, (k, v, positions))
+                return x, cache
 
-        x, cache = jax.lax.scan(layer, self._embed(tokens), (stacked, *cache))
+            x, new = jax.lax.scan(layer, x, (stacked, *(c[done : done + count] for c in cache)))
+            caches.append(new)
+            done += count
+        cache = tuple(jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*caches, strict=True))
         return self.logits(self.final_norm(x)), cache
 
     def hidden_states(self, tokens) -> jax.Array:
         """The residual stream after each layer, (layers, batch, seq, d_model): for coordinate checks."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        graphdef, stacked = nnx.split(self.layers)
         tables = rope_tables(positions, self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
+        x, states = self._embed(tokens), []
+        for stack in self._stacks():
+            graphdef, stacked = nnx.split(stack)
 
-        def layer(x, params):
-            x = nnx.merge(graphdef, params)(x, tables, None)[0]
-            return x, x
+            def layer(x, params, graphdef=graphdef):
+                x = nnx.merge(graphdef, params)(x, tables, None)[0]
+                return x, x
 
-        return jax.lax.scan(layer, self._embed(tokens), stacked)[1]
+            x, each = jax.lax.scan(layer, x, stacked)
+            states.append(each)
+        return jnp.concatenate(states)
 
     def logits(self, features: jax.Array) -> jax.Array:
         """fp32 logits from the final-normed features (batch, seq, d_model)."""
@@ -169,6 +210,7 @@ class ModelDef:
     graphdef: nnx.GraphDef
     abstract_params: dict  # ShapeDtypeStructs
     logical_names: dict  # tuple of logical axis names per parameter
+    arch: Architecture
 
     @classmethod
     def create(cls, spec: ModelSpec, shard: LogicalSharding) -> ModelDef:
@@ -177,7 +219,7 @@ class ModelDef:
         names = jax.tree.map(
             lambda v: v.get_metadata()["out_sharding"], state, is_leaf=lambda v: isinstance(v, nnx.Variable)
         )
-        return cls(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(names))
+        return cls(graphdef, nnx.to_pure_dict(state), nnx.to_pure_dict(names), spec.arch)
 
     def apply(self, params: dict, *args, method: str = "__call__", **kwargs):
         return getattr(nnx.merge(self.graphdef, params), method)(*args, **kwargs)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from parallelism.rules import LogicalSharding
 from trainer.model.attention import attend, cached_attention
+from trainer.model.moe import MoE
 from trainer.model.spec import ModelSpec, RopeScaling
 
 RESIDUAL = ("batch", "residual_seq", "embed")  # the residual stream between blocks
@@ -26,8 +27,8 @@ def param(rngs: nnx.Rngs, shape, names, std: float) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding_names=("embed",), eager_sharding=False)
+    def __init__(self, dim: int, eps: float, axis: str = "embed"):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding_names=(axis,), eager_sharding=False)
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -75,6 +76,8 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std)
         self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std)
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
+        if a.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(h, a.norm_eps, "head_dim"), RMSNorm(h, a.norm_eps, "head_dim")
         self.execution, self.shard = spec.execution, shard
 
     def __call__(self, x, tables, segment_ids, cache=None):
@@ -84,6 +87,8 @@ class Attention(nnx.Module):
         q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q = self.shard.constrain(apply_rope(q, tables), ("batch", "seq", "heads", "head_dim"))
         k = self.shard.constrain(apply_rope(k, tables), ("batch", "seq", "kv_heads", "head_dim"))
         v = self.shard.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -101,12 +106,13 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs, width: int = 0):
         a, std = spec.arch, spec.hidden_init_std
         out_std = std / (2 * a.n_layers) ** 0.5
-        self.w_gate = param(rngs, (a.d_model, a.d_ff), ("embed", "mlp"), std)
-        self.w_up = param(rngs, (a.d_model, a.d_ff), ("embed", "mlp"), std)
-        self.w_down = param(rngs, (a.d_ff, a.d_model), ("mlp", "embed"), out_std)
+        width = width or a.d_ff
+        self.w_gate = param(rngs, (a.d_model, width), ("embed", "mlp"), std)
+        self.w_up = param(rngs, (a.d_model, width), ("embed", "mlp"), std)
+        self.w_down = param(rngs, (width, a.d_model), ("mlp", "embed"), out_std)
         self.execution, self.shard = spec.execution, shard
 
     def __call__(self, x):
@@ -118,15 +124,25 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
+    """Attention and an MLP, each after its norm and added to the residual stream; with `moe`, the MLP is a
+    mixture of experts (trainer/model/moe.py)."""
+
+    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm = RMSNorm(spec.arch.d_model, spec.arch.norm_eps)
         self.attn = Attention(spec, shard, rngs)
         self.mlp_norm = RMSNorm(spec.arch.d_model, spec.arch.norm_eps)
-        self.mlp = MLP(spec, shard, rngs)
+        if moe:
+            self.moe = MoE(spec, shard, rngs)
+        else:
+            self.mlp = MLP(spec, shard, rngs)
         self.shard = shard
 
     def __call__(self, x, tables, segment_ids, cache=None):
+        """(the residual stream after the block, the updated cache, the MoE layer's statistics or {})."""
         attended, cache = self.attn(self.attn_norm(x), tables, segment_ids, cache)
         x = x + attended
-        x = x + self.mlp(self.mlp_norm(x))
-        return self.shard.constrain(x, RESIDUAL), cache
+        if hasattr(self, "moe"):
+            out, stats = self.moe(self.mlp_norm(x))
+        else:
+            out, stats = self.mlp(self.mlp_norm(x)), {}
+        return self.shard.constrain(x + out, RESIDUAL), cache, stats

@@ -37,6 +37,25 @@ class RopeScaling:
 
 
 @dataclasses.dataclass(frozen=True)
+class Experts:
+    """A mixture of experts in place of some layers' MLP (`model.moe.*`); num_experts 0: every layer dense.
+
+    Of the layers after the first `dense_layers`, every `every`-th is a mixture: `num_experts` SwiGLU MLPs
+    `d_ff` wide, of which a router picks `experts_per_token` for each token, plus `shared_experts` always on
+    (one MLP shared_experts x d_ff wide)."""
+
+    num_experts: int = 0
+    experts_per_token: int = 2
+    shared_experts: int = 0
+    d_ff: int = 0
+    dense_layers: int = 0
+    every: int = 1
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer >= self.dense_layers and (layer - self.dense_layers + 1) % self.every == 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Architecture:
     """What defines the model's function: the same weights mean the same thing only under the same values.
 
@@ -53,8 +72,10 @@ class Architecture:
     rope_theta: float = 10_000.0
     rope_scaling: RopeScaling = RopeScaling()
     norm_eps: float = 1e-5
+    qk_norm: bool = False  # RMSNorm over each query and key head's vector, before RoPE (Qwen3)
     tie_embeddings: bool = False
     mup_base_width: int = 0  # muP: hidden init and learning rate scale with d_model / this; logits divided by it
+    moe: Experts = Experts()
 
     @property
     def head_dim(self) -> int:
@@ -68,7 +89,12 @@ class Architecture:
     @classmethod
     def from_config(cls, cfg) -> Architecture:
         values = {f.name: cfg.model[f.name] for f in dataclasses.fields(cls)}
-        return cls(**{**values, "rope_scaling": RopeScaling(**values["rope_scaling"])})
+        moe = {f.name: values["moe"][f.name] for f in dataclasses.fields(Experts)}
+        return cls(**{**values, "rope_scaling": RopeScaling(**values["rope_scaling"]), "moe": Experts(**moe)})
+
+    @property
+    def expert_d_ff(self) -> int:
+        return self.moe.d_ff or self.d_ff
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +109,8 @@ class Execution:
     loss_chunk: int = 0  # sequence positions per chunk of the loss's logits (0 = all at once)
     stages: int = 1  # pipeline stages (mesh.stage); see parallelism/pipeline.py
     pipeline_microbatches: int = 1  # microbatches the pipeline's forward pass is cut into (train.pipeline_microbatches)
+    moe_impl: str = "dropless"  # how experts compute (model.moe.impl, trainer/model/moe.py)
+    capacity_factor: float = 1.25  # model.moe.capacity_factor, for moe_impl capacity
 
     @classmethod
     def from_config(cls, cfg) -> Execution:
@@ -90,7 +118,8 @@ class Execution:
         return cls(remat=m.remat, scan_layers=m.scan_layers, attention=m.attention,
                    context_attention=m.context_attention, compute_dtype=cfg.precision.compute_dtype,
                    loss_chunk=m.loss_chunk, stages=cfg.mesh.stage,
-                   pipeline_microbatches=cfg.train.pipeline_microbatches)  # fmt: skip
+                   pipeline_microbatches=cfg.train.pipeline_microbatches, moe_impl=m.moe.impl,
+                   capacity_factor=m.moe.capacity_factor)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,10 +42,11 @@ def muon_dimensions(logical_names: dict):
     def dims(names):
         if not is_hidden(names):
             return None  # embeddings, head, norms
-        if names[1] == "embed":  # (layers, embed, out...): wq, wk, wv, w_gate, w_up
-            return MuonDimensionNumbers(reduction_axis=(1,), output_axis=tuple(range(2, len(names))))
-        # (layers, in..., embed): wo, w_down
-        return MuonDimensionNumbers(reduction_axis=tuple(range(1, len(names) - 1)), output_axis=(len(names) - 1,))
+        first = 2 if names[1] == "expert" else 1  # an MoE layer's experts: a batch axis, like the layers'
+        if names[first] == "embed":  # (layers, [expert,] embed, out...): wq, wk, wv, w_gate, w_up, router
+            return MuonDimensionNumbers(reduction_axis=(first,), output_axis=tuple(range(first + 1, len(names))))
+        # (layers, [expert,] in..., embed): wo, w_down
+        return MuonDimensionNumbers(reduction_axis=tuple(range(first, len(names) - 1)), output_axis=(len(names) - 1,))
 
     return _by_axes(dims, logical_names)
 

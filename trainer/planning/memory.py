@@ -53,7 +53,7 @@ def shard_bytes(tree, itemsize: int | None = None) -> int:
 
 
 def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, platform: str,
-                              context: int = 1) -> dict[str, float]:  # fmt: skip
+                              context: int = 1, expert: int = 0) -> dict[str, float]:  # fmt: skip
     """Elements per token one layer keeps for the backward pass, under each remat policy.
 
     Head and MLP-width tensors are split over `tensor`; the residual-width ones
@@ -75,9 +75,21 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     context 4: 325 MiB with 512-key tiles, 708 untiled. Why the tiles do not bring it to queries x TILE
     is not known yet. The splash kernel over the gathered keys (all_gather on a TPU) holds no scores in
     memory, and keeps the gathered keys and values for its backward.
+
+    An MoE layer (`expert` > 0: the expert axis's size) counts its tokens' experts_per_token copies
+    through the experts and its shared experts as one MLP of that many times the expert width, plus the
+    exchange's buffers: the copies sent, received and returned, each as large as the exchange's room
+    (dropless: expert x the copies; capacity: capacity_factor x). Counted, not yet checked against a
+    compile.
     """
     a = spec.arch
     d, f = a.d_model, a.d_ff / tensor
+    exchange = 0.0
+    if expert:
+        m, run = a.moe, spec.execution
+        f = (m.experts_per_token + m.shared_experts) * a.expert_d_ff / tensor
+        room = expert if run.moe_impl == "dropless" else run.capacity_factor
+        exchange = 3 * m.experts_per_token * d * room
     q, kv = a.n_heads * a.head_dim / tensor, a.n_kv_heads * a.head_dim / tensor
     split = context > 1
     e = spec.execution
@@ -105,7 +117,7 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     # (llm_1b, remat none, splash: 85.6k elements per token and layer compiled, 50.7k counted above,
     # 4 f in bf16 elements), and the PV matmul reads the softmax in bf16 beside the fp32 one.
     mixed = act_bytes < 4
-    whole = elementwise + (4 * f if mixed else 0) + log_sum_exp
+    whole = elementwise + (4 * f if mixed else 0) + log_sum_exp + exchange
     return {
         "none": whole + kept_kv + (1.5 if mixed else 2) * kept_scores,
         "full": d,
@@ -135,13 +147,20 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str, gradi
     """Bytes one device keeps for the backward pass of one microbatch, at the peak; under remat, beside
     the microbatch's gradient (`gradient_bytes`), which the backward pass makes and the loss does not hold."""
     t = cfg.train
-    rows = microbatch_size(cfg) / (mesh_shape["data"] * mesh_shape["fsdp"])
+    rows = microbatch_size(cfg) / (mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape.get("expert", 1))
     context = mesh_shape.get("context", 1)
     tokens, tensor = rows * cfg.data.seq_len / context, mesh_shape["tensor"]
     act = jnp.dtype(cfg.precision.compute_dtype).itemsize
     per_layer = layer_activation_elements(spec, cfg.data.seq_len, tensor, act, platform, context)
     layers_here = spec.arch.n_layers // mesh_shape["stage"]
     kept = tokens * layers_here * per_layer[spec.execution.remat] * act
+    moe = spec.arch.moe
+    if moe.num_experts:  # the MoE layers' in place of as many dense ones'
+        expert = layer_activation_elements(spec, cfg.data.seq_len, tensor, act, platform, context,
+                                           mesh_shape.get("expert", 1))  # fmt: skip
+        moe_layers = spec.arch.n_layers - moe.dense_layers
+        kept += tokens * moe_layers * (expert[spec.execution.remat] - per_layer[spec.execution.remat]) * act
+        per_layer = {k: max(v, expert[k]) for k, v in per_layer.items()}
     if mesh_shape["stage"] > 1:
         # GPipe holds every microbatch's activations until its backward starts.
         m = t.pipeline_microbatches
@@ -173,13 +192,20 @@ def gathered_bytes(spec, mesh_shape: dict[str, int], act_bytes: int) -> int:
     (the one computing and the next, prefetched). XLA:TPU's buffers for llm_1b at fsdp=4 hold exactly
     these (bf16[32768,2048] twice, f32[2048,32768], bf16 layer matrices)."""
     fsdp = mesh_shape["fsdp"] * mesh_shape.get("context", 1)  # the rules shard weights over both
-    if fsdp == 1:
+    expert = mesh_shape.get("expert", 1)  # and over the expert axis, but for the experts' own weights
+    if fsdp * expert == 1:
         return 0
     a, tensor = spec.arch, mesh_shape["tensor"]
     head = a.vocab_size * a.d_model / tensor
     heads = 1 if a.tie_embeddings else 2
-    layer = (2 * a.n_heads * a.head_dim + 2 * a.n_kv_heads * a.head_dim + 3 * a.d_ff) * a.d_model / tensor
-    return int((heads * head * act_bytes + head * 4 + 2 * layer * act_bytes) * (1 - 1 / fsdp))
+    attention = (2 * a.n_heads * a.head_dim + 2 * a.n_kv_heads * a.head_dim) * a.d_model / tensor
+    mlp = 3 * a.d_ff * a.d_model / tensor
+    if a.moe.num_experts:  # a device gathers its own experts' weights (its 1/expert of them) and the router
+        m = a.moe
+        mlp = (3 * a.expert_d_ff * (m.num_experts / expert + m.shared_experts) / tensor + m.num_experts) * a.d_model
+        return int((heads * head * act_bytes + head * 4) * (1 - 1 / (fsdp * expert))
+                   + 2 * (attention * (1 - 1 / (fsdp * expert)) + mlp * (1 - 1 / fsdp)) * act_bytes)  # fmt: skip
+    return int((heads * head * act_bytes + head * 4 + 2 * (attention + mlp) * act_bytes) * (1 - 1 / fsdp))
 
 
 def state_bytes(setup) -> dict[str, int]:

@@ -21,7 +21,7 @@ from parallelism import collectives, hlo, pipeline
 from trainer.chips import CHIPS, gpu_memory_share
 from trainer.config import microbatch_size
 from trainer.errors import ConfigError
-from trainer.flops import FORMULA, count_params, flops_per_token, matmul_params
+from trainer.flops import FORMULA, count_params, flops_per_token, inactive_params, matmul_params
 from trainer.model.splash import hlo_call_cost
 from trainer.planning import fit as fitting
 from trainer.planning import memory, scaling
@@ -29,6 +29,19 @@ from trainer.planning.targets import Target, parse_target, target_devices
 from trainer.training.setup import build
 from trainer.training.state import param_shardings
 from trainer.training.step import OutOfHbm, abstract_batch, compile_with_heap
+
+
+def moe_volumes(cfg, abstract_params: dict, mesh_shape: dict[str, int]) -> dict:
+    """collectives.textbook's MoE arguments: every expert's weights, the MoE layers, top-k, and the exchange's
+    buffer over its copies (a capacity's factor; dropless pads each destination's room to all of them)."""
+    m = cfg.model.moe
+    if not m.num_experts:
+        return {}
+    experts = abstract_params["layers"]["moe"]
+    exchanged = m.capacity_factor if m.impl == "capacity" else mesh_shape.get("expert", 1)
+    return {"expert_params": sum(math.prod(experts[w].shape) for w in ("w_gate", "w_up", "w_down")),
+            "moe_layers": cfg.model.n_layers - m.dense_layers, "experts_per_token": m.experts_per_token,
+            "exchanged": exchanged, "recomputed": cfg.model.remat != "none"}  # fmt: skip
 
 
 def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False, tokens: float = 0,
@@ -62,6 +75,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         "n_params": counts["total"],
         "n_params_non_embedding": counts["non_embedding"],
         "n_params_embedding": counts["embedding"],
+        "n_params_active": counts["total"] - inactive_params(setup.spec.arch, setup.model.abstract_params),
         "flops_per_token": fpt,
         "flops_formula": FORMULA,
         "tokens_per_step": t.global_batch_size * seq,
@@ -138,6 +152,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
                 act_bytes=jnp.dtype(cfg.precision.compute_dtype).itemsize,
                 kv_width=setup.spec.arch.n_kv_heads * setup.spec.arch.head_dim,
                 context_attention=cfg.model.context_attention,
+                **moe_volumes(cfg, setup.model.abstract_params, dict(setup.mesh.shape)),
             ),  # fmt: skip
         }
     return result

@@ -31,7 +31,7 @@ from trainer.config import microbatch_size
 from trainer.data import corpora, streams, workers
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluate import Evaluator
-from trainer.flops import count_params, flops_per_token, peak_flops
+from trainer.flops import count_params, flops_per_token, inactive_params, peak_flops
 from trainer.storage import resume, run_tokenizer
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
@@ -241,8 +241,11 @@ class Run:
             fresh = f" with a fresh {cfg.optim.name} optimiser state (checkpoint.reset_optimizer)"
             self.say(f"resumed from the checkpoint at step {self.step}{fresh if self.reset_optimizer else ''}")
         counts = count_params(setup.model.abstract_params)
+        inactive = inactive_params(setup.spec.arch, setup.model.abstract_params)
+        active = f", {(counts['total'] - inactive) / 1e6:.2f}M active per token" if inactive else ""
         self.say(
-            f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding), "
+            f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding"
+            f"{active}), "
             f"{self.flops_per_token / 1e6:.1f} MFLOPs/token; mesh {dict(setup.mesh.shape)}"
         )
         self._step_fn(batch_ramp.step_size(cfg, self.data_read))

@@ -32,6 +32,7 @@ import optax
 from parallelism import microbatches
 from parallelism.rules import LogicalSharding
 from trainer.model.decoder import ModelDef
+from trainer.model.moe import empty_statistics
 from trainer.optim.optimizer import applied_learning_rate, with_hyperparams
 from trainer.optim.schedules import make_schedule
 from trainer.training import clock, stability
@@ -42,12 +43,20 @@ BATCH_KEYS = ("tokens", "segment_ids", "positions")
 BATCH_NAMES = ("batch", "seq")
 
 
-def _sums(model: ModelDef, params, batch, z_loss: float):
-    """(objective sum, (cross-entropy sum, target token count, largest |logit|)) over the batch."""
-    ce, count, log_z_sq, largest = model.apply(
+def _sums(model: ModelDef, params, batch, z_loss: float, moe=None):
+    """(objective sum, (cross-entropy sum, target token count, largest |logit|, MoE statistics)) over the batch.
+
+    The MoE layers' auxiliary losses (means over the batch's positions, summed over layers) enter the sum
+    times the batch's positions, so that the step's division by them leaves `aux_loss` x balance and
+    `z_loss` x the router's log(Z)^2 beside the mean cross-entropy."""
+    ce, count, log_z_sq, largest, stats = model.apply(
         params, batch["tokens"], batch["positions"], batch["segment_ids"], method="loss_sums"
     )
-    return ce + z_loss * log_z_sq, (ce, count, largest)
+    objective = ce + z_loss * log_z_sq
+    if stats and moe is not None:
+        aux = moe.aux_loss * jnp.sum(stats["balance_loss"]) + moe.z_loss * jnp.sum(stats["router_z"])
+        objective = objective + batch["tokens"].size * aux
+    return objective, (ce, count, largest, stats)
 
 
 def split_microbatches(batch: dict, k: int, shard: LogicalSharding) -> dict:
@@ -71,12 +80,34 @@ def _add(total, new):
 
 
 def _layer_norms(grads: dict) -> dict[str, jax.Array]:
-    """Gradient norm of each stacked weight, per layer: (n_layers,) each."""
+    """Gradient norm of each stacked weight, per layer: (layers in its stack,) each."""
     norms = {}
-    for path, g in jax.tree_util.tree_leaves_with_path(grads["layers"]):
-        name = "grad_norm/layers." + ".".join(str(k.key) for k in path)
-        norms[name] = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim))))
+    for stack in ("dense_layers", "layers"):
+        for path, g in jax.tree_util.tree_leaves_with_path(grads.get(stack, {})):
+            name = f"grad_norm/{stack}." + ".".join(str(k.key) for k in path)
+            norms[name] = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim))))
     return norms
+
+
+def _moe_metrics(stats: dict) -> dict[str, jax.Array]:
+    """The MoE layers' figures for the log: auxiliary losses and dropped share (means over layers), and each
+    layer's load: the most loaded expert's share over the mean share, and every expert's share."""
+    if not stats:
+        return {}
+    load = stats["load"]  # (moe layers, experts), each row summing to 1
+    metrics = {f"moe/{name}": jnp.mean(stats[name]) for name in ("balance_loss", "router_z", "dropped")}
+    for i in range(load.shape[0]):
+        metrics[f"moe/load_max_mean/{i}"] = jnp.max(load[i]) * load.shape[1]
+        metrics.update({f"moe/load/{i}/{e}": load[i, e] for e in range(load.shape[1])})
+    return metrics
+
+
+def _balance_router(params: dict, load: jax.Array, rate: float) -> dict:
+    """DeepSeek-V3's loss-free balancing: each expert's router bias steps `rate` up if its share of the
+    step's assignments was below the mean, down if above."""
+    moe = params["layers"]["moe"]
+    bias = moe["router_bias"] + rate * jnp.sign(jnp.mean(load, axis=-1, keepdims=True) - load)
+    return {**params, "layers": {**params["layers"], "moe": {**moe, "router_bias": bias}}}
 
 
 def make_train_step(
@@ -86,10 +117,11 @@ def make_train_step(
     scaling = LossScaling.from_config(cfg)
     schedule = make_schedule(cfg.optim, cfg.train.steps)
     batch_size = cfg.train.global_batch_size  # sequences in one full batch: the schedule's unit
-    z_loss, weight_decay = cfg.optim.z_loss, cfg.optim.weight_decay
+    z_loss, weight_decay, moe = cfg.optim.z_loss, cfg.optim.weight_decay, cfg.model.moe
+    no_stats = empty_statistics(model.arch)
 
     def scaled(params, batch, factor):
-        objective, aux = _sums(model, params, batch, z_loss)
+        objective, aux = _sums(model, params, batch, z_loss, moe)
         return objective * factor, aux
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
@@ -107,16 +139,20 @@ def make_train_step(
         factor = scale * loss_multiplier / positions
 
         def micro_step(micro):
-            (_, (ce, count, largest)), grads = grad_fn(state.params, micro, factor)
-            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), ce, count, largest
+            (_, (ce, count, largest, moe_stats)), grads = grad_fn(state.params, micro, factor)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), ce, count, largest, moe_stats
 
         def combine(total, new):
-            return _add(total[0], new[0]), total[1] + new[1], total[2] + new[2], jnp.maximum(total[3], new[3])
+            return (_add(total[0], new[0]), total[1] + new[1], total[2] + new[2], jnp.maximum(total[3], new[3]),
+                    _add(total[4], new[4]))  # fmt: skip
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
         if grad_shardings is not None:
             zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
-        grads, ce, count, max_logit = _over_microbatches(micro_step, batch, k, shard, (zeros, 0.0, 0.0, 0.0), combine)
+        grads, ce, count, max_logit, moe_stats = _over_microbatches(
+            micro_step, batch, k, shard, (zeros, 0.0, 0.0, 0.0, no_stats), combine
+        )
+        moe_stats = jax.tree.map(lambda s: s / k, moe_stats)  # each microbatch's are means over its positions
         count = jnp.maximum(count, 1.0)
         # Unscale in fp32, and turn the sum over positions into the mean over target tokens.
         grads = jax.tree.map(lambda g: g * (positions / (count * scale)), grads)
@@ -128,6 +164,8 @@ def make_train_step(
         opt_state = with_hyperparams(state.opt_state, learning_rate=lr, weight_decay=jnp.float32(weight_decay))
         updates, new_opt = tx.update(grads, opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
+        if moe_stats and moe.router_bias:
+            new_params = _balance_router(new_params, moe_stats["load"], moe.router_bias)
 
         def keep(new, old):  # skipped steps leave the state as it was
             return jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
@@ -158,6 +196,7 @@ def make_train_step(
             "loss_scale": loss_scale["scale"],
             "target_tokens": count,
         }
+        metrics.update(_moe_metrics(moe_stats))
         if cfg.train.layer_grad_norms:
             metrics.update(_layer_norms(grads))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, clock=counts,
@@ -172,7 +211,7 @@ def make_eval_step(model: ModelDef, shard: LogicalSharding, microbatches: int) -
 
     def eval_step(params, batch):
         def micro_sums(micro):
-            return _sums(model, params, micro, 0.0)[1][:2]
+            return _sums(model, params, micro, 0.0)[1][:2]  # the cross-entropy alone
 
         return _over_microbatches(micro_sums, batch, microbatches, shard, (0.0, 0.0), _add)
 

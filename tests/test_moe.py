@@ -1,0 +1,141 @@
+"""Mixture of experts (model.moe, mesh.expert): the layer against every expert run on every token, the
+expert axis against one device, and a run that trains, resumes onto another expert axis and decodes."""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import micro_config
+from test_context import packed_batch
+
+from parallelism.rules import LogicalSharding
+from trainer.model import moe
+from trainer.model.sampling import make_generate
+from trainer.storage.checkpoint import Checkpointer
+from trainer.training.loop import train
+from trainer.training.setup import build
+from trainer.training.state import abstract_params
+
+EXPERTS = dict(num_experts=8, experts_per_token=2, d_ff=32, shared_experts=1, dense_layers=1)
+
+
+def every_expert(x, chosen, weights, gate, up, down, kept=None):
+    """The reference: each expert on every token, summed with the router's weights where it was chosen (and
+    `kept`, when a capacity dropped some)."""
+    hidden = jax.nn.silu(jnp.einsum("btd,edf->btef", x, gate)) * jnp.einsum("btd,edf->btef", x, up)
+    y = jnp.einsum("btef,efd->bted", hidden, down)
+    use = weights if kept is None else weights * kept
+    return jnp.einsum("bted,bte->btd", y, jnp.sum(jax.nn.one_hot(chosen, gate.shape[0]) * use[..., None], axis=2))
+
+
+def test_the_layer_equals_every_expert_on_every_token_and_a_capacity_drops_the_latest():
+    keys = jax.random.split(jax.random.PRNGKey(0), 5)
+    b, t, d, f, e, k = 2, 16, 16, 12, 4, 2
+    x = jax.random.normal(keys[0], (b, t, d))
+    shapes = [(e, d, f), (e, d, f), (e, f, d)]
+    gate, up, down = (0.3 * jax.random.normal(key, shape) for key, shape in zip(keys[2:], shapes, strict=True))
+    chosen, weights, stats = moe.route(x, jax.random.normal(keys[1], (d, e)), jnp.zeros(e), k)
+    assert np.allclose(jnp.sum(weights, -1), 1) and np.isclose(jnp.sum(stats["load"]), 1)
+    none = LogicalSharding.create(None)
+    out, dropped = moe.experts(x, chosen, weights, gate, up, down, none, "dropless", 1.0)
+    np.testing.assert_allclose(out, every_expert(x, chosen, weights, gate, up, down), atol=1e-5)
+    assert float(dropped) == 0
+    # A capacity of 1.0 x an even share (16 slots an expert for 64 assignments over 4 experts): first choices
+    # take their places first, then second choices, each in token order; the rest are dropped.
+    flat = np.asarray(chosen).reshape(-1, k)
+    room = math.ceil(flat.size / e)
+    kept, used = np.zeros(flat.shape, bool), np.zeros(e, int)
+    for j in range(k):
+        for i in range(len(flat)):
+            kept[i, j], used[flat[i, j]] = used[flat[i, j]] < room, used[flat[i, j]] + (used[flat[i, j]] < room)
+    assert 0 < (~kept).sum() < flat.size / 4  # some dropped, by the imbalance of a random router
+    out, dropped = moe.experts(x, chosen, weights, gate, up, down, none, "capacity", 1.0)
+    reference = every_expert(x, chosen, weights, gate, up, down, kept.reshape(b, t, k))
+    np.testing.assert_allclose(out, reference, atol=1e-5)
+    assert float(dropped) == pytest.approx((~kept).mean())
+
+
+def loss_grads(mesh: dict, batch: dict, params=None, impl="dropless", capacity_factor=1.25):
+    model = dict(n_layers=3, moe={**EXPERTS, "impl": impl, "capacity_factor": capacity_factor})
+    setup = build(micro_config(mesh={"fsdp": 1, "data": -1, **mesh}, model=model))
+    params = setup.new_state().params if params is None else jax.device_put(params, setup.state_shardings.params)
+
+    def loss(p, b):
+        ce, count, _, _, stats = setup.model.apply(p, b["tokens"], b["positions"], b["segment_ids"],
+                                                   method="loss_sums")  # fmt: skip
+        return ce / count + 0.01 * jnp.sum(stats["balance_loss"]) + 1e-3 * jnp.sum(stats["router_z"]), stats
+
+    batch = jax.device_put(batch, setup.batch_sharding)
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params, batch).compile()
+    (value, stats), grads = step(params, batch)
+    return float(value), jax.device_get(grads), jax.device_get(stats), step.as_text(), jax.device_get(params)
+
+
+def test_experts_split_over_the_expert_axis_equal_one_device():
+    """Dropless at expert 2, 4 (with fsdp 2) and 2 with fsdp and tensor; a capacity with room for every
+    assignment at expert 4: the loss (with both auxiliary losses), every gradient and the load of one
+    device, within fp32 rounding. The tokens cross the axis by all-to-all."""
+    batch = packed_batch()
+    loss, grads, stats, _, params = loss_grads({}, batch)
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
+    cases = [({"expert": 2}, "dropless", 1.25), ({"expert": 4, "fsdp": 2}, "dropless", 1.25),
+             ({"expert": 2, "fsdp": 2, "tensor": 2}, "dropless", 1.25), ({"expert": 4}, "capacity", 4.0)]  # fmt: skip
+    for mesh, impl, factor in cases:
+        other, other_grads, other_stats, hlo, _ = loss_grads(mesh, batch, params, impl, factor)
+        assert other == pytest.approx(loss, rel=1e-6), (mesh, impl)
+        for a, b in zip(jax.tree.leaves(other_grads), jax.tree.leaves(grads), strict=True):
+            np.testing.assert_allclose(a, b, atol=1e-5 * scale, err_msg=f"{mesh} {impl}")
+        np.testing.assert_allclose(other_stats["load"], stats["load"], atol=1e-6)
+        assert float(np.max(other_stats["dropped"])) == 0
+        assert " all-to-all" in hlo, mesh  # there and back, forward and backward
+    # Room for one even share: a device's 32 tokens x 2 choices over 8 experts give each 8 places, and a
+    # random router's imbalance overfills some.
+    _, _, dropped, _, _ = loss_grads({"expert": 4}, batch, params, "capacity", 1.0)
+    assert 0 < float(np.max(dropped["dropped"])) < 0.5
+
+
+def test_a_run_with_experts_trains_resumes_onto_another_expert_axis_and_decodes(tmp_path):
+    """Two steps at expert 4 x fsdp 2, two more at expert 2 x tensor 2, with DeepSeek's router bias moving:
+    the losses and weights of a run on one device within fp32 rounding; the log carries each layer's load
+    and the auxiliary losses; the checkpoint decodes the same greedy text on expert 4 and on one device."""
+
+    def config(steps, **mesh):
+        cfg = micro_config(train=dict(steps=steps, log_every=1, eval_every=0), mesh={"fsdp": 1, "data": -1, **mesh},
+                           model=dict(n_layers=3, moe={**EXPERTS, "router_bias": 1e-3}))  # fmt: skip
+        cfg.optim.update(schedule="constant", warmup_steps=1)
+        cfg.checkpoint.update(every_steps=2, keep=5)
+        return cfg
+
+    reference = train(config(4), str(tmp_path / "one"))
+    train(config(2, expert=4, fsdp=2), str(tmp_path / "split"))
+    resumed = train(config(4, expert=2, tensor=2), str(tmp_path / "split"))
+    assert resumed["step"] == 4
+    assert resumed["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+    weights = []
+    for run in ("one", "split"):
+        ckpt = Checkpointer(str(tmp_path / run / "checkpoints"), read_only=True)
+        weights.append(ckpt.restore_params(4, abstract_params(build(config(4)).model, build(config(4)).shard)))
+        ckpt.close()
+    for a, b in zip(jax.tree.leaves(weights[0]), jax.tree.leaves(weights[1]), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    bias = weights[1]["layers"]["moe"]["router_bias"]  # (2 MoE layers, 8 experts): 4 steps of +-1e-3 each
+    assert np.all(np.abs(bias) <= 4e-3 + 1e-9) and np.any(bias != 0)
+    with open(tmp_path / "split" / "metrics.jsonl") as f:
+        last = [r for r in map(json.loads, f) if "loss" in r][-1]
+    shares = [[last[f"moe/load/{i}/{e}"] for e in range(8)] for i in range(2)]
+    assert np.allclose(np.sum(shares, axis=1), 1)
+    assert last["moe/load_max_mean/1"] == pytest.approx(8 * max(shares[1]))
+    assert last["moe/balance_loss"] > 0 and last["moe/router_z"] > 0 and last["moe/dropped"] == 0
+
+    prompt = np.random.default_rng(1).integers(3, 384, (2, 5)).astype(np.int32)
+    texts = []
+    for mesh in (dict(expert=4, fsdp=2), {}):
+        setup = build(config(4, **mesh))
+        params = jax.device_put(weights[1], setup.state_shardings.params)
+        texts.append(np.asarray(make_generate(setup.spec, setup.shard, max_new_tokens=6)(params, prompt, 0)))
+    np.testing.assert_array_equal(texts[0], texts[1])
+    assert os.path.isdir(tmp_path / "split" / "checkpoints" / "4")

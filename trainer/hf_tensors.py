@@ -1,0 +1,243 @@
+"""Our model as a Hugging Face config and tensors, and back: Llama, Qwen3, Mixtral and Qwen3-MoE.
+
+Which family a model is follows from its architecture: query/key norms make it Qwen3's, experts make it
+a mixture (Mixtral without query/key norms, Qwen3-MoE with them), neither a Llama. Our weights map one
+to one onto theirs: kernels are stored (in, out) here and (out, in) there, heads are folded into the
+projection width, and RoPE already uses Hugging Face's half-split layout, so nothing is permuted. An MoE
+layer's router is their `gate`; each expert's gate, up and down projections are Mixtral's w1, w3 and w2,
+Qwen3-MoE's gate_proj, up_proj and down_proj (the per-expert files `save_pretrained` writes; transformers
+fuses them on loading). Both families renormalise the top-k weights as we do (Qwen3-MoE only with
+norm_topk_prob, which an import requires); Mixtral has no dense layers, and neither family has our
+shared experts or DeepSeek's router bias, which an export refuses.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
+from trainer.errors import ConfigError
+from trainer.model.spec import Architecture
+
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+
+
+def family(spec: Architecture) -> str:
+    if not spec.moe.num_experts:
+        return "qwen3" if spec.qk_norm else "llama"
+    return "qwen3_moe" if spec.qk_norm else "mixtral"
+
+
+def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int] = (BOS_ID, EOS_ID, PAD_ID)) -> dict:
+    """`special`: the tokenizer's (begin, end, padding) ids."""
+    kind, m = family(spec), spec.moe
+    if m.num_experts and m.shared_experts:
+        raise ConfigError(f"model.moe.shared_experts={m.shared_experts}: {FAMILIES[kind]} has no shared experts, so "
+                          "this model has no Hugging Face form here.")  # fmt: skip
+    if kind == "mixtral" and m.dense_layers:
+        raise ConfigError(f"model.moe.dense_layers={m.dense_layers}: every Mixtral layer has experts; with dense "
+                          "first layers, use model.qk_norm=true for Qwen3-MoE's form.")  # fmt: skip
+    config = {
+        "architectures": [FAMILIES[kind]],
+        "model_type": kind,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.d_model,
+        "intermediate_size": spec.d_ff,
+        "num_hidden_layers": spec.n_layers,
+        "num_attention_heads": spec.n_heads,
+        "num_key_value_heads": spec.n_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": max_seq_len,
+        "rms_norm_eps": spec.norm_eps,
+        "rope_theta": spec.rope_theta,  # transformers 4.x
+        "rope_scaling": {"rope_type": "llama3", **_llama3(spec)} if spec.rope_scaling.factor != 1 else None,  # 4.x
+        "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"}  # 5.x
+        if spec.rope_scaling.factor == 1
+        else {"rope_theta": spec.rope_theta, "rope_type": "llama3", **_llama3(spec)},
+        "tie_word_embeddings": spec.tie_embeddings,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": special[0],
+        "eos_token_id": special[1],
+        "pad_token_id": special[2],
+        "dtype": "float32",
+        "torch_dtype": "float32",
+    }
+    if kind == "mixtral":
+        config.update(num_local_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
+                      intermediate_size=spec.expert_d_ff, sliding_window=None, router_jitter_noise=0.0)  # fmt: skip
+    elif kind == "qwen3_moe":
+        config.update(num_experts=m.num_experts, num_local_experts=m.num_experts,  # transformers 4.x's, 5.x's
+                      num_experts_per_tok=m.experts_per_token, norm_topk_prob=True,
+                      moe_intermediate_size=spec.expert_d_ff, decoder_sparse_step=1,
+                      mlp_only_layers=list(range(m.dense_layers)), use_sliding_window=False)  # fmt: skip
+    return config
+
+
+def _llama3(spec: Architecture) -> dict:
+    r = spec.rope_scaling
+    return {"factor": r.factor, "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_len}  # fmt: skip
+
+
+def model_keys_from_hf(config: dict) -> dict:
+    """Our model.* values for a Hugging Face config of one of the FAMILIES; refuses what our model does not
+    implement."""
+    # RoPE: transformers 5.x writes rope_parameters, 4.x rope_scaling (None or a dict) beside rope_theta.
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    kind = config.get("model_type")
+    layers = config["num_hidden_layers"]
+    dense = sorted(config.get("mlp_only_layers") or [])
+    unsupported = {
+        "model_type": kind not in FAMILIES,
+        "hidden_act": config.get("hidden_act", "silu") != "silu",
+        "attention_bias": bool(config.get("attention_bias")),
+        "mlp_bias": bool(config.get("mlp_bias")),
+        "rope_scaling": rope_type not in ("default", "llama3"),
+        "sliding_window": kind in ("mixtral", "qwen3_moe", "qwen3") and bool(
+            config.get("sliding_window") if kind == "mixtral" else config.get("use_sliding_window")),
+        "norm_topk_prob": kind == "qwen3_moe" and not config.get("norm_topk_prob"),
+        "decoder_sparse_step": kind == "qwen3_moe" and config.get("decoder_sparse_step", 1) != 1,
+        "mlp_only_layers": dense != list(range(len(dense))),  # our dense layers come first
+    }  # fmt: skip
+    if any(unsupported.values()):
+        bad = ", ".join(f"{k}={config.get(k)!r}" for k, v in unsupported.items() if v)
+        raise ConfigError(f"this Hugging Face model has {bad}, which this trainer's models do not implement.")
+    heads = config["num_attention_heads"]
+    if (config.get("head_dim") or config["hidden_size"] // heads) * heads != config["hidden_size"]:
+        raise ConfigError("this Hugging Face model's head_dim x heads differs from hidden_size; not supported.")
+    theta = rope.get("rope_theta", config.get("rope_theta", 10_000.0))
+    scaling = {}
+    if rope_type == "llama3":
+        scaling = {"rope_scaling.factor": float(rope["factor"]),
+                   "rope_scaling.low_freq_factor": float(rope["low_freq_factor"]),
+                   "rope_scaling.high_freq_factor": float(rope["high_freq_factor"]),
+                   "rope_scaling.original_max_len": int(rope["original_max_position_embeddings"])}  # fmt: skip
+    experts = {}
+    if kind == "mixtral":
+        experts = {"moe.num_experts": config["num_local_experts"], "moe.d_ff": config["intermediate_size"]}
+    elif kind == "qwen3_moe":
+        count = config.get("num_experts", config.get("num_local_experts"))  # 4.x's name, 5.x's
+        experts = {"moe.num_experts": count, "moe.d_ff": config["moe_intermediate_size"],
+                   "moe.dense_layers": len(dense)}  # fmt: skip
+    if experts:
+        experts.update({"moe.experts_per_token": config["num_experts_per_tok"], "moe.shared_experts": 0})
+    else:
+        experts = {"moe.num_experts": 0}
+    return {
+        **scaling,
+        **experts,
+        "vocab_size": config["vocab_size"],
+        "d_model": config["hidden_size"],
+        "n_layers": layers,
+        "n_heads": heads,
+        "n_kv_heads": config.get("num_key_value_heads", heads),
+        "d_ff": config["intermediate_size"],
+        "rope_theta": float(theta),
+        "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+        "qk_norm": kind in ("qwen3", "qwen3_moe"),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+    }
+
+
+def _expert_names(kind: str, i: int, j: int) -> tuple[str, str, str]:
+    """Layer i's expert j: the files' names of its gate, up and down projections."""
+    if kind == "mixtral":
+        return tuple(f"model.layers.{i}.block_sparse_moe.experts.{j}.{w}.weight" for w in ("w1", "w3", "w2"))
+    return tuple(f"model.layers.{i}.mlp.experts.{j}.{w}_proj.weight" for w in ("gate", "up", "down"))
+
+
+def _router_name(kind: str, i: int) -> str:
+    return f"model.layers.{i}.{'block_sparse_moe' if kind == 'mixtral' else 'mlp'}.gate.weight"
+
+
+def _stacks(spec: Architecture) -> list[tuple[str, range]]:
+    """Our stacks of layers and the layer numbers each holds."""
+    first = spec.moe.dense_layers if spec.moe.num_experts else 0
+    return [("dense_layers", range(first)), ("layers", range(first, spec.n_layers))][0 if first else 1 :]
+
+
+def to_hf_tensors(params: dict, spec: Architecture) -> dict[str, np.ndarray]:
+    kind = family(spec)
+    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]["scale"]}
+    if not spec.tie_embeddings:
+        # muP divides our logits by m; Llama has no output multiplier, so the head carries it
+        # (muP refuses tied embeddings, so the input table is untouched).
+        out["lm_head.weight"] = params["lm_head"].T / spec.width_multiplier
+    d = spec.d_model
+    for stack, numbers in _stacks(spec):
+        layers = params[stack]
+        for n, i in enumerate(numbers):
+            a = layers["attn"]
+            prefix = f"model.layers.{i}."
+            out[prefix + "self_attn.q_proj.weight"] = a["wq"][n].reshape(d, -1).T
+            out[prefix + "self_attn.k_proj.weight"] = a["wk"][n].reshape(d, -1).T
+            out[prefix + "self_attn.v_proj.weight"] = a["wv"][n].reshape(d, -1).T
+            out[prefix + "self_attn.o_proj.weight"] = a["wo"][n].reshape(-1, d).T
+            if spec.qk_norm:
+                out[prefix + "self_attn.q_norm.weight"] = a["q_norm"]["scale"][n]
+                out[prefix + "self_attn.k_norm.weight"] = a["k_norm"]["scale"][n]
+            if "moe" in layers:
+                m = layers["moe"]
+                if np.any(m["router_bias"][n] != 0):
+                    raise ConfigError(f"layer {i}'s router bias (model.moe.router_bias) is not zero: "
+                                      f"{FAMILIES[kind]} has no place for it.")  # fmt: skip
+                out[_router_name(kind, i)] = m["router"][n].T
+                for j in range(spec.moe.num_experts):
+                    for name, w in zip(_expert_names(kind, i, j), ("w_gate", "w_up", "w_down"), strict=True):
+                        out[name] = m[w][n, j].T
+            else:
+                for w, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
+                    out[prefix + f"mlp.{name}.weight"] = layers["mlp"][w][n].T
+            out[prefix + "input_layernorm.weight"] = layers["attn_norm"]["scale"][n]
+            out[prefix + "post_attention_layernorm.weight"] = layers["mlp_norm"]["scale"][n]
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
+
+
+def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture) -> dict:
+    kind = family(spec)
+    d, n, k, h = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
+    params = {"embed": t["model.embed_tokens.weight"], "final_norm": {"scale": t["model.norm.weight"]}}
+    for stack, numbers in _stacks(spec):
+
+        def each(name, fn, numbers=numbers):
+            return np.stack([fn(t[f"model.layers.{i}.{name}"]) for i in numbers])
+
+        attn = {
+            "wq": each("self_attn.q_proj.weight", lambda w: w.T.reshape(d, n, h)),
+            "wk": each("self_attn.k_proj.weight", lambda w: w.T.reshape(d, k, h)),
+            "wv": each("self_attn.v_proj.weight", lambda w: w.T.reshape(d, k, h)),
+            "wo": each("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d)),
+        }
+        if spec.qk_norm:
+            attn.update({f"{q}_norm": {"scale": each(f"self_attn.{q}_norm.weight", lambda w: w)} for q in "qk"})
+        layers = {
+            "attn": attn,
+            "attn_norm": {"scale": each("input_layernorm.weight", lambda w: w)},
+            "mlp_norm": {"scale": each("post_attention_layernorm.weight", lambda w: w)},
+        }
+        if stack == "layers" and spec.moe.num_experts:
+            experts = range(spec.moe.num_experts)
+            names = {i: [_expert_names(kind, i, j) for j in experts] for i in numbers}
+            layers["moe"] = {
+                "router": np.stack([t[_router_name(kind, i)].T for i in numbers]),
+                "router_bias": np.zeros((len(numbers), spec.moe.num_experts), np.float32),
+                **{w: np.stack([np.stack([t[names[i][j][c]].T for j in experts]) for i in numbers])
+                   for c, w in enumerate(("w_gate", "w_up", "w_down"))},
+            }  # fmt: skip
+        else:
+            layers["mlp"] = {w: each(f"mlp.{name}.weight", lambda x: x.T) for w, name in
+                             (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))}  # fmt: skip
+        params[stack] = layers
+    if not spec.tie_embeddings:
+        params["lm_head"] = t["lm_head.weight"].T * spec.width_multiplier  # undo the export's muP folding
+    return _as_float32(params)
+
+
+def _as_float32(tree):
+    if isinstance(tree, dict):
+        return {k: _as_float32(v) for k, v in tree.items()}
+    return np.ascontiguousarray(tree, np.float32)

@@ -1,0 +1,223 @@
+"""A mixture-of-experts MLP: a router picks `experts_per_token` of `num_experts` SwiGLU MLPs for each token.
+
+Router: softmax over the experts in fp32; the top k (of the probabilities plus a per-expert bias that only
+DeepSeek-V3's loss-free balancing moves, trainer/training/step.py) are kept and their probabilities
+renormalised to sum to one. Each layer reports its load (the share of assignments each expert got), the
+Switch Transformer's balancing loss E x sum_e share_e x mean_prob_e (1 when balanced), the router's mean
+log(Z)^2, and the share of assignments a capacity dropped.
+
+The experts run under shard_map, each device on its own tokens (batch over data, fsdp and expert, the
+sequence over context), holding its 1/expert of the experts with their d_ff split over tensor (the
+down-projection's partial sums are added over tensor at the end). Weights sharded over fsdp and context
+along d_model are gathered whole at their use, as XLA does for dense weights (the gather's transpose
+reduce-scatters their gradients). Two ways, `model.moe.impl`:
+
+- dropless: a device's assignments sorted by expert, sent to the devices holding their experts by an
+  all-to-all, sorted again by expert there and run as grouped matmuls (jax.lax.ragged_dot), then sent back.
+  No assignment is dropped, so every mesh computes the same function. The exchange is padded: each
+  device reserves room for all its assignments at every destination (expert x the assignments' size),
+  because XLA:CPU, where the tests run, has no ragged all-to-all.
+- capacity: each expert takes at most C = ceil(capacity_factor x assignments / experts) of a device's
+  assignments (first choices first, then in token order); the rest are dropped (the token keeps its
+  residual). Buffers have fixed shapes (experts, C) and the experts run as one batched matmul.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from parallelism.rules import LogicalSharding
+
+AXIS = "expert"  # the mesh axis the experts are split over
+TOKENS = ("batch", "seq", None)
+
+
+def route(x: jax.Array, router: jax.Array, bias: jax.Array, k: int):
+    """(chosen experts (b, t, k), their renormalised weights (b, t, k), the layer's statistics)."""
+    logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router.astype(jnp.float32))
+    probs = jax.nn.softmax(logits, axis=-1)
+    _, chosen = jax.lax.top_k(probs + jax.lax.stop_gradient(bias), k)  # the bias picks, it does not weigh
+    weights = jnp.take_along_axis(probs, chosen, axis=-1)
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    experts = router.shape[-1]
+    share = jnp.mean(jax.nn.one_hot(chosen, experts, dtype=jnp.float32), axis=(0, 1, 2))
+    stats = {
+        "load": share,
+        "balance_loss": experts * jnp.sum(jax.lax.stop_gradient(share) * jnp.mean(probs, axis=(0, 1))),
+        "router_z": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+    }
+    return chosen, weights, stats
+
+
+def empty_statistics(arch) -> dict:
+    """Zeros shaped as the MoE layers' statistics (Decoder.loss_sums), to sum microbatches' into; {} if dense."""
+    m = arch.moe
+    if not m.num_experts:
+        return {}
+    layers = arch.n_layers - m.dense_layers
+    zeros = {name: jnp.zeros((layers,), jnp.float32) for name in ("balance_loss", "router_z", "dropped")}
+    return {**zeros, "load": jnp.zeros((layers, m.num_experts), jnp.float32)}
+
+
+def _whole(w: jax.Array, dim: int, axes) -> jax.Array:
+    """A weight gathered along `dim` over the mesh axes that split it (none: as it is)."""
+    if not axes:
+        return w
+    return jax.lax.all_gather(w, axes, axis=dim, tiled=True)
+
+
+def _swiglu_ragged(x, gate, up, down, sizes):
+    hidden = jax.nn.silu(jax.lax.ragged_dot(x, gate, sizes)) * jax.lax.ragged_dot(x, up, sizes)
+    return jax.lax.ragged_dot(hidden, down, sizes)
+
+
+def _dropless(x, chosen, weights, gate, up, down, ep: int, axis):
+    """Each token's output from its experts, no assignment dropped; see the module's docstring."""
+    tokens, d = x.shape
+    k, local = chosen.shape[-1], gate.shape[0]
+    n = tokens * k
+    expert = chosen.reshape(n)
+    order = jnp.argsort(expert, stable=True)
+    token = order // k  # assignment a is token a // k's (a % k)-th choice
+    sorted_expert = expert[order]
+    dest = sorted_expert // local
+    counts = jnp.bincount(dest, length=ep)
+    start = jnp.cumsum(counts) - counts
+    slot = jnp.arange(n)
+    rows = jnp.minimum(start[:, None] + slot[None, :], n - 1)  # (ep, n): destination j's slot r
+    filled = slot[None, :] < counts[:, None]
+    send = jnp.where(filled[..., None], x[token[rows]], 0)
+    ids = jnp.where(filled, sorted_expert[rows] % local, local)  # `local`: an empty slot
+    if ep > 1:
+        send, ids = (jax.lax.all_to_all(a, axis, 0, 0, tiled=True) for a in (send, ids))
+    send, ids = send.reshape(ep * n, d), ids.reshape(ep * n)
+    by_expert = jnp.argsort(ids, stable=True)  # empty slots last, beyond every group
+    sizes = jnp.bincount(ids, length=local + 1)[:local].astype(jnp.int32)
+    out = _swiglu_ragged(send[by_expert], gate, up, down, sizes)
+    out = jnp.zeros_like(out).at[by_expert].set(out).reshape(ep, n, d)
+    if ep > 1:
+        out = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
+    back = out[dest, slot - start[dest]]  # sorted assignment a came back in its destination's slot
+    weight = weights.reshape(n)[order].astype(back.dtype)
+    return jnp.zeros((tokens, d), back.dtype).at[token].add(back * weight[:, None]), jnp.zeros((), jnp.float32)
+
+
+def _capacity(x, chosen, weights, gate, up, down, ep: int, axis, factor: float):
+    """Each token's output from the experts that had room for it, and the assignments dropped."""
+    tokens, d = x.shape
+    k, local = chosen.shape[-1], gate.shape[0]
+    experts, n = local * ep, tokens * k
+    room = max(1, math.ceil(factor * n / experts))
+    expert = chosen.T.reshape(n)  # first choices of every token, then second choices, ...
+    token = jnp.tile(jnp.arange(tokens), k)
+    taken = jax.nn.one_hot(expert, experts, dtype=jnp.int32)
+    place = jnp.sum((jnp.cumsum(taken, axis=0) - 1) * taken, axis=-1)  # the assignment's place in its expert
+    kept = place < room
+    slot = jnp.where(kept, expert * room + place, experts * room)  # out of range: dropped by the scatter
+    buffer = jnp.zeros((experts * room, d), x.dtype).at[slot].set(x[token], mode="drop")
+    buffer = buffer.reshape(ep, local, room, d)
+    if ep > 1:
+        buffer = jax.lax.all_to_all(buffer, axis, 0, 0, tiled=True)  # now (source, local expert, room, d)
+    buffer = buffer.transpose(1, 0, 2, 3).reshape(local, ep * room, d)
+    hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buffer, gate)) * jnp.einsum("ecd,edf->ecf", buffer, up)
+    out = jnp.einsum("ecf,efd->ecd", hidden, down).reshape(local, ep, room, d).transpose(1, 0, 2, 3)
+    if ep > 1:
+        out = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
+    out = out.reshape(experts * room, d)
+    back = jnp.where(kept[:, None], out[jnp.minimum(slot, experts * room - 1)], 0)
+    weight = weights.T.reshape(n).astype(back.dtype)
+    dropped = jnp.sum(~kept).astype(jnp.float32)
+    return jnp.zeros((tokens, d), back.dtype).at[token].add(back * weight[:, None]), dropped
+
+
+def _fitting(spec, shape, mesh):
+    """`spec` less the mesh axes that do not divide an array of `shape` (a batch of a few rows, as an
+    evaluation or a prompt may have): those rows are then repeated on the devices of the axes left out."""
+    dims = []
+    for entry, size in zip(spec, shape, strict=False):
+        kept = []
+        for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+            if size % (math.prod(mesh.shape[a] for a in kept) * mesh.shape[axis]):
+                break
+            kept.append(axis)
+        dims.append(tuple(kept) or None)
+    return jax.P(*dims)
+
+
+def experts(x, chosen, weights, gate, up, down, shard: LogicalSharding, impl: str, capacity_factor: float):
+    """The routed experts' output for tokens x (b, t, d) and the share of assignments dropped; weights
+    (experts, d, d_ff) and (experts, d_ff, d) as the rules place them."""
+
+    def local(x, chosen, weights, gate, up, down, axes):
+        b, t, d = x.shape
+        gate, up = (_whole(w, 1, axes["embed_in"]) for w in (gate, up))
+        down = _whole(down, 2, axes["embed_out"])
+        ep = 1 if not axes["expert"] else jax.lax.axis_size(AXIS)
+        args = (x.reshape(b * t, d), chosen.reshape(b * t, -1), weights.reshape(b * t, -1), gate, up, down, ep, AXIS)
+        if impl == "capacity":
+            out, dropped = _capacity(*args, capacity_factor)
+        else:
+            out, dropped = _dropless(*args)
+        if axes["mlp"]:  # each device's d_ff slice gave a partial sum
+            out = jax.lax.psum(out, axes["mlp"])
+        assignments = jnp.float32(chosen.size)
+        if axes["tokens"]:  # over the whole batch
+            dropped, assignments = jax.lax.psum((dropped, assignments), axes["tokens"])
+        if axes["repeated"]:  # every device of these axes computed the same rows (decoding's): say so
+            out = jax.lax.pmean(out, axes["repeated"])
+        return out.reshape(b, t, d), dropped / assignments
+
+    if shard.mesh is None:
+        none = dict.fromkeys(("embed_in", "embed_out", "expert", "mlp", "tokens", "repeated"), ())
+        return local(x, chosen, weights, gate, up, down, none)
+    # d_model whole on every device, whatever the rules do with an activation's embed axis (decoding's
+    # replicated rows leave it to the weights' axes)
+    tokens = routes = _fitting(shard.spec(TOKENS), x.shape, shard.mesh)
+    x = jax.lax.with_sharding_constraint(x, jax.NamedSharding(shard.mesh, tokens))
+    w_in, w_out = shard.spec(("expert", "embed", "mlp")), shard.spec(("expert", "mlp", "embed"))
+
+    def named(entry) -> tuple[str, ...]:
+        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+    axes = {"embed_in": named(w_in[1]), "embed_out": named(w_out[2]), "expert": named(w_in[0]),
+            "mlp": named(w_in[2]), "tokens": tuple(a for e in routes for a in named(e))}  # fmt: skip
+    axes["repeated"] = tuple(a for a in (*axes["embed_in"], *axes["expert"]) if a not in axes["tokens"])
+    if axes["expert"] not in ((), (AXIS,)):
+        raise ValueError(f"the experts must be split over the '{AXIS}' mesh axis alone, not {axes['expert']}")
+    mapped = jax.shard_map(lambda *a: local(*a, axes), mesh=shard.mesh,
+                           in_specs=(tokens, routes, routes, w_in, w_in, w_out),
+                           out_specs=(tokens, jax.P()))  # fmt: skip
+    return mapped(x, chosen, weights, gate, up, down)
+
+
+class MoE(nnx.Module):
+    """The routed experts and any shared ones, in place of a block's MLP; returns (output, statistics)."""
+
+    def __init__(self, spec, shard: LogicalSharding, rngs: nnx.Rngs):
+        from trainer.model.layers import MLP, param  # layers.py builds blocks out of this module
+
+        a, m = spec.arch, spec.arch.moe
+        d, f, e = a.d_model, a.expert_d_ff, m.num_experts
+        std = spec.hidden_init_std
+        out_std = std / (2 * a.n_layers) ** 0.5
+        self.router = param(rngs, (d, e), ("embed", None), std)
+        # Moved by the train step only (its gradient is zero: it only takes part in the top-k's choice).
+        self.router_bias = nnx.Param(jnp.zeros((e,), jnp.float32), sharding_names=(None,), eager_sharding=False)
+        self.w_gate = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std)
+        self.w_up = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std)
+        self.w_down = param(rngs, (e, f, d), ("expert", "mlp", "embed"), out_std)
+        self.shared = MLP(spec, shard, rngs, width=m.shared_experts * f) if m.shared_experts else None
+        self.k, self.execution, self.shard = m.experts_per_token, spec.execution, shard
+
+    def __call__(self, x):
+        run, dt = self.execution, self.execution.compute_dtype
+        chosen, weights, stats = route(x, self.router[...], self.router_bias[...], self.k)
+        out, stats["dropped"] = experts(x, chosen, weights, *(w[...].astype(dt) for w in (self.w_gate, self.w_up,
+                                        self.w_down)), self.shard, run.moe_impl, run.capacity_factor)  # fmt: skip
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.astype(x.dtype), stats
