@@ -55,6 +55,10 @@ CASES = {
         lambda: micro_config(model=dict(moe=dict(num_experts=6)), mesh=dict(expert=4, fsdp=2)),
         "model.moe.num_experts=6 does not divide over mesh.expert=4",
     ),
+    "MoE layers that do not make whole units": (
+        lambda: micro_config(model=dict(n_layers=4, moe=dict(num_experts=4, dense_layers=1, every=2))),
+        r"the 3 layers after model.moe.dense_layers=1 do not split into units of model.moe.every=2",
+    ),
     "an expert axis without experts": (
         lambda: micro_config(mesh=dict(expert=2, fsdp=4)),
         "mesh.expert=2 splits experts, but the model has none",
@@ -64,8 +68,9 @@ CASES = {
         r"model.moe.capacity_factor=0.0 must be in \(0, inf\)",
     ),
     "experts in pipeline stages": (
-        lambda: micro_config(model=dict(moe=dict(num_experts=4)), mesh=dict(stage=2, fsdp=4),
-                             train=dict(pipeline_microbatches=2)),  # fmt: skip
+        lambda: micro_config(
+            model=dict(moe=dict(num_experts=4)), mesh=dict(stage=2, fsdp=4), train=dict(pipeline_microbatches=2)
+        ),  # fmt: skip
         "experts inside pipeline stages are not supported",
     ),
     "unknown remat policy": (

@@ -35,9 +35,12 @@ def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int
     if m.num_experts and m.shared_experts:
         raise ConfigError(f"model.moe.shared_experts={m.shared_experts}: {FAMILIES[kind]} has no shared experts, so "
                           "this model has no Hugging Face form here.")  # fmt: skip
-    if kind == "mixtral" and m.dense_layers:
-        raise ConfigError(f"model.moe.dense_layers={m.dense_layers}: every Mixtral layer has experts; with dense "
-                          "first layers, use model.qk_norm=true for Qwen3-MoE's form.")  # fmt: skip
+    if kind == "mixtral" and (m.dense_layers or m.every > 1):
+        raise ConfigError(f"model.moe.dense_layers={m.dense_layers}, every={m.every}: every Mixtral layer has "
+                          "experts; with dense layers, use model.qk_norm=true for Qwen3-MoE's form.")  # fmt: skip
+    if kind == "qwen3_moe" and m.dense_layers % m.every:
+        raise ConfigError(f"model.moe.dense_layers={m.dense_layers} is not a multiple of every={m.every}: "
+                          "Qwen3-MoE's decoder_sparse_step counts from the first layer.")  # fmt: skip
     config = {
         "architectures": [FAMILIES[kind]],
         "model_type": kind,
@@ -71,7 +74,7 @@ def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int
     elif kind == "qwen3_moe":
         config.update(num_experts=m.num_experts, num_local_experts=m.num_experts,  # transformers 4.x's, 5.x's
                       num_experts_per_tok=m.experts_per_token, norm_topk_prob=True,
-                      moe_intermediate_size=spec.expert_d_ff, decoder_sparse_step=1,
+                      moe_intermediate_size=spec.expert_d_ff, decoder_sparse_step=m.every,
                       mlp_only_layers=list(range(m.dense_layers)), use_sliding_window=False)  # fmt: skip
     return config
 
@@ -91,6 +94,7 @@ def model_keys_from_hf(config: dict) -> dict:
     kind = config.get("model_type")
     layers = config["num_hidden_layers"]
     dense = sorted(config.get("mlp_only_layers") or [])
+    step = config.get("decoder_sparse_step", 1)
     unsupported = {
         "model_type": kind not in FAMILIES,
         "hidden_act": config.get("hidden_act", "silu") != "silu",
@@ -100,7 +104,8 @@ def model_keys_from_hf(config: dict) -> dict:
         "sliding_window": kind in ("mixtral", "qwen3_moe", "qwen3") and bool(
             config.get("sliding_window") if kind == "mixtral" else config.get("use_sliding_window")),
         "norm_topk_prob": kind == "qwen3_moe" and not config.get("norm_topk_prob"),
-        "decoder_sparse_step": kind == "qwen3_moe" and config.get("decoder_sparse_step", 1) != 1,
+        # Qwen3-MoE's layer i has experts if (i + 1) % decoder_sparse_step == 0, ours if (i - dense + 1) % every
+        "decoder_sparse_step": kind == "qwen3_moe" and bool(len(dense) % step or (layers - len(dense)) % step),
         "mlp_only_layers": dense != list(range(len(dense))),  # our dense layers come first
     }  # fmt: skip
     if any(unsupported.values()):
@@ -118,11 +123,12 @@ def model_keys_from_hf(config: dict) -> dict:
                    "rope_scaling.original_max_len": int(rope["original_max_position_embeddings"])}  # fmt: skip
     experts = {}
     if kind == "mixtral":
-        experts = {"moe.num_experts": config["num_local_experts"], "moe.d_ff": config["intermediate_size"]}
+        experts = {"moe.num_experts": config["num_local_experts"], "moe.d_ff": config["intermediate_size"],
+                   "moe.dense_layers": 0, "moe.every": 1}  # fmt: skip
     elif kind == "qwen3_moe":
         count = config.get("num_experts", config.get("num_local_experts"))  # 4.x's name, 5.x's
         experts = {"moe.num_experts": count, "moe.d_ff": config["moe_intermediate_size"],
-                   "moe.dense_layers": len(dense)}  # fmt: skip
+                   "moe.dense_layers": len(dense), "moe.every": step}  # fmt: skip
     if experts:
         experts.update({"moe.experts_per_token": config["num_experts_per_tok"], "moe.shared_experts": 0})
     else:
@@ -154,10 +160,12 @@ def _router_name(kind: str, i: int) -> str:
     return f"model.layers.{i}.{'block_sparse_moe' if kind == 'mixtral' else 'mlp'}.gate.weight"
 
 
-def _stacks(spec: Architecture) -> list[tuple[str, range]]:
-    """Our stacks of layers and the layer numbers each holds."""
-    first = spec.moe.dense_layers if spec.moe.num_experts else 0
-    return [("dense_layers", range(first)), ("layers", range(first, spec.n_layers))][0 if first else 1 :]
+def _stacks(spec: Architecture) -> dict[str, list[int]]:
+    """Our stacks of layers and the layer numbers each holds, in order."""
+    stacks = {}
+    for i, (stack, _) in enumerate(spec.moe.stacks(spec.n_layers)):
+        stacks.setdefault(stack, []).append(i)
+    return stacks
 
 
 def to_hf_tensors(params: dict, spec: Architecture) -> dict[str, np.ndarray]:
@@ -168,7 +176,7 @@ def to_hf_tensors(params: dict, spec: Architecture) -> dict[str, np.ndarray]:
         # (muP refuses tied embeddings, so the input table is untouched).
         out["lm_head.weight"] = params["lm_head"].T / spec.width_multiplier
     d = spec.d_model
-    for stack, numbers in _stacks(spec):
+    for stack, numbers in _stacks(spec).items():
         layers = params[stack]
         for n, i in enumerate(numbers):
             a = layers["attn"]
@@ -201,7 +209,7 @@ def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture) -> dict:
     kind = family(spec)
     d, n, k, h = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
     params = {"embed": t["model.embed_tokens.weight"], "final_norm": {"scale": t["model.norm.weight"]}}
-    for stack, numbers in _stacks(spec):
+    for stack, numbers in _stacks(spec).items():
 
         def each(name, fn, numbers=numbers):
             return np.stack([fn(t[f"model.layers.{i}.{name}"]) for i in numbers])

@@ -233,10 +233,12 @@ def _check_moe(cfg: ml_collections.ConfigDict) -> None:
             f"model.moe.dense_layers={m.dense_layers} leaves none of the model.n_layers={cfg.model.n_layers} layers "
             "for experts; use fewer dense layers, or model.moe.num_experts=0 for a dense model."
         )
-    if m.every != 1:
+    rest = cfg.model.n_layers - m.dense_layers
+    if rest % m.every:
         raise ConfigError(
-            f"model.moe.every={m.every}: interleaving dense and MoE layers is not supported yet; use every=1 "
-            "(every layer after model.moe.dense_layers has experts)."
+            f"the {rest} layers after model.moe.dense_layers={m.dense_layers} do not split into units of "
+            f"model.moe.every={m.every} (every-1 dense layers, then one with experts); make {rest} a multiple of "
+            f"{m.every}."
         )
     if cfg.mesh.stage > 1:
         raise ConfigError(

@@ -13,7 +13,9 @@ muP's coordinate check).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -29,6 +31,7 @@ from trainer.model.loss import chunked_loss_sums, target_weights
 from trainer.model.spec import LAYERS, REMAT, Architecture, ModelSpec
 
 NO_SHARDING = LogicalSharding.create(None)
+STACKS = ("dense_layers", "dense_between", "layers")  # in the order their first layers run
 
 
 class Decoder(nnx.Module):
@@ -44,11 +47,12 @@ class Decoder(nnx.Module):
 
             return create(rngs)
 
-        # With experts, the first moe.dense_layers keep their MLP: a stack of their own, run first.
-        first = a.moe.dense_layers if a.moe.num_experts else 0
-        if first:
-            self.dense_layers = stacked_blocks(first, moe=False)
-        self.layers = stacked_blocks(a.n_layers - first, moe=a.moe.num_experts > 0)
+        # Like blocks in one stack each (spec.Experts.stacks): a mixture's dense first layers, the dense ones
+        # between its MoE layers, and the MoE layers (a dense model's every layer).
+        counts = collections.Counter(stack for stack, _ in a.moe.stacks(a.n_layers))
+        for stack in STACKS:
+            if counts[stack]:
+                setattr(self, stack, stacked_blocks(counts[stack], moe=stack == "layers" and a.moe.num_experts > 0))
         self.final_norm = RMSNorm(a.d_model, a.norm_eps)
         if not a.tie_embeddings:
             self.lm_head = param(rngs, (a.d_model, a.vocab_size), ("embed", "vocab"), spec.init_std)
@@ -92,44 +96,71 @@ class Decoder(nnx.Module):
         context = ways(self.shard)
         return None if context == 1 else zigzag(seq_len, context)
 
-    def _stacks(self) -> list:
-        """The stacked blocks in order: the dense first layers of a mixture of experts, then the rest."""
-        return [self.dense_layers, self.layers] if hasattr(self, "dense_layers") else [self.layers]
-
     def _layers(self, tokens, positions, segment_ids):
         a, run = self.arch, self.execution
         x = self._embed(tokens)
         if run.stages > 1:  # dense layers only (validation refuses experts in a pipeline)
             graphdef, stacked = nnx.split(self.layers)
-            layer = self._layer(graphdef)
-            x = self._pipelined(lambda *args: layer(*args)[0], stacked, x, positions, segment_ids)
-            return self.final_norm(x), {}
+            layer = _remat(lambda x, params, tables, ids: nnx.merge(graphdef, params)(x, tables, ids)[0], run)
+            return self.final_norm(self._pipelined(layer, stacked, x, positions, segment_ids)), {}
         tables = rope_tables(positions, a.head_dim, a.rope_theta, a.rope_scaling)
-        stats = {}
-        for stack in self._stacks():
-            graphdef, stacked = nnx.split(stack)
-            layer = self._layer(graphdef)
-            if run.scan_layers:
-                x, stats = jax.lax.scan(lambda x, p, layer=layer: layer(x, p, tables, segment_ids), x, stacked)
-            else:
-                each = []
-                for i in range(jax.tree.leaves(stacked)[0].shape[0]):
-                    x, layer_stats = layer(x, jax.tree.map(lambda w, i=i: w[i], stacked), tables, segment_ids)
-                    each.append(layer_stats)
-                stats = jax.tree.map(lambda *s: jnp.stack(s), *each)
-        return self.final_norm(x), stats  # the last stack's: the one with the experts
 
-    def _layer(self, graphdef):
-        """One block as a function of its parameters, under the remat policy: (x, MoE statistics)."""
-        run = self.execution
-
-        def layer(x, params, tables, segment_ids):
+        def block(graphdef, params, x, _):
             x, _, stats = nnx.merge(graphdef, params)(x, tables, segment_ids)
             return x, stats
 
-        if REMAT[run.remat] is not None:
-            layer = jax.checkpoint(layer, policy=REMAT[run.remat], prevent_cse=not run.scan_layers)
-        return layer
+        x, outs = self._run(block, x, remat=True)
+        return self.final_norm(x), outs["layers"]  # the MoE layers' statistics ({} from dense blocks)
+
+    def _run(self, block, x, inputs=(), remat: bool = False):
+        """The layers in the model's order: `block(graphdef, params, x, its inputs) -> (x, output)` for each
+        (under the remat policy if `remat`), `inputs` a tree whose leaves lead with the layer axis (model
+        order). Returns (x, each stack's outputs, leading with its own layer axis). Each stack is one scan (a
+        loop without scan_layers); with MoE layers every `every`-th, one scan over units of the dense
+        layers before one and that one."""
+        order = self.arch.moe.stacks(self.arch.n_layers)
+        mine = {stack: np.array([i for i, (s, _) in enumerate(order) if s == stack]) for stack in STACKS}
+        split = {}
+        for stack, i in mine.items():
+            if len(i):
+                graphdef, params = nnx.split(getattr(self, stack))
+                layer = functools.partial(block, graphdef)
+                if remat:
+                    layer = _remat(layer, self.execution)
+                # (x, (params, inputs)) -> (x, output), as a scan's body takes them
+                split[stack] = (lambda x, p, layer=layer: layer(p[0], x, p[1]), params,
+                                jax.tree.map(lambda a, i=i: a[i], inputs))  # fmt: skip
+        scan = jax.lax.scan if self.execution.scan_layers else _loop
+        outs = {}
+        if "dense_layers" in split:
+            layer, params, ins = split["dense_layers"]
+            x, outs["dense_layers"] = scan(layer, x, (params, ins))
+        layer, params, ins = split["layers"]
+        if "dense_between" not in split:
+            x, outs["layers"] = scan(layer, x, (params, ins))
+            return x, outs
+        dense_layer, between, between_ins = split["dense_between"]
+        units = jax.tree.leaves(params)[0].shape[0]
+
+        def unit(x, p):
+            dense, moe = p
+            x, dense_out = scan(dense_layer, x, dense)
+            x, moe_out = layer(x, moe)
+            return x, (dense_out, moe_out)
+
+        per_unit = jax.tree.map(lambda a: a.reshape(units, -1, *a.shape[1:]), (between, between_ins))
+        x, (dense_out, outs["layers"]) = scan(unit, x, (per_unit, (params, ins)))
+        outs["dense_between"] = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), dense_out)
+        return x, outs
+
+    def _in_order(self, outs: dict):
+        """Each stack's per-layer outputs put back in the model's layer order, as one tree."""
+        order = self.arch.moe.stacks(self.arch.n_layers)
+        offset = dict(zip(STACKS, np.cumsum([0, *(jax.tree.leaves(outs[s])[0].shape[0] if s in outs else 0
+                                                   for s in STACKS)]), strict=False))  # fmt: skip
+        index = np.array([offset[stack] + place for stack, place in order])
+        joined = jax.tree.map(lambda *a: jnp.concatenate(a), *(outs[s] for s in STACKS if s in outs))
+        return jax.tree.map(lambda a: a[index], joined)
 
     def decode(self, tokens, positions, cache):
         """Logits for `tokens` at `positions` given a KV cache of earlier positions; returns (logits, cache).
@@ -139,37 +170,24 @@ class Decoder(nnx.Module):
         """
         chex.assert_equal_shape([tokens, positions])
         tables = rope_tables(positions, self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
-        x, done, caches = self._embed(tokens), 0, []
-        for stack in self._stacks():
-            graphdef, stacked = nnx.split(stack)
-            count = jax.tree.leaves(stacked)[0].shape[0]
 
-            def layer(x, inputs, graphdef=graphdef):
-                params, k, v = inputs
-                x, cache, _ = nnx.merge(graphdef, params)(x, tables, None, (k, v, positions))
-                return x, cache
+        def block(graphdef, params, x, kv):
+            x, kv, _ = nnx.merge(graphdef, params)(x, tables, None, (*kv, positions))
+            return x, kv
 
-            x, new = jax.lax.scan(layer, x, (stacked, *(c[done : done + count] for c in cache)))
-            caches.append(new)
-            done += count
-        cache = tuple(jnp.concatenate(parts) if len(parts) > 1 else parts[0] for parts in zip(*caches, strict=True))
-        return self.logits(self.final_norm(x)), cache
+        x, outs = self._run(block, self._embed(tokens), tuple(cache))
+        return self.logits(self.final_norm(x)), self._in_order(outs)
 
     def hidden_states(self, tokens) -> jax.Array:
         """The residual stream after each layer, (layers, batch, seq, d_model): for coordinate checks."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         tables = rope_tables(positions, self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
-        x, states = self._embed(tokens), []
-        for stack in self._stacks():
-            graphdef, stacked = nnx.split(stack)
 
-            def layer(x, params, graphdef=graphdef):
-                x = nnx.merge(graphdef, params)(x, tables, None)[0]
-                return x, x
+        def block(graphdef, params, x, _):
+            x = nnx.merge(graphdef, params)(x, tables, None)[0]
+            return x, x
 
-            x, each = jax.lax.scan(layer, x, stacked)
-            states.append(each)
-        return jnp.concatenate(states)
+        return self._in_order(self._run(block, self._embed(tokens))[1])
 
     def logits(self, features: jax.Array) -> jax.Array:
         """fp32 logits from the final-normed features (batch, seq, d_model)."""
@@ -228,6 +246,22 @@ class ModelDef:
 def init_params(spec: ModelSpec, shard: LogicalSharding, seed) -> dict:
     """Fresh parameters as a pure dict; call it under jit to place them sharded."""
     return nnx.to_pure_dict(nnx.state(Decoder(spec, shard, rngs=nnx.Rngs(seed))))
+
+
+def _remat(layer, run):
+    """`layer` under the execution's remat policy (as it is with none)."""
+    if REMAT[run.remat] is None:
+        return layer
+    return jax.checkpoint(layer, policy=REMAT[run.remat], prevent_cse=not run.scan_layers)
+
+
+def _loop(body, x, xs):
+    """jax.lax.scan's result, by a Python loop (model.scan_layers=false: each layer compiled on its own)."""
+    outs = []
+    for i in range(jax.tree.leaves(xs)[0].shape[0]):
+        x, out = body(x, jax.tree.map(lambda a, i=i: a[i], xs))
+        outs.append(out)
+    return x, jax.tree.map(lambda *o: jnp.stack(o), *outs)
 
 
 def _gathered(shard: LogicalSharding, table: jax.Array) -> jax.Array:

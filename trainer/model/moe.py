@@ -58,7 +58,7 @@ def empty_statistics(arch) -> dict:
     m = arch.moe
     if not m.num_experts:
         return {}
-    layers = arch.n_layers - m.dense_layers
+    layers = m.moe_layers(arch.n_layers)
     zeros = {name: jnp.zeros((layers,), jnp.float32) for name in ("balance_loss", "router_z", "dropped")}
     return {**zeros, "load": jnp.zeros((layers, m.num_experts), jnp.float32)}
 

@@ -51,8 +51,20 @@ class Experts:
     dense_layers: int = 0
     every: int = 1
 
-    def is_moe(self, layer: int) -> bool:
-        return self.num_experts > 0 and layer >= self.dense_layers and (layer - self.dense_layers + 1) % self.every == 0
+    def moe_layers(self, n_layers: int) -> int:
+        return (n_layers - self.dense_layers) // self.every if self.num_experts else 0
+
+    def stacks(self, n_layers: int) -> list[tuple[str, int]]:
+        """Where each layer's weights live, in the model's order: (stack, place in it). Stacks of like
+        blocks run as one scan each: `dense_layers` (the dense first layers), `dense_between` (the dense
+        layers between MoE ones when every > 1) and `layers` (the MoE layers; a dense model's every layer)."""
+        if not self.num_experts:
+            return [("layers", i) for i in range(n_layers)]
+        out = [("dense_layers", i) for i in range(self.dense_layers)]
+        for unit in range(self.moe_layers(n_layers)):
+            out += [("dense_between", unit * (self.every - 1) + j) for j in range(self.every - 1)]
+            out.append(("layers", unit))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -158,7 +158,7 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str, gradi
     if moe.num_experts:  # the MoE layers' in place of as many dense ones'
         expert = layer_activation_elements(spec, cfg.data.seq_len, tensor, act, platform, context,
                                            mesh_shape.get("expert", 1))  # fmt: skip
-        moe_layers = spec.arch.n_layers - moe.dense_layers
+        moe_layers = moe.moe_layers(spec.arch.n_layers)
         kept += tokens * moe_layers * (expert[spec.execution.remat] - per_layer[spec.execution.remat]) * act
         per_layer = {k: max(v, expert[k]) for k, v in per_layer.items()}
     if mesh_shape["stage"] > 1:
