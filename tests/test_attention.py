@@ -10,6 +10,7 @@ from parallelism import hlo
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding
 from trainer.model.attention import resolve, xla_attention
+from trainer.model.context import zigzag
 from trainer.model.splash import block_size, call_cost, hlo_call_cost, splash_attention
 from trainer.planning.plan import kernel_cost
 
@@ -130,13 +131,24 @@ def test_a_splash_call_is_read_from_hlo_in_either_form_and_another_kernel_is_nam
                + 2 * 4 * 32 * 2048 + 2048 * 128)  # fmt: skip
     results = 4 * 4 * 512 * 64 + 2 * 4 * 32 * 2048 * 64
     assert kernels == {"calls": 1, "flops": 0.0, "bytes": operands + results, "uncounted": ["megablox_gmm"]}
-    # A context shard's queries (512 of them) over 2048 gathered keys: not the square schedule, so named, not
-    # guessed.
-    shard = MAXTEXT_DQ.replace(
-        "bf16[4,32,2048,64]{3,2,1,0}, bf16[4,8,2048", "bf16[4,32,512,64]{3,2,1,0}, bf16[4,8,2048"
-    )
-    assert hlo_call_cost(shard) is None
-    assert kernel_cost(hlo.read(text.replace(other, shard)))["uncounted"] == ["splash_mha_dq_segmented_no_residuals"]
+
+
+def test_a_context_shards_splash_call_counts_the_blocks_its_zigzag_queries_meet():
+    """One device's share of a context axis, its queries in the zig-zag layout over all the keys (the split
+    backward's dq kernel): the blocks it computes, counted from the queries' original positions (a block
+    runs if its latest query is not before the key block's first key), for the busiest of the devices."""
+    t, context, block = 8192, 4, 512
+    queries = t // context
+    positions = zigzag(t, context).reshape(context, queries // block, block)
+    runs = max(sum(int(b.max() >= j * block) for b in device for j in range(t // block)) for device in positions)
+    shard = MAXTEXT_DQ.replace("2048", str(t)).replace(f"bf16[4,32,{t},64]{{3,2,1,0}}, bf16[4,8,{t}",
+                                                       f"bf16[4,32,{queries},64]{{3,2,1,0}}, bf16[4,8,{t}")  # fmt: skip
+    flops, moved = hlo_call_cost(shard)
+    assert flops == 4 * 32 * runs * 3 * (2 * block * block * 64)
+    # Zig-zag spreads the causal work: the busiest device's share is within a block row of a quarter of the
+    # square schedule's (n (n + 1) / 2 blocks, n = 16).
+    assert abs(runs - 16 * 17 / 2 / context) <= t // block
+    assert moved == call_cost("dq", 32, 8, t, 64, 4, 2, block, block, segmented=True, residuals=False, context=4)[1]
 
 
 def test_the_gathered_keys_through_jax_nn_equal_the_reference_on_cudnn_where_there_is_a_gpu():

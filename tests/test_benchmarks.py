@@ -29,7 +29,18 @@ def quick(corpus_dir, out):
         ("harness.py", [*SYNTHETIC, "--requests=16"], "harness"),
         ("input_pipeline.py", [*data, "--batches=2", "--steps=1"], "input_pipeline"),
         ("input_pipeline.py", [*data, "--per_core", "--batches=2"], "input_pipeline_per_core"),
-        ("moe.py", ["--config", "configs/moe_tiny.py", *SYNTHETIC[2:], "--experts=2", "--steps=1"], "moe"),
+        (
+            "moe.py",
+            [
+                "--config",
+                "configs/moe_tiny.py",
+                *SYNTHETIC[2:],
+                "--config.model.n_layers=2",
+                "--experts=2",
+                "--steps=1",
+            ],
+            "moe",
+        ),
         ("overhead.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "overhead"),
         (
             "pipeline_bubble.py",

@@ -24,10 +24,12 @@ def activation_change(width, mup, batches):
     setup = build(cfg, jax.devices()[:1])
     state, step = setup.new_state(), setup.train_step()
     tokens = batches[0]["tokens"]
-    h0, l0 = setup.model.apply(state.params, tokens, method="hidden_states"), setup.model.apply(state.params, tokens)
+    # Compiled once: run eagerly, every layer's every op is dispatched on its own (seconds each call).
+    look = jax.jit(lambda p: (setup.model.apply(p, tokens, method="hidden_states"), setup.model.apply(p, tokens)))
+    h0, l0 = look(state.params)
     for b in batches:
         state, _ = step(state, b)
-    h, logits = setup.model.apply(state.params, tokens, method="hidden_states"), setup.model.apply(state.params, tokens)
+    h, logits = look(state.params)
 
     def rms(x):
         return float(jnp.sqrt(jnp.mean(jnp.square(x))))

@@ -142,20 +142,31 @@ def _fetches(indices: np.ndarray) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule(seq_len: int, bq: int, bkv: int, heads: int, kv_heads: int) -> dict[str, int]:
+def _schedule(seq_len: int, bq: int, bkv: int, heads: int, kv_heads: int, context: int = 1) -> dict[str, int]:
     """Steps that compute, and copies of each kind of block, in one causal call over `heads` query heads
-    sharing `kv_heads` key/value heads (1: the multi-query form)."""
-    mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((seq_len, seq_len))] * heads)
+    sharing `kv_heads` key/value heads (1: the multi-query form). With `context` > 1, one device's call over
+    the gathered keys: its queries are a 1/context share of the sequence in the zig-zag layout (as
+    `_kernel` makes it), and the share counted is the busiest device's (zig-zag evens them to a block or so)."""
+    causal = splash_mask.CausalMask((seq_len, seq_len))
+    if context > 1:
+        causal.q_sequence = zigzag(seq_len, context).astype(np.int32)
+    mask = splash_mask.MultiHeadMask([causal] * heads)
     group, out = heads // kv_heads, {}
     # Forward and dq: grid (head h, query block i, step j); step j's key/value block is data_next[i, j].
-    fwd, _ = mask_info.process_mask(mask, (bq, bkv))
-    runs, kv = fwd.block_mask[0] > 0, fwd.data_next[0].astype(int)  # one head's map: every head has the same
+    # Over a context axis the maps' rows are the devices' shares, one after another (mask_info pads them alike).
+    fwd, _ = mask_info.process_mask(mask, (bq, bkv), q_seq_shards=context)
+    rows = fwd.block_mask.shape[1] // context
+    device = max(range(context), key=lambda s: int((fwd.block_mask[0, s * rows : (s + 1) * rows] > 0).sum()))
+    share = slice(device * rows, (device + 1) * rows)
+    runs, kv = fwd.block_mask[0, share] > 0, fwd.data_next[0, share].astype(int)  # every head has the same map
     h, i, j = (g.ravel() for g in np.meshgrid(np.arange(heads), *map(np.arange, runs.shape), indexing="ij"))
     out["fwd"] = {"runs": heads * int(runs.sum()), "q": _fetches(np.stack([h, i], 1)), "rows": _fetches(i),
                   "kv": _fetches(np.stack([h // group, kv[i, j]], 1)), "kv_ids": _fetches(kv[i, j])}  # fmt: skip
     # dkv: grid (key block j, head h, step i); step i's query block is data_next[i, j].
-    dkv, _ = mask_info.process_mask_dkv(mask, (bq, bkv))
-    runs, qi = dkv.block_mask[0] > 0, dkv.data_next[0].astype(int)
+    dkv, _ = mask_info.process_mask_dkv(mask, (bq, bkv), q_seq_shards=context)
+    rows = dkv.block_mask.shape[1] // context
+    share = slice(device * rows, (device + 1) * rows)
+    runs, qi = dkv.block_mask[0, share] > 0, dkv.data_next[0, share].astype(int)
     j, h, i = (g.ravel() for g in np.meshgrid(np.arange(runs.shape[1]), np.arange(heads), np.arange(runs.shape[0]),
                                               indexing="ij"))  # fmt: skip
     out["dkv"] = {"runs": heads * int(runs.sum()), "q": _fetches(np.stack([h, qi[i, j]], 1)),
@@ -179,14 +190,16 @@ def call_cost(
     segmented: bool,
     residuals: bool = True,
     fused: bool = True,
+    context: int = 1,
 ) -> tuple[int, int]:
     """(FLOPs, HBM bytes) of one kernel call over `instances` (the batch rows and heads it is vmapped
     over) of `heads` query heads on `kv_heads` key/value heads (1 in the multi-query form we call), q, k,
-    v and their gradients `itemsize` bytes an element, segment ids given if `segmented`. `phase` is "fwd"
+    v and their gradients `itemsize` bytes an element, segment ids given if `segmented`; with `context` > 1
+    one device's call over the gathered keys (`_schedule`), `seq_len` the whole sequence. `phase` is "fwd"
     (saving the softmax residual if `residuals`), "dkv" (with dq too if `fused`) or "dq". Matmuls, each
     2 x rows x columns x depth in every step that computes: QK^T and PV forward; QK^T, dP and dQ in dq;
     QK^T, dV, dP and dK in dkv, and dQ when fused."""
-    s, d, b = _schedule(seq_len, bq, bkv, heads, kv_heads), head_dim, itemsize
+    s, d, b = _schedule(seq_len, bq, bkv, heads, kv_heads, context), head_dim, itemsize
     ids = int(segmented) + s["positions"]  # int32 per-query-row operands, padded to a vreg's lanes/sublanes
     block = 2 * bq * bkv * d  # one matmul's FLOPs on one block
     if phase in ("fwd", "dq"):
@@ -227,8 +240,9 @@ def hlo_call_cost(line: str) -> tuple[int, int] | None:
     lines included), ours or another program's: the form and phase from the kernel's name, the block sizes
     from the metadata the kernel attaches, the shapes from its operands (q [instances..., heads, seq,
     head_dim], then k: [instances..., seq, head_dim] multi-query, [instances..., kv heads, seq, head_dim]
-    multi-head). None for a custom call that is not one, or that is one device's queries over the gathered
-    keys of a context axis (not counted yet: its block map is the zig-zag mask's share)."""
+    multi-head). A call whose keys are `context` times its queries is one device's share of a context axis
+    over the gathered keys, its queries taken to be in our zig-zag layout. None for a custom call that is not
+    a splash call."""
     name, meta = _NAME.search(line), _METADATA.search(line)
     operands = line.find("operand_layout_constraints=")
     if not (name and meta and operands >= 0):
@@ -236,8 +250,9 @@ def hlo_call_cost(line: str) -> tuple[int, int] | None:
     sizes = json.loads(meta.group(1).replace('\\"', '"'))
     form, phase, segmented, residuals = name.group(1), name.group(2), bool(name.group(3)), name.group(4) == "residuals"
     (dtype, q), (_, k) = _ARRAYS.findall(line[operands:])[:2]  # the first two float operands: q, k
-    *outer, heads, seq_len, head_dim = (int(n) for n in q.split(","))
-    if int(k.split(",")[-2]) != seq_len:  # a context shard's queries over the gathered keys: not this schedule
+    *outer, heads, queries, head_dim = (int(n) for n in q.split(","))
+    seq_len = int(k.split(",")[-2])
+    if seq_len % queries:
         return None
     kv_heads = 1 if form == "mqa" else int(k.split(",")[-3])
     suffix = {"fwd": "", "dkv": "_dkv", "dq": "_dq"}[phase]
@@ -247,4 +262,4 @@ def hlo_call_cost(line: str) -> tuple[int, int] | None:
     itemsize = {"bf16": 2, "f16": 2, "f32": 4}[dtype]
     return call_cost(phase, heads, kv_heads, seq_len, head_dim, int(np.prod(outer)), itemsize,
                      sizes[f"block_q{suffix}"], sizes[f"block_kv{suffix}"], segmented=segmented, residuals=residuals,
-                     fused=fused)  # fmt: skip
+                     fused=fused, context=seq_len // queries)  # fmt: skip
