@@ -43,6 +43,9 @@ def batches(corpus_dir):
     return experiments.fixed_batches(cfg, 5)
 
 
+# ~60 s in CI, moved to pytest -m slow to keep CI under 25 minutes beside the MoE tests; the sweep script and
+# muP's refusals stay in CI
+@pytest.mark.slow
 def test_coordinate_check(batches):
     """Measured (widths 64 -> 512): standard layer-0 change 0.45 -> 680; muP 0.45, 0.72, 0.47, 0.56.
 

@@ -257,6 +257,9 @@ def test_an_old_checkpoint_with_accumulation_is_refused_in_one_sentence(tmp_path
     assert "\n" not in str(e.value) and tree_digest(workdir) == before
 
 
+# 62 s in CI, moved to pytest -m slow to keep CI under 25 minutes beside the MoE tests; accumulation's
+# arithmetic stays in CI (tests/test_equivalence.py)
+@pytest.mark.slow
 def test_accumulation_never_changes_the_data(tmp_path, corpus_dir, capsys):
     """On text through the training loop: a run resumed at step 3 with its accumulation doubled trains on
     exactly the batches of accumulation 1 (the token counts are equal, the losses to float tolerance).

@@ -49,6 +49,9 @@ def test_an_isolated_poisoned_batch_is_skipped(tmp_path, corpus_dir):
     assert result["step"] == 31 and math.isfinite(result["loss"])
 
 
+# 40-50 s in CI, moved to pytest -m slow to keep CI under 25 minutes beside the MoE tests; the other
+# rollback drills stay in CI
+@pytest.mark.slow
 def test_a_poisoned_window_longer_than_the_budget_rolls_back_and_the_run_finishes(tmp_path, corpus_dir, capsys):
     """Launched, killed at step 8 or later (its checkpoint at step 5 behind it), relaunched after a pause, then
     rolled back by the drill: where the wall time went is accounted across both launches (goodput)."""
