@@ -164,3 +164,21 @@ def test_moe_tiny_learns_through_the_script_on_an_expert_axis(tmp_path, corpus_d
     last = [r for r in records if "loss" in r][-1]
     assert last["loss"] < evaluation["unigram_loss"] - 0.5, (last["loss"], evaluation)
     assert max(last[f"moe/load_max_mean/{i}"] for i in range(4)) < 4 and last["moe/dropped"] == 0
+
+
+def test_an_export_with_no_hugging_face_form_is_one_sentence():
+    """Shared experts, and Mixtral's form with dense layers, have no transformers class here: refused by name
+    (the router-bias refusal needs trained weights and is not run here)."""
+    from trainer.errors import ConfigError
+    from trainer.hf_tensors import hf_config
+    from trainer.model.spec import Architecture, Experts
+
+    base = dict(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
+    with pytest.raises(ConfigError, match=r"model.moe.shared_experts=1: MixtralForCausalLM has no shared experts"):
+        hf_config(Architecture(**base, moe=Experts(num_experts=4, shared_experts=1)), 64)
+    with pytest.raises(ConfigError, match=r"model.moe.dense_layers=1, every=1: every Mixtral layer has experts"):
+        hf_config(Architecture(**base, moe=Experts(num_experts=4, dense_layers=1)), 64)
+    with pytest.raises(ConfigError, match=r"dense_layers=1 is not a multiple of every=2"):
+        interleaved = Experts(num_experts=4, dense_layers=1, every=2)
+        hf_config(Architecture(**{**base, "n_layers": 3}, qk_norm=True, moe=interleaved), 64)
+    assert hf_config(Architecture(**base, qk_norm=True, moe=Experts(num_experts=4)), 64)["model_type"] == "qwen3_moe"
