@@ -257,7 +257,8 @@ def test_exported_byte_tokenizer_encodes_as_training_fed_the_model(tmp_path):
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
 def test_a_mixture_of_experts_imports_from_transformers_decodes_as_it_does_and_exports_back(tmp_path, kind):
     """Mixtral (every layer 8 experts, top 2) and Qwen3-MoE (query/key norms, 4 layers: the first two dense,
-    then experts in every second, decoder_sparse_step 2), built small and random by transformers: our
+    then experts in every second, decoder_sparse_step 2; heads 32 wide, so 4 heads make 128 for a width of
+    64, as Qwen3's released checkpoints differ), built small and random by transformers: our
     logits are theirs, our greedy continuation theirs, and the exported directory loads back into
     transformers with the same logits."""
     torch.manual_seed(0)
@@ -269,11 +270,11 @@ def test_a_mixture_of_experts_imports_from_transformers_decodes_as_it_does_and_e
                                                                            num_local_experts=8))  # fmt: skip
         ours = dict(d_ff=32, moe=dict(num_experts=8, experts_per_token=2, d_ff=32))
     else:
-        config = transformers.Qwen3MoeConfig(**{**shape, "num_hidden_layers": 4}, head_dim=16, intermediate_size=128,
+        config = transformers.Qwen3MoeConfig(**{**shape, "num_hidden_layers": 4}, head_dim=32, intermediate_size=128,
                                              moe_intermediate_size=32, num_experts=8, norm_topk_prob=True,
                                              mlp_only_layers=[0, 1], decoder_sparse_step=2)  # fmt: skip
         model = transformers.Qwen3MoeForCausalLM(config)
-        ours = dict(qk_norm=True, n_layers=4, moe=dict(num_experts=8, experts_per_token=2, d_ff=32, dense_layers=2,
+        ours = dict(qk_norm=True, n_layers=4, head_dim=32, moe=dict(num_experts=8, experts_per_token=2, d_ff=32, dense_layers=2,
                                                        every=2))  # fmt: skip
     model.save_pretrained(str(tmp_path / "hf"))
     cfg = micro_config(model=dict(norm_eps=1e-5, rope_theta=model.config.rope_parameters["rope_theta"], **ours))

@@ -55,6 +55,7 @@ def _declared() -> dict[str, dict]:
         n_heads=Num(8, "[1, inf)"),
         n_kv_heads=Num(4, "[1, inf)"),  # grouped-query attention: n_heads must be a multiple
         d_ff=Num(768, "[1, inf)"),
+        head_dim=Num(0, "[0, inf)"),  # each attention head's width; 0 = d_model / n_heads (Qwen3 sets its own)
         max_seq_len=Num(256, "[1, inf)"),
         rope_theta=Num(10_000.0, "(1, inf)"),
         # Llama 3's RoPE frequency scaling for long context: factor 1 = none. Wavelengths above

@@ -112,8 +112,6 @@ def model_keys_from_hf(config: dict) -> dict:
         bad = ", ".join(f"{k}={config.get(k)!r}" for k, v in unsupported.items() if v)
         raise ConfigError(f"this Hugging Face model has {bad}, which this trainer's models do not implement.")
     heads = config["num_attention_heads"]
-    if (config.get("head_dim") or config["hidden_size"] // heads) * heads != config["hidden_size"]:
-        raise ConfigError("this Hugging Face model's head_dim x heads differs from hidden_size; not supported.")
     theta = rope.get("rope_theta", config.get("rope_theta", 10_000.0))
     scaling = {}
     if rope_type == "llama3":
@@ -142,6 +140,7 @@ def model_keys_from_hf(config: dict) -> dict:
         "n_heads": heads,
         "n_kv_heads": config.get("num_key_value_heads", heads),
         "d_ff": config["intermediate_size"],
+        "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
         "rope_theta": float(theta),
         "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
         "qk_norm": kind in ("qwen3", "qwen3_moe"),

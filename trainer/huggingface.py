@@ -19,6 +19,7 @@ from trainer.config import flatten
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer
 from trainer.errors import ConfigError
 from trainer.hf_tensors import from_hf_tensors, hf_config, model_keys_from_hf, to_hf_tensors
+from trainer.model.spec import Architecture
 from trainer.storage import run_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -175,6 +176,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     from trainer.training.state import param_shardings, state_from_params
 
     wanted, have = model_keys_from_hf(read_config(hf_dir)), flatten(cfg)
+    have["model.head_dim"] = Architecture.from_config(cfg).head_dim  # its 0 means d_model / n_heads
     differ = [f"model.{k}={v!r} (config has {have[f'model.{k}']!r})" for k, v in wanted.items()
               if have[f"model.{k}"] != v]  # fmt: skip
     if differ:

@@ -74,10 +74,16 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
     _choice("data.packing", d.packing, ("concat",))
     _choice("data.mixture_unit", d.mixture_unit, MIXTURE_UNITS)
-    if m.d_model % m.n_heads:
-        raise ConfigError(f"model.d_model={m.d_model} is not a multiple of model.n_heads={m.n_heads}.")
-    if (m.d_model // m.n_heads) % 2:
-        raise ConfigError(f"the head size d_model/n_heads={m.d_model // m.n_heads} must be even for rotary embeddings.")
+    if not m.head_dim and m.d_model % m.n_heads:
+        raise ConfigError(
+            f"model.d_model={m.d_model} is not a multiple of model.n_heads={m.n_heads}; "
+            "change one, or set model.head_dim."
+        )
+    if (m.head_dim or m.d_model // m.n_heads) % 2:
+        raise ConfigError(
+            f"the head size {m.head_dim or m.d_model // m.n_heads} (model.head_dim, or d_model/n_heads) must be "
+            "even for rotary embeddings."
+        )
     r = m.rope_scaling
     if r.factor != 1 and r.high_freq_factor <= r.low_freq_factor:
         raise ConfigError(

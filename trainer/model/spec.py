@@ -81,6 +81,7 @@ class Architecture:
     n_heads: int
     n_kv_heads: int
     d_ff: int
+    head_dim: int = 0  # each head's width; 0 (the config's default) becomes d_model / n_heads
     rope_theta: float = 10_000.0
     rope_scaling: RopeScaling = RopeScaling()
     norm_eps: float = 1e-5
@@ -89,9 +90,10 @@ class Architecture:
     mup_base_width: int = 0  # muP: hidden init and learning rate scale with d_model / this; logits divided by it
     moe: Experts = Experts()
 
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def __post_init__(self):
+        # One value for one model: a config's 0 and its d_model / n_heads spelled out are the same architecture.
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
 
     @property
     def width_multiplier(self) -> float:
