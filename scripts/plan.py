@@ -77,6 +77,8 @@ def print_target(result):
     print(f"cost per device   {c['flops']:.4g} FLOPs, {c['bytes_accessed'] / 1e9:.4g} GB of HBM traffic (from the "
           f"compiled HLO, loops counted); roofline {c['roofline_seconds']:.3g} s a step ({c['bound']}-bound), "
           f"so MFU at most {c['mfu_ceiling']:.0%}")  # fmt: skip
+    if c["kernels"]["estimated"]:
+        print(f"                  counted by their own cost estimates: {', '.join(c['kernels']['estimated'])}")
     if c["kernels"]["uncounted"]:
         names = ", ".join(c["kernels"]["uncounted"])
         print(f"                  not counted: the FLOPs of {names} (only their operands' and results' bytes): "

@@ -274,8 +274,8 @@ def test_a_mixture_of_experts_imports_from_transformers_decodes_as_it_does_and_e
                                              moe_intermediate_size=32, num_experts=8, norm_topk_prob=True,
                                              mlp_only_layers=[0, 1], decoder_sparse_step=2)  # fmt: skip
         model = transformers.Qwen3MoeForCausalLM(config)
-        ours = dict(qk_norm=True, n_layers=4, head_dim=32, moe=dict(num_experts=8, experts_per_token=2, d_ff=32, dense_layers=2,
-                                                       every=2))  # fmt: skip
+        ours = dict(qk_norm=True, n_layers=4, head_dim=32,
+                    moe=dict(num_experts=8, experts_per_token=2, d_ff=32, dense_layers=2, every=2))  # fmt: skip
     model.save_pretrained(str(tmp_path / "hf"))
     cfg = micro_config(model=dict(norm_eps=1e-5, rope_theta=model.config.rope_parameters["rope_theta"], **ours))
     workdir = str(tmp_path / "run")

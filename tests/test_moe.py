@@ -15,8 +15,11 @@ from conftest import REPO, micro_config
 from test_context import packed_batch
 
 from parallelism.rules import LogicalSharding
+from trainer.errors import ConfigError
+from trainer.hf_tensors import to_hf_tensors
 from trainer.model import moe
 from trainer.model.sampling import make_generate
+from trainer.model.spec import Execution
 from trainer.storage.checkpoint import Checkpointer
 from trainer.training.loop import train
 from trainer.training.setup import build
@@ -43,9 +46,29 @@ def test_the_layer_equals_every_expert_on_every_token_and_a_capacity_drops_the_l
     chosen, weights, stats = moe.route(x, jax.random.normal(keys[1], (d, e)), jnp.zeros(e), k)
     assert np.allclose(jnp.sum(weights, -1), 1) and np.isclose(jnp.sum(stats["load"]), 1)
     none = LogicalSharding.create(None)
-    out, dropped = moe.experts(x, chosen, weights, gate, up, down, none, "dropless", 1.0)
+    out, dropped = moe.experts(x, chosen, weights, gate, up, down, none, Execution(capacity_factor=1.0))
     np.testing.assert_allclose(out, every_expert(x, chosen, weights, gate, up, down), atol=1e-5)
     assert float(dropped) == 0
+    # megablox's kernel (Pallas' interpreter here): the same outputs, and the same gradients as ragged_dot's
+    cotangent = jax.random.normal(keys[1], x.shape)
+
+    def grads(kind):
+        run = Execution(grouped_matmul=kind)
+        pull = lambda *w: jnp.sum(cotangent * moe.experts(w[0], chosen, weights, *w[1:], none, run)[0])  # noqa: E731
+        return jax.value_and_grad(pull, argnums=(0, 1, 2, 3))(x, gate, up, down)
+
+    (value, grad), (ragged_value, ragged_grad) = grads("megablox"), grads("ragged_dot")
+    assert float(value) == pytest.approx(float(ragged_value), rel=1e-5)
+    for ours, theirs in zip(grad, ragged_grad, strict=True):
+        np.testing.assert_allclose(ours, theirs, atol=1e-5 * float(np.abs(theirs).max()))
+    assert moe.grouped_matmul("auto", "cpu") is jax.lax.ragged_dot  # megablox is auto's on a TPU alone
+    assert moe.grouped_matmul("auto", "tpu").__name__ == "megablox"
+    # Rows past the groups (a device's empty slots in the exchange): zeros, and no gradient, as ragged_dot's
+    sizes = jnp.array([3, 0, 5, 2], jnp.int32)
+    for kind in ("megablox", "ragged_dot"):
+        matmul = moe.grouped_matmul(kind, "cpu")
+        rows, grad = matmul(x[0], gate, sizes), jax.grad(lambda v, f=matmul: jnp.sum(f(v, gate, sizes) ** 2))(x[0])
+        assert not np.any(rows[10:]) and not np.any(grad[10:]) and np.all(np.isfinite(grad)), kind
     # A capacity of 1.0 x an even share (16 slots an expert for 64 assignments over 4 experts): first choices
     # take their places first, then second choices, each in token order; the rest are dropped.
     flat = np.asarray(chosen).reshape(-1, k)
@@ -55,14 +78,16 @@ def test_the_layer_equals_every_expert_on_every_token_and_a_capacity_drops_the_l
         for i in range(len(flat)):
             kept[i, j], used[flat[i, j]] = used[flat[i, j]] < room, used[flat[i, j]] + (used[flat[i, j]] < room)
     assert 0 < (~kept).sum() < flat.size / 4  # some dropped, by the imbalance of a random router
-    out, dropped = moe.experts(x, chosen, weights, gate, up, down, none, "capacity", 1.0)
+    capacity = Execution(moe_impl="capacity", capacity_factor=1.0)
+    out, dropped = moe.experts(x, chosen, weights, gate, up, down, none, capacity)
     reference = every_expert(x, chosen, weights, gate, up, down, kept.reshape(b, t, k))
     np.testing.assert_allclose(out, reference, atol=1e-5)
     assert float(dropped) == pytest.approx((~kept).mean())
 
 
-def loss_grads(mesh: dict, batch: dict, params=None, impl="dropless", capacity_factor=1.25):
-    model = dict(n_layers=3, moe={**EXPERTS, "impl": impl, "capacity_factor": capacity_factor})
+def loss_grads(mesh: dict, batch: dict, params=None, impl="dropless", capacity_factor=1.25, matmul="auto"):
+    model = dict(n_layers=3, moe={**EXPERTS, "impl": impl, "capacity_factor": capacity_factor,
+                                  "grouped_matmul": matmul})  # fmt: skip
     setup = build(micro_config(mesh={"fsdp": 1, "data": -1, **mesh}, model=model))
     params = setup.new_state().params if params is None else jax.device_put(params, setup.state_shardings.params)
 
@@ -78,15 +103,17 @@ def loss_grads(mesh: dict, batch: dict, params=None, impl="dropless", capacity_f
 
 
 def test_experts_split_over_the_expert_axis_equal_one_device():
-    """Dropless at expert 2 x fsdp 2 x tensor 2 (expert 4 x fsdp 2 trains below); a capacity with room for
-    every assignment at expert 4: the loss (with both auxiliary losses), every gradient and the load of one
-    device, within fp32 rounding. The tokens cross the axis by all-to-all."""
+    """Dropless at expert 2 x fsdp 2 x tensor 2 through megablox's kernel (interpreted; ragged_dot trains
+    below at expert 4 x fsdp 2 and expert 2 x tensor 2); a capacity with room for every assignment at
+    expert 4: the loss (with both auxiliary losses), every gradient and the load of one device, within fp32
+    rounding. The tokens cross the axis by all-to-all."""
     batch = packed_batch()
     loss, grads, stats, _, params = loss_grads({}, batch)
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
-    cases = [({"expert": 2, "fsdp": 2, "tensor": 2}, "dropless", 1.25), ({"expert": 4}, "capacity", 4.0)]
-    for mesh, impl, factor in cases:
-        other, other_grads, other_stats, hlo, _ = loss_grads(mesh, batch, params, impl, factor)
+    cases = [({"expert": 2, "fsdp": 2, "tensor": 2}, "dropless", 1.25, "megablox"),
+             ({"expert": 4}, "capacity", 4.0, "auto")]  # fmt: skip
+    for mesh, impl, factor, matmul in cases:
+        other, other_grads, other_stats, hlo, _ = loss_grads(mesh, batch, params, impl, factor, matmul)
         assert other == pytest.approx(loss, rel=1e-6), (mesh, impl)
         for a, b in zip(jax.tree.leaves(other_grads), jax.tree.leaves(grads), strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5 * scale, err_msg=f"{mesh} {impl}")
@@ -102,7 +129,8 @@ def test_experts_split_over_the_expert_axis_equal_one_device():
 def test_a_run_with_experts_trains_resumes_onto_another_expert_axis_and_decodes(tmp_path):
     """Two steps at expert 4 x fsdp 2, two more at expert 2 x tensor 2, with DeepSeek's router bias moving:
     the losses and weights of a run on one device within fp32 rounding; the log carries each layer's load
-    and the auxiliary losses; the checkpoint decodes the same greedy text on expert 4 and on one device."""
+    and the auxiliary losses; the checkpoint decodes the same greedy text on expert 4 and on one device, and
+    its moved router bias is refused an export."""
 
     def config(steps, **mesh):
         cfg = micro_config(train=dict(steps=steps, log_every=1, eval_every=0), mesh={"fsdp": 1, "data": -1, **mesh},
@@ -125,6 +153,8 @@ def test_a_run_with_experts_trains_resumes_onto_another_expert_axis_and_decodes(
         np.testing.assert_allclose(a, b, atol=1e-5)
     bias = weights[1]["layers"]["moe"]["router_bias"]  # (2 MoE layers, 8 experts): 4 steps of +-1e-3 each
     assert np.all(np.abs(bias) <= 4e-3 + 1e-9) and np.any(bias != 0)
+    with pytest.raises(ConfigError, match=r"layer 1's router bias \(model.moe.router_bias\) is not zero"):
+        to_hf_tensors(weights[1], build(config(4)).spec.arch)  # a moved bias has no place in Hugging Face's forms
     with open(tmp_path / "split" / "metrics.jsonl") as f:
         last = [r for r in map(json.loads, f) if "loss" in r][-1]
     shares = [[last[f"moe/load/{i}/{e}"] for e in range(8)] for i in range(2)]
@@ -168,8 +198,7 @@ def test_moe_tiny_learns_through_the_script_on_an_expert_axis(tmp_path, corpus_d
 
 def test_an_export_with_no_hugging_face_form_is_one_sentence():
     """Shared experts, and Mixtral's form with dense layers, have no transformers class here: refused by name
-    (the router-bias refusal needs trained weights and is not run here)."""
-    from trainer.errors import ConfigError
+    (a moved router bias's refusal is in the run above)."""
     from trainer.hf_tensors import hf_config
     from trainer.model.spec import Architecture, Experts
 

@@ -34,6 +34,7 @@ TOKENIZERS = ("byte", "sentencepiece", "hf")
 TRACKERS = ("tensorboard", "wandb")
 MIXTURE_UNITS = ("tokens", "documents")
 MOE_IMPLS = ("dropless", "capacity")
+GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")  # model.moe.grouped_matmul (trainer/model/moe.py)
 
 
 class Num(NamedTuple):
@@ -89,6 +90,7 @@ def _declared() -> dict[str, dict]:
             every=Num(1, "[1, inf)"),  # ... and of the rest every this-many-th is MoE (1 = all of them)
             impl="dropless",  # one of MOE_IMPLS: grouped matmuls over sorted tokens, or fixed expert buffers
             capacity_factor=Num(1.25, "(0, inf)"),  # impl=capacity: each expert's buffer over an even share
+            grouped_matmul="auto",  # impl=dropless: one of GROUPED_MATMULS (auto: megablox on TPU)
             aux_loss=Num(0.01, "[0, inf)"),  # weight of the load-balancing loss (Switch Transformer's form)
             z_loss=Num(0.001, "[0, inf)"),  # weight of the router's log(Z)^2
             router_bias=Num(0.0, "[0, inf)"),  # > 0: DeepSeek-V3's loss-free balancing, the bias's step per update

@@ -17,6 +17,7 @@ from trainer.config import (
     ATTENTION_IMPLS,
     CONTEXT_ATTENTION,
     DTYPES,
+    GROUPED_MATMULS,
     LOSS_SCALING,
     MIXTURE_UNITS,
     MOE_IMPLS,
@@ -227,6 +228,7 @@ def _check_moe(cfg: ml_collections.ConfigDict) -> None:
     """What a mixture of experts needs (trainer/model/moe.py), before any mesh exists."""
     m = cfg.model.moe
     _choice("model.moe.impl", m.impl, MOE_IMPLS)
+    _choice("model.moe.grouped_matmul", m.grouped_matmul, GROUPED_MATMULS)
     if not m.num_experts:
         return
     if m.experts_per_token > m.num_experts:

@@ -13,7 +13,8 @@ along d_model are gathered whole at their use, as XLA does for dense weights (th
 reduce-scatters their gradients). Two ways, `model.moe.impl`:
 
 - dropless: a device's assignments sorted by expert, sent to the devices holding their experts by an
-  all-to-all, sorted again by expert there and run as grouped matmuls (jax.lax.ragged_dot), then sent back.
+  all-to-all, sorted again by expert there and run as grouped matmuls (jax.lax.ragged_dot, or megablox's
+  Pallas kernel on a TPU: model.moe.grouped_matmul), then sent back.
   No assignment is dropped, so every mesh computes the same function. The exchange is padded: each
   device reserves room for all its assignments at every destination (expert x the assignments' size),
   because XLA:CPU, where the tests run, has no ragged all-to-all.
@@ -29,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.experimental.pallas.ops.tpu.megablox.ops import gmm
 
 from parallelism.rules import LogicalSharding
 
@@ -70,12 +72,34 @@ def _whole(w: jax.Array, dim: int, axes) -> jax.Array:
     return jax.lax.all_gather(w, axes, axis=dim, tiled=True)
 
 
-def _swiglu_ragged(x, gate, up, down, sizes):
-    hidden = jax.nn.silu(jax.lax.ragged_dot(x, gate, sizes)) * jax.lax.ragged_dot(x, up, sizes)
-    return jax.lax.ragged_dot(hidden, down, sizes)
+def grouped_matmul(kind: str, platform: str):
+    """`model.moe.grouped_matmul` on devices of `platform`: f(x (m, d), w (groups, d, n), sizes) gives each
+    group's rows (the first sizes[0] rows, then the next sizes[1], ...) times its matrix, zeros past them.
+    auto: megablox's Pallas kernel on a TPU, jax.lax.ragged_dot elsewhere; megablox off a TPU runs in
+    Pallas' interpreter (slow: for checking it)."""
+    if (kind == "auto" and platform != "tpu") or kind == "ragged_dot":
+        return jax.lax.ragged_dot
+    interpret = platform != "tpu"
+
+    def megablox(x, w, sizes):
+        m = x.shape[0]
+        tm = min(128, -(-m // 8) * 8)  # row tiles of 128 (8 at the least): the rows are padded to whole tiles
+        # The kernel leaves rows past the groups unwritten, in its output and in x's gradient: both masked.
+        valid = (jnp.arange(m) < jnp.sum(sizes))[:, None]
+        padded = jnp.pad(jnp.where(valid, x, 0), ((0, -m % tm), (0, 0)))
+        tiling = (tm, min(128, x.shape[1]), min(128, w.shape[2]))
+        out = gmm(padded, w, sizes, x.dtype, tiling, interpret=interpret)[:m]
+        return jnp.where(valid, out, 0)
+
+    return megablox
 
 
-def _dropless(x, chosen, weights, gate, up, down, ep: int, axis):
+def _swiglu_grouped(x, gate, up, down, sizes, matmul):
+    hidden = jax.nn.silu(matmul(x, gate, sizes)) * matmul(x, up, sizes)
+    return matmul(hidden, down, sizes)
+
+
+def _dropless(x, chosen, weights, gate, up, down, ep: int, axis, matmul=jax.lax.ragged_dot):
     """Each token's output from its experts, no assignment dropped; see the module's docstring."""
     tokens, d = x.shape
     k, local = chosen.shape[-1], gate.shape[0]
@@ -97,7 +121,7 @@ def _dropless(x, chosen, weights, gate, up, down, ep: int, axis):
     send, ids = send.reshape(ep * n, d), ids.reshape(ep * n)
     by_expert = jnp.argsort(ids, stable=True)  # empty slots last, beyond every group
     sizes = jnp.bincount(ids, length=local + 1)[:local].astype(jnp.int32)
-    out = _swiglu_ragged(send[by_expert], gate, up, down, sizes)
+    out = _swiglu_grouped(send[by_expert], gate, up, down, sizes, matmul)
     out = jnp.zeros_like(out).at[by_expert].set(out).reshape(ep, n, d)
     if ep > 1:
         out = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
@@ -148,9 +172,11 @@ def _fitting(spec, shape, mesh):
     return jax.P(*dims)
 
 
-def experts(x, chosen, weights, gate, up, down, shard: LogicalSharding, impl: str, capacity_factor: float):
+def experts(x, chosen, weights, gate, up, down, shard: LogicalSharding, run):
     """The routed experts' output for tokens x (b, t, d) and the share of assignments dropped; weights
-    (experts, d, d_ff) and (experts, d_ff, d) as the rules place them."""
+    (experts, d, d_ff) and (experts, d_ff, d) as the rules place them; `run` the model's Execution."""
+    platform = (jax.devices() if shard.mesh is None else shard.mesh.devices.flat)[0].platform
+    matmul = grouped_matmul(run.grouped_matmul, platform)
 
     def local(x, chosen, weights, gate, up, down, axes):
         b, t, d = x.shape
@@ -158,10 +184,10 @@ def experts(x, chosen, weights, gate, up, down, shard: LogicalSharding, impl: st
         down = _whole(down, 2, axes["embed_out"])
         ep = 1 if not axes["expert"] else jax.lax.axis_size(AXIS)
         args = (x.reshape(b * t, d), chosen.reshape(b * t, -1), weights.reshape(b * t, -1), gate, up, down, ep, AXIS)
-        if impl == "capacity":
-            out, dropped = _capacity(*args, capacity_factor)
+        if run.moe_impl == "capacity":
+            out, dropped = _capacity(*args, run.capacity_factor)
         else:
-            out, dropped = _dropless(*args)
+            out, dropped = _dropless(*args, matmul)
         if axes["mlp"]:  # each device's d_ff slice gave a partial sum
             out = jax.lax.psum(out, axes["mlp"])
         assignments = jnp.float32(chosen.size)
@@ -188,9 +214,12 @@ def experts(x, chosen, weights, gate, up, down, shard: LogicalSharding, impl: st
     axes["repeated"] = tuple(a for a in (*axes["embed_in"], *axes["expert"]) if a not in axes["tokens"])
     if axes["expert"] not in ((), (AXIS,)):
         raise ValueError(f"the experts must be split over the '{AXIS}' mesh axis alone, not {axes['expert']}")
+    # megablox's pallas_call says nothing of how its output varies over the mesh, so shard_map cannot check
+    # it; the tests compare that path's gradients on a mesh with one device's.
     mapped = jax.shard_map(lambda *a: local(*a, axes), mesh=shard.mesh,
                            in_specs=(tokens, routes, routes, w_in, w_in, w_out),
-                           out_specs=(tokens, jax.P()))  # fmt: skip
+                           out_specs=(tokens, jax.P()),
+                           check_vma=run.moe_impl == "capacity" or matmul is jax.lax.ragged_dot)  # fmt: skip
     return mapped(x, chosen, weights, gate, up, down)
 
 
@@ -216,8 +245,8 @@ class MoE(nnx.Module):
     def __call__(self, x):
         run, dt = self.execution, self.execution.compute_dtype
         chosen, weights, stats = route(x, self.router[...], self.router_bias[...], self.k)
-        out, stats["dropped"] = experts(x, chosen, weights, *(w[...].astype(dt) for w in (self.w_gate, self.w_up,
-                                        self.w_down)), self.shard, run.moe_impl, run.capacity_factor)  # fmt: skip
+        weights_in_dt = (w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
+        out, stats["dropped"] = experts(x, chosen, weights, *weights_in_dt, self.shard, run)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.astype(x.dtype), stats

@@ -125,6 +125,7 @@ class Execution:
     pipeline_microbatches: int = 1  # microbatches the pipeline's forward pass is cut into (train.pipeline_microbatches)
     moe_impl: str = "dropless"  # how experts compute (model.moe.impl, trainer/model/moe.py)
     capacity_factor: float = 1.25  # model.moe.capacity_factor, for moe_impl capacity
+    grouped_matmul: str = "auto"  # model.moe.grouped_matmul, for moe_impl dropless
 
     @classmethod
     def from_config(cls, cfg) -> Execution:
@@ -133,7 +134,7 @@ class Execution:
                    context_attention=m.context_attention, compute_dtype=cfg.precision.compute_dtype,
                    loss_chunk=m.loss_chunk, stages=cfg.mesh.stage,
                    pipeline_microbatches=cfg.train.pipeline_microbatches, moe_impl=m.moe.impl,
-                   capacity_factor=m.moe.capacity_factor)  # fmt: skip
+                   capacity_factor=m.moe.capacity_factor, grouped_matmul=m.moe.grouped_matmul)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
