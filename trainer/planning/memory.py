@@ -79,8 +79,8 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     An MoE layer (`expert` > 0: the expert axis's size) counts its tokens' experts_per_token copies
     through the experts and its shared experts as one MLP of that many times the expert width, plus the
     exchange's buffers: the copies sent, received and returned, each as large as the exchange's room
-    (dropless: expert x the copies; capacity: capacity_factor x). Counted, not yet checked against a
-    compile.
+    (dropless: expert x the copies; capacity: capacity_factor x), in the layer kept without remat and in
+    the recomputed one with it. Checked on moe_1b's v5p-32 compiles (docs/moe.md), not fitted to them.
     """
     a = spec.arch
     d, f = a.d_model, a.d_ff / tensor
@@ -132,7 +132,9 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
         # dot_product at fsdp=4, seq 1024 / 2048 / 4096 / 8192 at the same tokens: heaps of 11.08 /
         # 14.19 / 21.99 / 38.11 GiB, counted 11.76 / 14.76 / 20.76 / 32.76 (the scores once: 10.76 /
         # 12.76 / 16.76 / 24.76); the compiler keeps more of them per token the longer the sequence.
-        "recomputed": elementwise + gathered_kv + (1.5 if mixed else 2) * scores,
+        # An MoE layer's exchange buffers are the recomputed layer's too (moe_1b on v5p-32 under full remat:
+        # left out until 2026-11-26, when the dropless compile's heap, 17.11 GiB, was 64% above the count).
+        "recomputed": elementwise + gathered_kv + (1.5 if mixed else 2) * scores + exchange,
     }
 
 
