@@ -103,14 +103,14 @@ def loss_grads(mesh: dict, batch: dict, params=None, impl="dropless", capacity_f
 
 
 def test_experts_split_over_the_expert_axis_equal_one_device():
-    """Dropless at expert 2 x fsdp 2 x tensor 2 through megablox's kernel (interpreted; ragged_dot trains
-    below at expert 4 x fsdp 2 and expert 2 x tensor 2); a capacity with room for every assignment at
-    expert 4: the loss (with both auxiliary losses), every gradient and the load of one device, within fp32
+    """Dropless at expert 2 x fsdp 2 x tensor 2 through megablox's kernel (interpreted) and at expert 4 x
+    fsdp 2 through ragged_dot; a capacity with room for every assignment at expert 4: the loss (with both auxiliary losses), every gradient and the load of one device, within fp32
     rounding. The tokens cross the axis by all-to-all."""
     batch = packed_batch()
     loss, grads, stats, _, params = loss_grads({}, batch)
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
     cases = [({"expert": 2, "fsdp": 2, "tensor": 2}, "dropless", 1.25, "megablox"),
+             ({"expert": 4, "fsdp": 2}, "dropless", 1.25, "ragged_dot"),
              ({"expert": 4}, "capacity", 4.0, "auto")]  # fmt: skip
     for mesh, impl, factor, matmul in cases:
         other, other_grads, other_stats, hlo, _ = loss_grads(mesh, batch, params, impl, factor, matmul)
