@@ -104,8 +104,9 @@ def loss_grads(mesh: dict, batch: dict, params=None, impl="dropless", capacity_f
 
 def test_experts_split_over_the_expert_axis_equal_one_device():
     """Dropless at expert 2 x fsdp 2 x tensor 2 through megablox's kernel (interpreted) and at expert 4 x
-    fsdp 2 through ragged_dot; a capacity with room for every assignment at expert 4: the loss (with both auxiliary losses), every gradient and the load of one device, within fp32
-    rounding. The tokens cross the axis by all-to-all."""
+    fsdp 2 through ragged_dot; a capacity with room for every assignment at expert 4: the loss (with both
+    auxiliary losses), every gradient and the load of one device, within fp32 rounding. The tokens cross
+    the axis by all-to-all."""
     batch = packed_batch()
     loss, grads, stats, _, params = loss_grads({}, batch)
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
