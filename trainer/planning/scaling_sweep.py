@@ -78,7 +78,7 @@ def ladder(base, max_budget: float, at_least: int = 3) -> list[Rung]:
     MIN_STEPS steps on `max_budget` FLOPs (and no fewer than `at_least` rungs)."""
     max_fpt = max_budget / (MIN_STEPS * base.train.global_batch_size * base.data.seq_len)
     m = base.model
-    head_dim, group = m.d_model // m.n_heads, m.n_heads // m.n_kv_heads
+    head_dim, group = m.head_dim or m.d_model // m.n_heads, m.n_heads // m.n_kv_heads
     aspect, ffn = m.d_model / m.n_layers, m.d_ff / m.d_model
     step = head_dim * group
     rungs, width = [], step
