@@ -84,10 +84,14 @@ def assert_same(ours, theirs, atol):
                 assert a == b, key
 
 
-def test_the_harness_scores_a_checkpoint_as_its_hf_backend_scores_the_export_on_one_device_and_on_a_pod(trained):
-    cfg, workdir, exported = trained
-    ours = harness.evaluate_checkpoint(cfg, workdir, NAMES, include_path=TASKS, bootstrap_iters=0,
+def one_device(cfg, workdir):
+    return harness.evaluate_checkpoint(cfg, workdir, NAMES, include_path=TASKS, bootstrap_iters=0,
                                        devices=jax.devices()[:1])  # fmt: skip
+
+
+def test_the_harness_scores_a_checkpoint_as_its_hf_backend_scores_the_export(trained):
+    cfg, workdir, exported = trained
+    ours = one_device(cfg, workdir)
     # The harness's hf backend: its tokenizer (exported with ours) begins every text with the begin-of-document
     # id; for rolling perplexity, told not to (add_bos_token=False), it conditions the first window on that id
     # as we do, instead of scoring the id as the text's first token.
@@ -111,8 +115,16 @@ def test_the_harness_scores_a_checkpoint_as_its_hf_backend_scores_the_export_on_
         and ours["results"]["tiny_complete"]["exact_match,none"] >= 0.75
     )
 
-    # The script on two processes of 4 devices each (context 2 x fsdp 2 x tensor 2: each request's tokens split
-    # zig-zag over the context axis, the batch over fsdp, the heads over tensor): the same answers and files.
+
+# ~1.5 minutes of two cores (two processes importing the harness): pytest -m slow; the one-device answers
+# above, and the in-the-loop harness on a pipeline mesh below, run in CI.
+@pytest.mark.slow
+def test_the_harness_on_a_pod_gives_the_one_device_answers_and_files(trained):
+    """The script on two processes of 4 devices each (context 2 x fsdp 2 x tensor 2: each request's tokens
+    split zig-zag over the context axis, the batch over fsdp, the heads over tensor): the same answers and
+    files as one device."""
+    cfg, workdir, _ = trained
+    ours = one_device(cfg, workdir)
     eight = sentences_config(os.path.dirname(workdir))
     eight.mesh.update(context=2, fsdp=2, tensor=2)
     args = [*cli_args(eight), f"--workdir={workdir}", f"--tasks={','.join(NAMES)}", f"--include_path={TASKS}",

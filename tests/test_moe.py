@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO, micro_config
 from test_context import packed_batch
 
+from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding
 from trainer.errors import ConfigError
 from trainer.hf_tensors import to_hf_tensors
@@ -37,9 +38,14 @@ def every_expert(x, chosen, weights, gate, up, down, kept=None):
     return jnp.einsum("bted,bte->btd", y, jnp.sum(jax.nn.one_hot(chosen, gate.shape[0]) * use[..., None], axis=2))
 
 
+def sharding(mesh: dict) -> LogicalSharding:
+    """The rules on 8 devices with these axis sizes, data the rest."""
+    return LogicalSharding.create(make_mesh(micro_config(mesh={"fsdp": 1, "data": -1, **mesh}).mesh))
+
+
 def test_the_layer_equals_every_expert_on_every_token_and_a_capacity_drops_the_latest():
     keys = jax.random.split(jax.random.PRNGKey(0), 5)
-    b, t, d, f, e, k = 2, 16, 16, 12, 4, 2
+    b, t, d, f, e, k = 8, 16, 16, 12, 4, 2
     x = jax.random.normal(keys[0], (b, t, d))
     shapes = [(e, d, f), (e, d, f), (e, f, d)]
     gate, up, down = (0.3 * jax.random.normal(key, shape) for key, shape in zip(keys[2:], shapes, strict=True))
@@ -49,18 +55,25 @@ def test_the_layer_equals_every_expert_on_every_token_and_a_capacity_drops_the_l
     out, dropped = moe.experts(x, chosen, weights, gate, up, down, none, Execution(capacity_factor=1.0))
     np.testing.assert_allclose(out, every_expert(x, chosen, weights, gate, up, down), atol=1e-5)
     assert float(dropped) == 0
-    # megablox's kernel (Pallas' interpreter here): the same outputs, and the same gradients as ragged_dot's
+    # On one device and split over meshes, through megablox's kernel (Pallas' interpreter here) and ragged_dot:
+    # the outputs and the gradients of x and every weight of ragged_dot on one device. Over a mesh the tokens
+    # cross the expert axis by all-to-all, d_ff's partial sums are added over tensor, and megablox runs under
+    # shard_map unchecked (check_vma=False): these gradients are that path's check.
     cotangent = jax.random.normal(keys[1], x.shape)
 
-    def grads(kind):
+    def grads(kind, mesh=None):
+        shard = none if mesh is None else sharding(mesh)
         run = Execution(grouped_matmul=kind)
-        pull = lambda *w: jnp.sum(cotangent * moe.experts(w[0], chosen, weights, *w[1:], none, run)[0])  # noqa: E731
-        return jax.value_and_grad(pull, argnums=(0, 1, 2, 3))(x, gate, up, down)
+        pull = lambda *w: jnp.sum(cotangent * moe.experts(w[0], chosen, weights, *w[1:], shard, run)[0])  # noqa: E731
+        return jax.jit(jax.value_and_grad(pull, argnums=(0, 1, 2, 3)))(x, gate, up, down)
 
-    (value, grad), (ragged_value, ragged_grad) = grads("megablox"), grads("ragged_dot")
-    assert float(value) == pytest.approx(float(ragged_value), rel=1e-5)
-    for ours, theirs in zip(grad, ragged_grad, strict=True):
-        np.testing.assert_allclose(ours, theirs, atol=1e-5 * float(np.abs(theirs).max()))
+    value, grad = grads("ragged_dot")
+    for kind, mesh in (("megablox", None), ("megablox", {"expert": 2, "fsdp": 2, "tensor": 2}),
+                       ("ragged_dot", {"expert": 4, "fsdp": 2})):  # fmt: skip
+        other_value, other_grad = grads(kind, mesh)
+        assert float(other_value) == pytest.approx(float(value), rel=1e-5), (kind, mesh)
+        for ours, theirs in zip(other_grad, grad, strict=True):
+            np.testing.assert_allclose(ours, theirs, atol=1e-5 * float(np.abs(theirs).max()), err_msg=f"{kind} {mesh}")
     assert moe.grouped_matmul("auto", "cpu") is jax.lax.ragged_dot  # megablox is auto's on a TPU alone
     assert moe.grouped_matmul("auto", "tpu").__name__ == "megablox"
     # Rows past the groups (a device's empty slots in the exchange): zeros, and no gradient, as ragged_dot's
@@ -85,9 +98,8 @@ def test_the_layer_equals_every_expert_on_every_token_and_a_capacity_drops_the_l
     assert float(dropped) == pytest.approx((~kept).mean())
 
 
-def loss_grads(mesh: dict, batch: dict, params=None, impl="dropless", capacity_factor=1.25, matmul="auto"):
-    model = dict(n_layers=3, moe={**EXPERTS, "impl": impl, "capacity_factor": capacity_factor,
-                                  "grouped_matmul": matmul})  # fmt: skip
+def loss_grads(mesh: dict, batch: dict, params=None, impl="dropless", capacity_factor=1.25):
+    model = dict(n_layers=3, moe={**EXPERTS, "impl": impl, "capacity_factor": capacity_factor})
     setup = build(micro_config(mesh={"fsdp": 1, "data": -1, **mesh}, model=model))
     params = setup.new_state().params if params is None else jax.device_put(params, setup.state_shardings.params)
 
@@ -103,18 +115,16 @@ def loss_grads(mesh: dict, batch: dict, params=None, impl="dropless", capacity_f
 
 
 def test_experts_split_over_the_expert_axis_equal_one_device():
-    """Dropless at expert 2 x fsdp 2 x tensor 2 through megablox's kernel (interpreted) and at expert 4 x
-    fsdp 2 through ragged_dot; a capacity with room for every assignment at expert 4: the loss (with both
-    auxiliary losses), every gradient and the load of one device, within fp32 rounding. The tokens cross
-    the axis by all-to-all."""
+    """The whole model: dropless at expert 2 x fsdp 2 x tensor 2 (the layer alone is also checked at expert
+    4 x fsdp 2, and through megablox, above); a capacity with room for every assignment at expert 4: the
+    loss (with both auxiliary losses), every gradient and the load of one device, within fp32 rounding. The
+    tokens cross the axis by all-to-all."""
     batch = packed_batch()
     loss, grads, stats, _, params = loss_grads({}, batch)
     scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
-    cases = [({"expert": 2, "fsdp": 2, "tensor": 2}, "dropless", 1.25, "megablox"),
-             ({"expert": 4, "fsdp": 2}, "dropless", 1.25, "ragged_dot"),
-             ({"expert": 4}, "capacity", 4.0, "auto")]  # fmt: skip
-    for mesh, impl, factor, matmul in cases:
-        other, other_grads, other_stats, hlo, _ = loss_grads(mesh, batch, params, impl, factor, matmul)
+    cases = [({"expert": 2, "fsdp": 2, "tensor": 2}, "dropless", 1.25), ({"expert": 4}, "capacity", 4.0)]
+    for mesh, impl, factor in cases:
+        other, other_grads, other_stats, hlo, _ = loss_grads(mesh, batch, params, impl, factor)
         assert other == pytest.approx(loss, rel=1e-6), (mesh, impl)
         for a, b in zip(jax.tree.leaves(other_grads), jax.tree.leaves(grads), strict=True):
             np.testing.assert_allclose(a, b, atol=1e-5 * scale, err_msg=f"{mesh} {impl}")
@@ -145,17 +155,17 @@ def test_a_run_with_experts_trains_resumes_onto_another_expert_axis_and_decodes(
     resumed = train(config(4, expert=2, tensor=2), str(tmp_path / "split"))
     assert resumed["step"] == 4
     assert resumed["loss"] == pytest.approx(reference["loss"], rel=1e-5)
-    weights = []
+    weights, one = [], build(config(4))
     for run in ("one", "split"):
         ckpt = Checkpointer(str(tmp_path / run / "checkpoints"), read_only=True)
-        weights.append(ckpt.restore_params(4, abstract_params(build(config(4)).model, build(config(4)).shard)))
+        weights.append(ckpt.restore_params(4, abstract_params(one.model, one.shard)))
         ckpt.close()
     for a, b in zip(jax.tree.leaves(weights[0]), jax.tree.leaves(weights[1]), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
     bias = weights[1]["layers"]["moe"]["router_bias"]  # (2 MoE layers, 8 experts): 4 steps of +-1e-3 each
     assert np.all(np.abs(bias) <= 4e-3 + 1e-9) and np.any(bias != 0)
     with pytest.raises(ConfigError, match=r"layer 1's router bias \(model.moe.router_bias\) is not zero"):
-        to_hf_tensors(weights[1], build(config(4)).spec.arch)  # a moved bias has no place in Hugging Face's forms
+        to_hf_tensors(weights[1], one.spec.arch)  # a moved bias has no place in Hugging Face's forms
     with open(tmp_path / "split" / "metrics.jsonl") as f:
         last = [r for r in map(json.loads, f) if "loss" in r][-1]
     shares = [[last[f"moe/load/{i}/{e}"] for e in range(8)] for i in range(2)]
@@ -165,8 +175,7 @@ def test_a_run_with_experts_trains_resumes_onto_another_expert_axis_and_decodes(
 
     prompt = np.random.default_rng(1).integers(3, 384, (2, 5)).astype(np.int32)
     texts = []
-    for mesh in (dict(expert=4, fsdp=2), {}):
-        setup = build(config(4, **mesh))
+    for setup in (build(config(4, expert=4, fsdp=2)), one):
         params = jax.device_put(weights[1], setup.state_shardings.params)
         texts.append(np.asarray(make_generate(setup.spec, setup.shard, max_new_tokens=6)(params, prompt, 0)))
     np.testing.assert_array_equal(texts[0], texts[1])
