@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 _CONFIGS = flags.DEFINE_list("configs", ["tiny", "small", "llm_1b"], "Configs under configs/.")
 _TARGETS = flags.DEFINE_list("targets", ["v5e-4", "v5p-8"], "TPU targets of four devices.")
 _REMATS = flags.DEFINE_list("remats", ["none", "save_dots", "full"], "Remat policies.")
+_MESHES = flags.DEFINE_list("meshes", ["fsdp=4", "data=2 x fsdp=2", "fsdp=2 x tensor=2"], "Meshes, of MESHES.")
 _CPU = flags.DEFINE_bool("cpu", False, "Also compile for four simulated CPU devices (the fsdp=4 mesh).")
 _OUT = flags.DEFINE_string("out", os.path.join(HERE, "report", "memory_calibration.jsonl"), "JSON lines file.")
 _TABLE = flags.DEFINE_bool("table", False, "Print the table from --out and compile nothing.")
@@ -144,8 +145,11 @@ def run_grid():
     if os.path.exists(_OUT.value):
         with open(_OUT.value) as f:
             done = {(r["config"], r["compiler"], r["remat"], r["mesh"]) for r in map(json.loads, f)}
+    unknown = sorted(set(_MESHES.value) - set(MESHES))
+    if unknown:
+        raise SystemExit(f"--meshes {unknown} are not among {sorted(MESHES)}.")
     compilers = compiler_devices(_TARGETS.value + (["cpu"] if _CPU.value else []))
-    for name, remat, mesh, compiler in itertools.product(_CONFIGS.value, _REMATS.value, MESHES, compilers):
+    for name, remat, mesh, compiler in itertools.product(_CONFIGS.value, _REMATS.value, _MESHES.value, compilers):
         if (name, compiler, remat, mesh) in done or (compiler == "cpu" and mesh != "fsdp=4"):
             continue
         row = {"config": name, "compiler": compiler, "remat": remat, "mesh": mesh}

@@ -24,8 +24,8 @@ def quick(corpus_dir, out):
     data = [*TINY, f"--config.data.data_dir={corpus_dir}"]
     return [
         ("checkpoint.py", [*SYNTHETIC, "--repeats=1"], "checkpoint"),
-        ("compile_layers.py", [*SYNTHETIC, "--layers=1,2"], "compile_layers"),
-        ("context.py", [*SYNTHETIC, "--seq_lens=64", "--contexts=1,2", "--steps=1"], "context"),
+        ("compile_layers.py", [*SYNTHETIC, "--layers=1"], "compile_layers"),
+        ("context.py", [*SYNTHETIC, "--seq_lens=64", "--contexts=2", "--steps=1"], "context"),
         ("grouped_matmul.py", ["--rows=1024", "--d_model=256", "--d_ff=256", "--experts=4"], "grouped_matmul"),
         ("harness.py", [*SYNTHETIC, "--requests=16"], "harness"),
         ("input_pipeline.py", [*data, "--batches=2", "--steps=1"], "input_pipeline"),
@@ -50,7 +50,11 @@ def quick(corpus_dir, out):
         ),  # fmt: skip
         ("remat.py", [*SYNTHETIC, "--steps=1"], "remat"),
         ("vs_pytorch.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "vs_pytorch"),
-        ("memory_calibration.py", ["--configs=tiny", "--targets=v5e-4", "--remats=none", f"--out={out}"], None),
+        (
+            "memory_calibration.py",
+            ["--configs=tiny", "--targets=v5e-4", "--remats=none", "--meshes=fsdp=4", f"--out={out}"],
+            None,
+        ),  # fmt: skip
         # Its compiles need a MaxText checkout and its own Python (not in CI): the table of the recorded ones.
         ("vs_maxtext.py", ["--table"], "vs_maxtext"),
     ]
@@ -85,11 +89,11 @@ def test_every_benchmark_runs_and_prints_what_results_records(corpus_dir, tmp_pa
         assert run.returncode == 0, f"{script}: {run.stderr[-3000:]}"
         if name is None:  # the memory calibration: its compiles in --out, and the README's table
             lines = [json.loads(line) for line in out.read_text().splitlines()]
-            assert {(r["config"], r["remat"], r["mesh"], r["compiler"]) for r in lines} == {
-                ("tiny", "none", mesh, "v5e-4") for mesh in ("fsdp=4", "data=2 x fsdp=2", "fsdp=2 x tensor=2")
-            }
+            assert [(r["config"], r["remat"], r["mesh"], r["compiler"]) for r in lines] == [
+                ("tiny", "none", "fsdp=4", "v5e-4")
+            ]
             assert all(r["xla"]["total"] > 0 for r in lines)
-            assert run.stdout.count("| tiny | none |") == 3
+            assert run.stdout.count("| tiny | none |") == 1
             continue
         if name == "vs_maxtext":  # a row of the table for each recorded compile, both trainers side by side
             with open(os.path.join(REPO, "benchmarks", "report", "vs_maxtext.jsonl")) as f:
