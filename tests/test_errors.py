@@ -47,6 +47,11 @@ CASES = {
         "model.n_heads=4 does not divide over mesh.tensor=8",
     ),
     "unknown key": (unknown_key, "unknown config key 'optim.lrr'"),
+    "a width that heads do not divide": (
+        lambda: micro_config(model=dict(d_model=66)),
+        r"model.d_model=66 is not a multiple of model.n_heads=4; change one, or set model.head_dim",
+    ),
+    "an odd head size": (lambda: micro_config(model=dict(head_dim=15)), r"the head size 15 .* must be even for RoPE"),
     "more experts per token than experts": (
         lambda: micro_config(model=dict(moe=dict(num_experts=4, experts_per_token=6))),
         "model.moe.experts_per_token=6 exceeds model.moe.num_experts=4",

@@ -80,11 +80,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"model.d_model={m.d_model} is not a multiple of model.n_heads={m.n_heads}; "
             "change one, or set model.head_dim."
         )
-    if (m.head_dim or m.d_model // m.n_heads) % 2:
-        raise ConfigError(
-            f"the head size {m.head_dim or m.d_model // m.n_heads} (model.head_dim, or d_model/n_heads) must be "
-            "even for rotary embeddings."
-        )
+    head = m.head_dim or m.d_model // m.n_heads  # as Architecture resolves it
+    if head % 2:
+        raise ConfigError(f"the head size {head} (model.head_dim, or d_model/n_heads) must be even for RoPE.")
     r = m.rope_scaling
     if r.factor != 1 and r.high_freq_factor <= r.low_freq_factor:
         raise ConfigError(

@@ -80,7 +80,8 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     through the experts and its shared experts as one MLP of that many times the expert width, plus the
     exchange's buffers: the copies sent, received and returned, each as large as the exchange's room
     (dropless: expert x the copies; capacity: capacity_factor x), in the layer kept without remat and in
-    the recomputed one with it. Checked on moe_1b's v5p-32 compiles (docs/moe.md), not fitted to them.
+    the recomputed one with it (the latter added after moe_1b's expert 8 compiles on v5p-32 showed it
+    missing; held out at expert 4 x fsdp 4: docs/moe.md).
     """
     a = spec.arch
     d, f = a.d_model, a.d_ff / tensor
