@@ -222,3 +222,26 @@ def test_an_export_with_no_hugging_face_form_is_one_sentence():
         interleaved = Experts(num_experts=4, dense_layers=1, every=2)
         hf_config(Architecture(**{**base, "n_layers": 3}, qk_norm=True, moe=interleaved), 64)
     assert hf_config(Architecture(**base, qk_norm=True, moe=Experts(num_experts=4)), 64)["model_type"] == "qwen3_moe"
+
+
+def test_a_capacity_model_scores_and_writes_each_request_as_if_alone():
+    """model.moe.impl=capacity with room for half an even share, which drops assignments in training: a
+    request scored alone and batched behind longer ones (and their padding) gets the same log-likelihood, and
+    a prompt decoded beside others the same greedy tokens: outside training no token loses its experts to
+    another's, and padding is routed nowhere."""
+    from trainer.scoring import Scorer
+
+    cfg = micro_config(model=dict(n_layers=2, moe={**EXPERTS, "dense_layers": 0, "impl": "capacity",
+                                                   "capacity_factor": 0.5}))  # fmt: skip
+    setup = build(cfg)
+    params = setup.new_state().params
+    rng = np.random.default_rng(3)
+    request = ([int(t) for t in rng.integers(3, 384, 6)], [int(t) for t in rng.integers(3, 384, 4)])
+    longer = [([int(t) for t in rng.integers(3, 384, 20)], [int(t) for t in rng.integers(3, 384, 9)]) for _ in range(7)]
+    scorer = Scorer(setup)
+    alone = scorer.loglikelihoods(params, [request])[0]
+    batched = scorer.loglikelihoods(params, [*longer, request])[-1]
+    assert batched[0] == pytest.approx(alone[0], rel=1e-6, abs=1e-6) and batched[1] == alone[1]
+    prompts = [request[0], *(c for c, _ in longer[:5])]
+    greedy_alone = scorer.greedy(params, [request[0]], 5)[0]
+    np.testing.assert_array_equal(scorer.greedy(params, prompts, 5)[0], greedy_alone)

@@ -43,7 +43,7 @@ from trainer.training.step import abstract_batch, jit_eval_step, make_eval_step
 
 def eval_step(setup: Setup):
     """The jitted (params, global batch) -> (loss sum, token count), in the training step's microbatches."""
-    step = make_eval_step(setup.model, setup.shard, setup.cfg.train.grad_accum_steps)
+    step = make_eval_step(setup.inference_model, setup.shard, setup.cfg.train.grad_accum_steps)
     return jit_eval_step(step, setup.state_shardings, setup.shard)
 
 

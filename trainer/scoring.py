@@ -7,6 +7,8 @@ it) that holds the longest row of its batch: attention is causal, so the padding
 changes none of its log-probabilities, and one compile serves every batch of a length. A batch has the
 training microbatch's rows (train.global_batch_size / train.grad_accum_steps), which every mesh of the
 run takes, and is laid out like a training batch: a row's tokens sit in segment 1, padding in segment 0.
+Experts run without a capacity here and padding is routed to none (spec.for_inference, moe.route), so no
+request's tokens lose their experts to another's.
 Each process builds the whole batch (all hold every request) and gives its devices their part.
 
 Generation: prompts side by side, right-padded to a power of two, each going on from its own end
@@ -116,7 +118,7 @@ class Scorer:
                 for k, v in batch.items()}  # fmt: skip
 
     def _score_rows(self, params, batch):
-        logits = self.setup.model.apply(params, batch["tokens"], batch["positions"], batch["segment_ids"])
+        logits = self.setup.inference_model.apply(params, batch["tokens"], batch["positions"], batch["segment_ids"])
         # log p = logit - log Z, without a second (rows, length, vocab) array of log-probabilities.
         picked = jnp.take_along_axis(logits, batch["next"][..., None], axis=-1)[..., 0]
         picked = picked - jax.nn.logsumexp(logits, axis=-1)

@@ -142,7 +142,7 @@ class Block(nnx.Module):
         attended, cache = self.attn(self.attn_norm(x), tables, segment_ids, cache)
         x = x + attended
         if hasattr(self, "moe"):
-            out, stats = self.moe(self.mlp_norm(x))
+            out, stats = self.moe(self.mlp_norm(x), None if segment_ids is None else segment_ids > 0)
         else:
             out, stats = self.mlp(self.mlp_norm(x)), {}
         return self.shard.constrain(x + out, RESIDUAL), cache, stats

@@ -38,19 +38,27 @@ AXIS = "expert"  # the mesh axis the experts are split over
 TOKENS = ("batch", "seq", None)
 
 
-def route(x: jax.Array, router: jax.Array, bias: jax.Array, k: int):
-    """(chosen experts (b, t, k), their renormalised weights (b, t, k), the layer's statistics)."""
+def route(x: jax.Array, router: jax.Array, bias: jax.Array, k: int, valid: jax.Array | None = None):
+    """(chosen experts (b, t, k), their renormalised weights (b, t, k), the layer's statistics). Tokens not
+    `valid` (b, t) (padding: segment 0) are routed nowhere: their choices are the expert id `num_experts`,
+    which every path below skips, and they count in no statistic."""
     logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router.astype(jnp.float32))
     probs = jax.nn.softmax(logits, axis=-1)
     _, chosen = jax.lax.top_k(probs + jax.lax.stop_gradient(bias), k)  # the bias picks, it does not weigh
     weights = jnp.take_along_axis(probs, chosen, axis=-1)
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     experts = router.shape[-1]
-    share = jnp.mean(jax.nn.one_hot(chosen, experts, dtype=jnp.float32), axis=(0, 1, 2))
+    if valid is None:
+        valid = jnp.ones(x.shape[:2], bool)
+    chosen = jnp.where(valid[..., None], chosen, experts)
+    real = valid.astype(jnp.float32)
+    count = jnp.maximum(jnp.sum(real), 1.0)
+    share = jnp.sum(jax.nn.one_hot(chosen, experts, dtype=jnp.float32), axis=(0, 1, 2)) / (k * count)
+    mean_prob = jnp.sum(probs * real[..., None], axis=(0, 1)) / count
     stats = {
         "load": share,
-        "balance_loss": experts * jnp.sum(jax.lax.stop_gradient(share) * jnp.mean(probs, axis=(0, 1))),
-        "router_z": jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+        "balance_loss": experts * jnp.sum(jax.lax.stop_gradient(share) * mean_prob),
+        "router_z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * real) / count,
     }
     return chosen, weights, stats
 
@@ -126,7 +134,7 @@ def _dropless(x, chosen, weights, gate, up, down, ep: int, axis, matmul=jax.lax.
     if ep > 1:
         out = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
     back = out[dest, slot - start[dest]]  # sorted assignment a came back in its destination's slot
-    weight = weights.reshape(n)[order].astype(back.dtype)
+    weight = jnp.where(dest < ep, weights.reshape(n)[order], 0).astype(back.dtype)  # padding (dest ep) went nowhere
     return jnp.zeros((tokens, d), back.dtype).at[token].add(back * weight[:, None]), jnp.zeros((), jnp.float32)
 
 
@@ -140,7 +148,8 @@ def _capacity(x, chosen, weights, gate, up, down, ep: int, axis, factor: float):
     token = jnp.tile(jnp.arange(tokens), k)
     taken = jax.nn.one_hot(expert, experts, dtype=jnp.int32)
     place = jnp.sum((jnp.cumsum(taken, axis=0) - 1) * taken, axis=-1)  # the assignment's place in its expert
-    kept = place < room
+    routed = expert < experts  # padding's choices (id `experts`) take no room
+    kept = (place < room) & routed
     slot = jnp.where(kept, expert * room + place, experts * room)  # out of range: dropped by the scatter
     buffer = jnp.zeros((experts * room, d), x.dtype).at[slot].set(x[token], mode="drop")
     buffer = buffer.reshape(ep, local, room, d)
@@ -154,7 +163,7 @@ def _capacity(x, chosen, weights, gate, up, down, ep: int, axis, factor: float):
     out = out.reshape(experts * room, d)
     back = jnp.where(kept[:, None], out[jnp.minimum(slot, experts * room - 1)], 0)
     weight = weights.T.reshape(n).astype(back.dtype)
-    dropped = jnp.sum(~kept).astype(jnp.float32)
+    dropped = jnp.sum(routed & ~kept).astype(jnp.float32)
     return jnp.zeros((tokens, d), back.dtype).at[token].add(back * weight[:, None]), dropped
 
 
@@ -190,12 +199,12 @@ def experts(x, chosen, weights, gate, up, down, shard: LogicalSharding, run):
             out, dropped = _dropless(*args, matmul)
         if axes["mlp"]:  # each device's d_ff slice gave a partial sum
             out = jax.lax.psum(out, axes["mlp"])
-        assignments = jnp.float32(chosen.size)
+        assignments = jnp.sum(chosen < ep * gate.shape[0]).astype(jnp.float32)  # padding's are none
         if axes["tokens"]:  # over the whole batch
             dropped, assignments = jax.lax.psum((dropped, assignments), axes["tokens"])
         if axes["repeated"]:  # every device of these axes computed the same rows (decoding's): say so
             out = jax.lax.pmean(out, axes["repeated"])
-        return out.reshape(b, t, d), dropped / assignments
+        return out.reshape(b, t, d), dropped / jnp.maximum(assignments, 1.0)
 
     if shard.mesh is None:
         none = dict.fromkeys(("embed_in", "embed_out", "expert", "mlp", "tokens", "repeated"), ())
@@ -242,9 +251,10 @@ class MoE(nnx.Module):
         self.shared = MLP(spec, shard, rngs, width=m.shared_experts * f) if m.shared_experts else None
         self.k, self.execution, self.shard = m.experts_per_token, spec.execution, shard
 
-    def __call__(self, x):
+    def __call__(self, x, valid=None):
+        """`valid` (b, t): the tokens that are not padding (None: all are)."""
         run, dt = self.execution, self.execution.compute_dtype
-        chosen, weights, stats = route(x, self.router[...], self.router_bias[...], self.k)
+        chosen, weights, stats = route(x, self.router[...], self.router_bias[...], self.k, valid)
         weights_in_dt = (w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
         out, stats["dropped"] = experts(x, chosen, weights, *weights_in_dt, self.shard, run)
         if self.shared is not None:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from parallelism.rules import LogicalSharding
 from trainer.model.decoder import ModelDef
-from trainer.model.spec import ModelSpec
+from trainer.model.spec import ModelSpec, for_inference
 
 CACHE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # a single prompt: batch and time stay whole
 
@@ -58,6 +58,7 @@ def make_generate(spec: ModelSpec, shard: LogicalSharding, *, max_new_tokens: in
     # Prompts and caches are short and grow a token at a time: whole sequences on every device, so a
     # model trained with a context axis decodes as any other.
     shard = LogicalSharding.create(shard.mesh, {**dict(shard.rules), "batch": (), "seq": (), "residual_seq": ()})
+    spec = for_inference(spec)
     model = ModelDef.create(spec, shard)
 
     @jax.jit

@@ -154,6 +154,15 @@ class ModelSpec:
         return cls(Architecture.from_config(cfg), Execution.from_config(cfg), cfg.model.init_std)
 
 
+def for_inference(spec: ModelSpec) -> ModelSpec:
+    """The spec that scores, evaluates and decodes: experts without a capacity. A capacity (fixed expert
+    buffers, trainer/model/moe.py) is a training-time economy; outside training a token dropped for the sake
+    of others in its batch would make a request's score depend on what it was batched with."""
+    if not spec.arch.moe.num_experts or spec.execution.moe_impl == "dropless":
+        return spec
+    return dataclasses.replace(spec, execution=dataclasses.replace(spec.execution, moe_impl="dropless"))
+
+
 def is_matrix(names: tuple) -> bool:
     """A weight matrix (embeddings, head, projections): two or more axes besides the layer stack.
 

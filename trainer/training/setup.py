@@ -7,6 +7,7 @@ same way, with one sentence, before anything compiles or touches the disk.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import optax
@@ -17,7 +18,7 @@ from parallelism.rules import LogicalSharding, parse_rules
 from trainer.model.attention import context_kernel, resolve
 from trainer.model.context import ways
 from trainer.model.decoder import ModelDef
-from trainer.model.spec import ModelSpec
+from trainer.model.spec import ModelSpec, for_inference
 from trainer.optim.optimizer import make_optimizer
 from trainer.training.state import (
     TrainState,
@@ -41,6 +42,12 @@ class Setup:
     state_shardings: TrainState
     batch_sharding: NamedSharding
     counters: dict  # a fresh state's clock, loss scale and stability entries (trainer/training/state.py)
+
+    @functools.cached_property
+    def inference_model(self) -> ModelDef:
+        """The model that scores, evaluates and decodes the same parameters (spec.for_inference)."""
+        spec = for_inference(self.spec)
+        return self.model if spec is self.spec else ModelDef.create(spec, self.shard)
 
     def new_state(self) -> TrainState:
         return create_train_state(self.spec, self.model, self.tx, self.shard, self.cfg.train.seed, self.counters)
