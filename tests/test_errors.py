@@ -68,6 +68,15 @@ CASES = {
         lambda: micro_config(mesh=dict(expert=2, fsdp=4)),
         "mesh.expert=2 splits experts, but the model has none",
     ),
+    "a width the expert axis does not divide": (  # the default rule shards embed over expert too
+        lambda: micro_config(model=dict(d_model=36, head_dim=16, moe=dict(num_experts=4)), mesh=dict(expert=4, fsdp=2)),
+        r"model.d_model=36 does not divide over mesh.fsdp x mesh.expert=8 \(mesh.rules.embed",
+    ),
+    "a width a custom rule's axes do not divide": (
+        lambda: micro_config(model=dict(d_model=36, head_dim=16), mesh=dict(fsdp=4, tensor=2,
+                                                                            rules=dict(embed=("fsdp", "tensor")))),
+        r"model.d_model=36 does not divide over mesh.fsdp x mesh.tensor=8 \(mesh.rules.embed",
+    ),
     "a capacity factor of zero": (
         lambda: micro_config(model=dict(moe=dict(num_experts=4, impl="capacity", capacity_factor=0.0))),
         r"model.moe.capacity_factor=0.0 must be in \(0, inf\)",
@@ -276,7 +285,11 @@ def test_a_value_outside_any_keys_range_is_refused_naming_key_value_and_range():
         ({"optim.lr": -1e-3}, r"optim.lr=-0.001 must be in \(0, inf\)\."),
         ({"optim.b1": -0.1}, r"optim.b1=-0.1 must be in \[0, 1\)\."),
         ({"optim.b2": 1.5}, r"optim.b2=1.5 must be in \[0, 1\)\."),
-        ({"optim.eps": -1e-8}, r"optim.eps=-1e-08 must be in \[0, inf\)\."),
+        ({"optim.eps": -1e-8}, r"optim.eps=-1e-08 must be in \(0, inf\)\."),
+        # 0/0 in Adam's update wherever a gradient is exactly zero (an MoE router bias, an absent token's row)
+        ({"optim.eps": 0.0}, r"optim.eps=0.0 must be in \(0, inf\)\."),
+        # judged from the first step against running means of 0: every step a spike, none ever applied
+        ({"stability.stats_warmup": 0}, r"stability.stats_warmup=0 must be in \[1, inf\)\."),
         ({"optim.weight_decay": -0.1}, r"optim.weight_decay=-0.1 must be in \[0, inf\)\."),
         ({"optim.z_loss": -1e-4}, r"optim.z_loss=-0.0001 must be in \[0, inf\)\."),
         ({"optim.clip_norm": -1.0}, r"optim.clip_norm=-1.0 must be in \[0, inf\)\."),

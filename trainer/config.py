@@ -146,7 +146,7 @@ def _declared() -> dict[str, dict]:
         min_lr_ratio=Num(0.1, "[0, 1]"),
         b1=Num(0.9, "[0, 1)"),
         b2=Num(0.95, "[0, 1)"),
-        eps=Num(1e-8, "[0, inf)"),
+        eps=Num(1e-8, "(0, inf)"),  # 0 divides 0 by 0 wherever a gradient is exactly zero: NaN weights
         weight_decay=Num(0.1, "[0, inf)"),
         clip_norm=Num(1.0, "[0, inf)"),  # 0 disables clipping
         momentum=Num(0.9, "[0, 1)"),  # sgd
@@ -194,7 +194,8 @@ def _declared() -> dict[str, dict]:
     # window, or a loss that stays diverged, rolls back to the last healthy checkpoint.
     c.stability = dict(
         spike_factor=Num(10.0, "0 or (1, inf)"),  # a gradient norm above this x its running mean is a spike (0 = off)
-        stats_warmup=Num(20, "[0, inf)"),  # steps of statistics before spikes are judged
+        # steps of statistics before spikes are judged (0 would judge the first against means of 0: all spikes)
+        stats_warmup=Num(20, "[1, inf)"),
         max_bad_steps=Num(4, "[0, inf)"),  # bad steps within `bad_window` that trigger a rollback (0 = off)
         bad_window=Num(50, "[1, inf)"),
         diverge_factor=Num(2.0, "(1, inf)"),  # loss above this x its running mean ...

@@ -2,13 +2,17 @@
 
 `validate` judges the config alone (keys, values, and what the schedule, muP,
 the batch ramp, the drills and the sharding rules need); `check_mesh_fit` the
-config against the mesh it will run on. Training, planning and evaluation all
-pass through both (trainer/training/setup.py), so a bad config fails the same
-way everywhere, with one sentence.
+config against the mesh it will run on; `check_weights_fit` every weight
+against the mesh axes its rule splits it over. Training, planning and
+evaluation all pass through the three (trainer/training/setup.py), so a bad
+config fails the same way everywhere, with one sentence.
 """
 
 from __future__ import annotations
 
+import math
+
+import jax
 import ml_collections
 
 from parallelism.mesh import AXES
@@ -257,7 +261,6 @@ def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
     """Refuse a batch or head count that does not divide over the mesh."""
     _check_experts(cfg, mesh.shape["expert"], mesh.shape["tensor"])
     data_ways = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
-    tensor = mesh.shape["tensor"]
     micro = microbatch_size(cfg)
     if micro % data_ways:
         raise ConfigError(
@@ -270,22 +273,44 @@ def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
             f"each pipeline microbatch of {piece} sequences does not divide over data x fsdp = "
             f"{data_ways} devices; use fewer train.pipeline_microbatches or a larger batch."
         )
-    for key in ("n_heads", "n_kv_heads"):
-        if cfg.model[key] % tensor:
-            raise ConfigError(
-                f"model.{key}={cfg.model[key]} does not divide over mesh.tensor={tensor}; "
-                f"use a tensor size that divides {cfg.model[key]}."
-            )
-    for key in ("d_ff", "vocab_size"):
-        if cfg.model[key] % tensor:
-            raise ConfigError(f"model.{key}={cfg.model[key]} does not divide over mesh.tensor={tensor}.")
-    weight_ways = mesh.shape["fsdp"] * mesh.shape["context"]
-    if cfg.model.d_model % weight_ways:
-        raise ConfigError(
-            f"model.d_model={cfg.model.d_model} does not divide over mesh.fsdp x mesh.context={weight_ways} "
-            "(weights are sharded over both)."
-        )
     _check_context(cfg, mesh.shape["context"])
+
+
+# The config key that sizes each logical axis of a weight, named when that axis does not divide over its mesh
+# axes; in the order the checks report them.
+SIZED_BY = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "vocab": "model.vocab_size",
+            "embed": "model.d_model", "expert": "model.moe.num_experts", "head_dim": "model.head_dim",
+            "layers": "model.n_layers"}  # fmt: skip
+
+
+def check_weights_fit(model, shard) -> None:
+    """Refuse a weight whose dimension the mesh axes of its rule (mesh.rules over the defaults) do not divide,
+    before anything is placed. Derived from every weight's logical axes and the rules as the sharding applies
+    them, so a custom rule, or an axis that shares a dimension (embed over fsdp, context and expert), is
+    checked like any other."""
+    found = []
+
+    def check(path, names, param):
+        where = ".".join(str(getattr(k, "key", k)) for k in path)
+        for size, name, entry in zip(param.shape, names, shard.spec(names), strict=True):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            ways = math.prod(shard.mesh.shape[a] for a in axes)
+            if size % ways:
+                found.append((list(SIZED_BY).index(name) if name in SIZED_BY else len(SIZED_BY), name, size, axes,
+                              ways, where))  # fmt: skip
+
+    jax.tree_util.tree_map_with_path(check, model.logical_names, model.abstract_params,
+                                     is_leaf=lambda x: isinstance(x, tuple))  # fmt: skip
+    if not found:
+        return
+    _, name, size, axes, ways, where = min(found)
+    key = "model.moe.d_ff" if name == "mlp" and ".moe." in f".{where}." else SIZED_BY.get(name, f"the '{name}' axis")
+    over = " x ".join(f"mesh.{a}" for a in axes)
+    raise ConfigError(
+        f"{key}={size} does not divide over {over}={ways} (mesh.rules.{name} splits the '{name}' axis of {where} "
+        f"over {'them' if len(axes) > 1 else 'it'}); choose axis sizes whose product divides {size}, or change "
+        f"mesh.rules.{name}."
+    )
 
 
 def _check_experts(cfg: ml_collections.ConfigDict, expert: int, tensor: int) -> None:

@@ -28,7 +28,7 @@ from trainer.training.state import (
     state_shardings,
 )
 from trainer.training.step import BATCH_NAMES, jit_train_step, make_train_step
-from trainer.validation import check_mesh_fit, validate
+from trainer.validation import check_mesh_fit, check_weights_fit, validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +76,7 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     kernel = context_kernel(e.attention, e.context_attention, platform) if split else resolve(e.attention, platform)
     spec = dataclasses.replace(spec, execution=dataclasses.replace(spec.execution, attention=kernel))
     model = ModelDef.create(spec, shard)
+    check_weights_fit(model, shard)
     tx = make_optimizer(cfg, model.logical_names)
     counters = initial_counters(cfg)
     shardings = state_shardings(model, tx, shard, counters)
