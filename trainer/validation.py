@@ -307,9 +307,9 @@ def check_weights_fit(model, shard) -> None:
     key = "model.moe.d_ff" if name == "mlp" and ".moe." in f".{where}." else SIZED_BY.get(name, f"the '{name}' axis")
     over = " x ".join(f"mesh.{a}" for a in axes)
     raise ConfigError(
-        f"{key}={size} does not divide over {over}={ways} (mesh.rules.{name} splits the '{name}' axis of the weight '{where}' "
-        f"over {'them' if len(axes) > 1 else 'it'}); choose axis sizes whose product divides {size}, or change "
-        f"mesh.rules.{name}."
+        f"{key}={size} does not divide over {over}={ways} (mesh.rules.{name} splits the '{name}' axis of the weight "
+        f"'{where}' over {'them' if len(axes) > 1 else 'it'}); choose axis sizes whose product divides {size}, or "
+        f"change mesh.rules.{name}."
     )
 
 
