@@ -290,3 +290,16 @@ def test_a_mixture_of_experts_imports_from_transformers_decodes_as_it_does_and_e
     np.testing.assert_array_equal(ours_greedy, theirs)
     assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
     np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), logits, rtol=1e-4, atol=1e-4)
+
+
+def test_an_export_with_no_hugging_face_form_writes_nothing(tmp_path):
+    """An MoE model with a dense layer between MoE ones and no qk_norm (Qwen3-MoE's form needs it; Mixtral's has
+    experts in every layer): refused in one sentence before the first byte, so the same command can be run
+    again into the same directory once the model is right."""
+    cfg = micro_config(model=dict(n_layers=2, moe=dict(num_experts=4, every=2)), train=dict(steps=2),
+                       checkpoint={"every_steps": 2})  # fmt: skip
+    workdir, out = str(tmp_path / "run"), tmp_path / "hf"
+    train(cfg, workdir)
+    with pytest.raises(ConfigError, match="every=2: every Mixtral layer has experts") as info:
+        export_checkpoint(cfg, workdir, None, str(out))
+    assert "\n" not in str(info.value) and not out.exists()

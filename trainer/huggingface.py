@@ -60,6 +60,11 @@ def read_config(hf_dir: str) -> dict:
 
 def write_tokenizer(data_cfg, out_dir: str) -> None:
     """tokenizer.json + tokenizer_config.json that AutoTokenizer loads and that encode exactly as ours do."""
+    hf_tokenizer(data_cfg).save_pretrained(out_dir)
+
+
+def hf_tokenizer(data_cfg):
+    """Our tokenizer as a transformers PreTrainedTokenizerFast (built, nothing written)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -83,9 +88,8 @@ def write_tokenizer(data_cfg, out_dir: str) -> None:
         split_marks = True
     bos_id = tok.token_to_id(bos)
     tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
                                    split_special_tokens=split_marks)  # fmt: skip
-    fast.save_pretrained(out_dir)
 
 
 def _byte_level_tokenizer(Tokenizer, models, decoders):
@@ -139,7 +143,10 @@ def bpe_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
 
 
 def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
-    """Write a Hugging Face directory (config, safetensors, tokenizer) for a checkpoint; returns its step."""
+    """Write a Hugging Face directory (config, safetensors, tokenizer) for a checkpoint; returns its step.
+
+    Everything that can refuse (the directory, the model's form, the weights, the tokenizer) is settled before
+    the first byte is written, so a refused export leaves nothing behind and the same command can be rerun."""
     import jax
 
     from trainer.storage.resume import load_params
@@ -149,15 +156,17 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
     if jax.process_count() > 1:
         raise ConfigError("export in a single process: it gathers the whole model onto one host anyway.")
     cfg = run_tokenizer.settle(cfg, workdir)  # the run's own copy of its tokenizer
+    tok = load_tokenizer(cfg.data)
+    special = (tok.bos_id, tok.eos_id, tok.pad_id)
+    config = hf_config(Architecture.from_config(cfg), cfg.model.max_seq_len, special)  # before the restore
     setup, step, params = load_params(cfg, workdir, step)
     tensors = to_hf_tensors(jax.device_get(params), setup.spec.arch)
+    tokenizer = hf_tokenizer(cfg.data)
     os.makedirs(out_dir, exist_ok=True)
     write_weights(tensors, out_dir)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        tok = load_tokenizer(cfg.data)
-        special = (tok.bos_id, tok.eos_id, tok.pad_id)
-        json.dump(hf_config(setup.spec.arch, cfg.model.max_seq_len, special), f, indent=2)
-    write_tokenizer(cfg.data, out_dir)
+        json.dump(config, f, indent=2)
+    tokenizer.save_pretrained(out_dir)
     return step
 
 
