@@ -224,6 +224,25 @@ def _aligned_find(haystack: bytes, needle: bytes) -> bool:
     return False
 
 
+@pytest.mark.parametrize("bos,eos", [(BOS_ID, EOS_ID), (1, 1)], ids=["own marks", "one mark (GPT-2's)"])
+def test_each_document_is_counted_once_whatever_its_marks(bos, eos):
+    """Documents packed into windows as the loader packs them, with a BOS and an EOS that may be one token
+    (GPT-2's <|endoftext|>): document_starts finds each document once, including where a window begins with
+    the lone end mark of the last window's document, or with a piece of one that has no mark."""
+    import grain
+    from grain.experimental import ConcatThenSplitIterDataset
+
+    rng = np.random.default_rng(0)
+    docs = [np.concatenate([[bos], rng.integers(3, 50, n), [eos]]).astype(np.int32) for n in rng.integers(0, 9, 300)]
+    windows = ConcatThenSplitIterDataset(grain.MapDataset.source([{"tokens": d} for d in docs]).to_iter_dataset(),
+                                         length_struct={"tokens": 5})  # fmt: skip
+    batches = [streams._stack([w]) for w in windows]
+    lone_end = sum(int(b["positions"][0, 0] == 0 and b["segment_ids"][0, 1] != b["segment_ids"][0, 0]
+                       and b["tokens"][0, 0] == eos) for b in batches)  # fmt: skip
+    assert lone_end > 0  # the hard case occurs
+    assert sum(int(streams.document_starts(b, bos).sum()) for b in batches) == len(docs)
+
+
 def test_order_is_fixed_by_the_seed(corpus_dir):
     a = _take(_cfg(corpus_dir), range(4), 3)
     b = _take(_cfg(corpus_dir), range(4), 3)

@@ -212,11 +212,20 @@ def mixture_counts(local: dict[str, np.ndarray], unit: str, corpora: int, bos_id
 
 
 def document_starts(local: dict[str, np.ndarray], bos_id: int | None) -> np.ndarray:
-    """Where documents begin in a batch: at their BOS (the loader puts one before every document; a piece
-    of a document continued from the last window restarts its positions but has none); with no tokenizer
-    (the synthetic source, one window per document) at position 0."""
-    real = local["segment_ids"] > 0
-    return real & (local["tokens"] == bos_id if bos_id is not None else local["positions"] == 0)
+    """Where documents begin in a batch, one place per document whatever the tokenizer's marks.
+
+    Every segment starts at position 0, and only a window's first one can be a piece continued from the last
+    window: any later one is a new document. The first is one if it opens with the BOS the loader puts before
+    every document, unless it is a lone token ending at once, which is the last window's document's end mark
+    (where BOS and EOS are one token, GPT-2's <|endoftext|>; a document has at least its two marks). With no
+    tokenizer (the synthetic source, one window per document) each window's position 0 is one."""
+    begins = (local["segment_ids"] > 0) & (local["positions"] == 0)
+    if bos_id is None:
+        return begins
+    first = begins[:, 0] & (local["tokens"][:, 0] == bos_id)
+    if begins.shape[1] > 1:
+        first &= local["segment_ids"][:, 1] == local["segment_ids"][:, 0]
+    return np.concatenate([first[:, None], begins[:, 1:]], axis=1)
 
 
 class _RowBatches(grain.IterDataset):
