@@ -351,6 +351,19 @@ def test_keys_the_chosen_settings_never_read_are_named_in_a_warning():
                               "optim.name": "sgd", "optim.eps": 1e-8,
                               "precision.compute_dtype": "float16"})  # fmt: skip
     assert unread_settings(read) == []
+    # Experts' keys: with none, every one set is named; with experts, the one the chosen impl never reads.
+    dense = with_changes(micro_config(), {"model.moe.d_ff": 96, "model.moe.router_bias": 1e-3,
+                                          "model.moe.experts_per_token": 4})  # fmt: skip
+    assert unread_settings(dense) == [
+        f"model.moe.{key} is read only when model.moe.num_experts is not 0; with model.moe.num_experts=0 it does "
+        "nothing." for key in ("experts_per_token=4", "d_ff=96", "router_bias=0.001")
+    ]
+    dropless = with_changes(dense, {"model.moe.num_experts": 8, "model.moe.capacity_factor": 2.0})
+    assert unread_settings(dropless) == [
+        "model.moe.capacity_factor=2.0 is read only when model.moe.impl is capacity; with "
+        "model.moe.impl=dropless it does nothing."
+    ]
+    assert unread_settings(with_changes(dropless, {"model.moe.impl": "capacity"})) == []
 
 
 def test_held_back_start_up_words_are_shown_when_the_start_up_fails(capfd, monkeypatch):

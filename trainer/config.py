@@ -271,7 +271,13 @@ READ_ONLY_UNDER = {
     "precision.initial_loss_scale": ("precision.loss_scaling", ("dynamic",)),
     "precision.loss_scale_growth_interval": ("precision.loss_scaling", ("dynamic",)),
     "data.tokenizer_path": ("data.tokenizer", ("sentencepiece", "hf")),
+    "model.moe.capacity_factor": ("model.moe.impl", ("capacity",)),
+    "model.moe.grouped_matmul": ("model.moe.impl", ("dropless",)),
 }
+# Keys read only when another is not 0 (named first, and alone, when it is): the experts' own with experts.
+READ_ONLY_WITH = {f"model.moe.{k}": "model.moe.num_experts"
+                  for k in ("experts_per_token", "shared_experts", "d_ff", "dense_layers", "every", "impl",
+                            "capacity_factor", "grouped_matmul", "aux_loss", "z_loss", "router_bias")}  # fmt: skip
 
 # Keys that were renamed: refused with their new name, and read from an older run's config.json.
 RENAMED = {"train.microbatches": "train.pipeline_microbatches"}

@@ -28,6 +28,7 @@ from trainer.config import (
     OPTIMIZERS,
     RANGES,
     READ_ONLY_UNDER,
+    READ_ONLY_WITH,
     REMAT_POLICIES,
     RENAMED,
     SCHEDULES,
@@ -140,16 +141,21 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
 
 
 def unread_settings(cfg: ml_collections.ConfigDict) -> list[str]:
-    """One line for each key set away from its default that the chosen optimizer, schedule, precision or
-    tokenizer never reads (config.READ_ONLY_UNDER): a warning, since a recipe switched from the command line
-    keeps its other keys."""
+    """One line for each key set away from its default that the chosen optimizer, schedule, precision,
+    tokenizer or experts never read (config.READ_ONLY_WITH, READ_ONLY_UNDER): a warning, since a recipe
+    switched from the command line keeps its other keys."""
     from trainer.training.precision import LossScaling
 
     values, default = flatten(cfg), flatten(defaults())
     values["precision.loss_scaling"] = "dynamic" if LossScaling.from_config(cfg).dynamic else "none"
-    lines = []
+    lines, named = [], set()
+    for key, setting in READ_ONLY_WITH.items():
+        if values[key] != default[key] and not values[setting]:
+            named.add(key)
+            lines.append(f"{key}={values[key]!r} is read only when {setting} is not 0; with {setting}=0 it does "
+                         "nothing.")  # fmt: skip
     for key, (setting, readers) in READ_ONLY_UNDER.items():
-        if values[key] != default[key] and values[setting] not in readers:
+        if values[key] != default[key] and values[setting] not in readers and key not in named:
             chosen = values[setting]
             if setting == "precision.loss_scaling":
                 chosen = f"{cfg.precision.loss_scaling} ({chosen} with {cfg.precision.compute_dtype} compute)"
