@@ -20,6 +20,7 @@ _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default the newest.")
 _MAX_BATCHES = flags.DEFINE_integer("max_batches", 0, "Stop after this many batches (0 = the whole split).")
+cli.at_least(_MAX_BATCHES, 0, "must be 0 (the whole split) or more.")
 
 
 def main():

@@ -25,7 +25,12 @@ _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")
 _TASKS = flags.DEFINE_list("tasks", None, "Comma-separated task (or group) names, as the harness names them.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default the newest.")
-_LIMIT = flags.DEFINE_float("limit", None, "At most this many documents per task (below 1: that share of them).")
+_LIMIT = flags.DEFINE_float(
+    "limit", 0, "At most this many documents per task (below 1: that share of them; 0: all of them, as "
+    "train.harness_limit=0)."
+)
+cli.at_least(_LIMIT, 0, "must be 0 (every document) or more: a count of documents per task, or below 1 a share of "
+             "them.")  # fmt: skip
 _FEWSHOT = flags.DEFINE_integer("num_fewshot", None, "Examples in each prompt; default each task's own.")
 _INCLUDE = flags.DEFINE_string("include_path", "", "A folder of task YAML files of your own.")
 _BOOTSTRAP = flags.DEFINE_integer("bootstrap_iters", 100000, "Resamples for standard errors (0: none).")

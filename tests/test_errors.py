@@ -215,6 +215,28 @@ def test_the_script_prints_one_line_and_fails(tmp_path, args, named):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize(
+    "script, args, said",
+    [
+        ("train.py", ["--config.train.step=600"],
+         "error: --config.train.step is not a config key; did you mean --config.train.steps? (every key: "
+         "trainer/config.py)"),
+        ("eval.py", ["--max_batches=-1"], "error: --max_batches=-1 must be 0 (the whole split) or more."),
+        ("lm_eval.py", ["--tasks=hellaswag", "--limit=-1"],
+         "error: --limit=-1 must be 0 (every document) or more: a count of documents per task, or below 1 a "
+         "share of them."),
+    ],
+    ids=["misspelt key", "negative max_batches", "negative limit"],
+)  # fmt: skip
+def test_a_flag_no_command_can_take_is_one_plain_sentence_before_anything_loads(tmp_path, script, args, said):
+    result = subprocess.run([sys.executable, f"scripts/{script}", "--config", "configs/tiny.py", *args,
+                             f"--workdir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode != 0 and result.stdout == ""
+    assert result.stderr.strip() == said
+    assert not (tmp_path / "run").exists()
+
+
 def test_commands_that_need_no_accelerator_print_only_their_own_lines(tmp_path):
     """With the gpu and tpu extras installed on a machine with neither: no CUDA-driver line, plugin traceback or
     libtpu warning from the scaling lab, the planner's TPU and GPU targets, or preparing data."""

@@ -85,7 +85,8 @@ def assert_same(ours, theirs, atol):
 
 
 def one_device(cfg, workdir):
-    return harness.evaluate_checkpoint(cfg, workdir, NAMES, include_path=TASKS, bootstrap_iters=0,
+    """Every document of each task: a limit of 0 means all of them, as train.harness_limit=0 does."""
+    return harness.evaluate_checkpoint(cfg, workdir, NAMES, include_path=TASKS, bootstrap_iters=0, limit=0,
                                        devices=jax.devices()[:1])  # fmt: skip
 
 

@@ -31,6 +31,12 @@ def define_config_flag(required: bool = True):
     return flag
 
 
+def at_least(flag: flags.FlagHolder, low: float, says: str) -> None:
+    """Refuse a value of `flag` below `low` as the command line is parsed, before anything loads, in one
+    sentence: "--name=value {says}"."""
+    flags.register_validator(flag.name, lambda value: value is None or value >= low, message=says)
+
+
 def config_args(argv: list[str]) -> list[str]:
     """The --config flags of a command line, to hand on to another script (scaling.py's --list)."""
     return [f"--config={config_path()}"] + [a for a in argv if a.startswith("--config.")]
@@ -84,13 +90,37 @@ def _parse(argv):
         if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
             config.command_line_lists(flags.FLAGS["config"].value)
         return rest
+    except flags.IllegalFlagValueError as e:  # at_least's refusals: "flag --name=value: says"
+        flag, _, says = str(e).removeprefix("flag ").partition(": ")
+        typed = [a for a in argv if a.startswith(flag.split("=")[0] + "=")]  # as the user spelt the value
+        sys.exit(f"error: {typed[-1] if typed else flag} {says}")
     except OSError as e:
         # ml_collections' message spans several lines of search attempts; the path is what matters.
         path = e.filename or str(e).split("Attempted [Relative path]:")[-1].split()[0]
         sys.exit(f"error: the config file {path} could not be read; pass --config with a file that exists.")
     except (AttributeError, KeyError, ValueError, TypeError, flags.Error) as e:
+        unknown = _unknown_key(argv)
+        if unknown:
+            sys.exit(f"error: {unknown}")
         detail = " ".join(str(e).replace("\\n", " ").replace("\\", "").replace("'", "").split())
         sys.exit(f"error: a command-line flag could not be applied ({detail}); check it against trainer/config.py.")
+
+
+def _unknown_key(argv) -> str | None:
+    """The first --config.section.key=... that names no key, as a sentence with the nearest known key."""
+    import difflib
+
+    known = config.flatten(config.defaults())
+    for arg in argv[1:]:
+        key = arg.removeprefix("--config.").split("=")[0]
+        if not arg.startswith("--config.") or key in known or any(k.startswith(f"{key}.") for k in known):
+            continue
+        if key.startswith("mesh.rules."):
+            continue  # a rule's name is judged with the rules (validation.py), in its own sentence
+        near = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean --config.{near[0]}? " if near else ""
+        return f"--config.{key} is not a config key; {hint}(every key: trainer/config.py)"
+    return None
 
 
 def run(main: Callable[..., None], *, takes_args: bool = False, uses_devices: bool = True) -> None:

@@ -210,11 +210,13 @@ def evaluate(scorer: Scorer, params, tokenizer, tasks: list, *, limit: float | N
              num_fewshot: int | None = None, bootstrap_iters: int = 0, log_samples: bool = True,
              name: str = "trainer") -> dict:  # fmt: skip
     """The harness's results for `tasks` (load_tasks) on `params`, with "truncated": requests cut from the left
-    per method, and "samples" when `log_samples`. `name` is the model's name in the results."""
+    per method, and "samples" when `log_samples`. `name` is the model's name in the results. `limit`: documents
+    per task, below 1 a share of them; 0 or None all of them (the harness itself refuses 0)."""
     lm = HarnessLM(scorer, params, tokenizer)
     with _global_generators_kept():
         results = simple_evaluate(model=lm, model_args={"model": name}, tasks=tasks, num_fewshot=num_fewshot,
-                                  limit=limit, bootstrap_iters=bootstrap_iters, log_samples=log_samples)  # fmt: skip
+                                  limit=limit or None, bootstrap_iters=bootstrap_iters,
+                                  log_samples=log_samples)  # fmt: skip
     results["truncated"] = dict(lm.truncated)
     return results
 
@@ -301,7 +303,7 @@ class InLoop:
     def __init__(self, setup, tokenizer, workdir: str, watch=None):
         t = setup.cfg.train
         self.names, self.include = list(t.harness_tasks), t.harness_include_path
-        self.limit = t.harness_limit or None
+        self.limit = t.harness_limit
         self.fewshot = None if t.harness_fewshot < 0 else int(t.harness_fewshot)
         self.tokenizer, self.workdir = tokenizer, workdir
         self.scorer = Scorer(setup, watch)
