@@ -48,6 +48,12 @@ def flags_of(script: str) -> set[str]:
     return names
 
 
+def tokens_of(rest: str) -> list[str]:
+    """A shown command's arguments, as the shell splits them ([optional] brackets dropped)."""
+    rest = rest.replace("[", " ").replace("]", " ")
+    return shlex.split(rest if rest.count('"') % 2 == 0 else rest.replace('"', " "))  # the end of a quoted one
+
+
 def test_every_command_in_the_readme_and_docs_exists_with_its_flags():
     keys = flatten(defaults())
     shown = commands()
@@ -58,8 +64,7 @@ def test_every_command_in_the_readme_and_docs_exists_with_its_flags():
             wrong.append(f"{where}: {script} does not exist")
             continue
         defined = flags_of(script)
-        rest = rest.replace("[", " ").replace("]", " ")
-        tokens = shlex.split(rest if rest.count('"') % 2 == 0 else rest.replace('"', " "))  # the end of a quoted one
+        tokens = tokens_of(rest)
         for i, token in enumerate(tokens):
             if not token.startswith("--") or token == "--":
                 continue
@@ -85,3 +90,35 @@ def test_every_config_key_the_pages_name_exists():
     unknown = [f"{page}: --config.{k}" for page, k in named if k not in keys and not any(x.startswith(k + ".")
                                                                                           for x in keys)]  # fmt: skip
     assert not unknown, "\n".join(unknown)
+
+
+def test_every_documented_override_applies_to_its_config():
+    """Each shown command's --config.* overrides, parsed as the scripts parse them (trainer/cli.py) onto its
+    config file (tiny's where it shows "..."): a documented form the flag parser cannot read fails here."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from trainer.config import command_line_form, command_line_lists
+
+    # and every `--config.key=value` in the prose, on its own
+    prose = [(os.path.relpath(p, REPO), f"--config ... {m}") for p in PAGES
+             for m in re.findall(r"`(--config\.[\w.]+\w=[^`\s]*)`", open(p).read())]  # fmt: skip
+    wrong, applied = [], 0
+    for where, rest in [(where, rest) for where, _, rest in commands()] + prose:
+        tokens = tokens_of(rest)
+        overrides = [t for t in tokens if t.startswith("--config.")]
+        paths = [t.split("=", 1)[1] if "=" in t else (tokens[i + 1 :] or ["..."])[0]
+                 for i, t in enumerate(tokens) if t == "--config" or t.startswith("--config=")]  # fmt: skip
+        if not overrides:
+            continue
+        path = paths[0] if paths and paths[0] != "..." else "configs/tiny.py"
+        values = flags.FlagValues()
+        argv = command_line_form(["prog", f"--config={os.path.join(REPO, path)}", *overrides])
+        flag = config_flags.DEFINE_config_file("config", None, flag_values=values, lock_config=True, sys_argv=argv)
+        try:
+            values(argv)
+            command_line_lists(flag.value)
+            applied += 1
+        except Exception as e:  # noqa: BLE001 - any failure to apply is the finding
+            wrong.append(f"{where}: {' '.join(overrides)}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+    assert applied > 30 and not wrong, "\n".join(wrong)

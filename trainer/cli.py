@@ -86,7 +86,7 @@ def _parse(argv):
         if arg.startswith("--config.") and key in config.RENAMED:
             sys.exit(f"error: --config.{key} is now --config.{config.RENAMED[key]}; use the new name.")
     try:
-        rest = flags.FLAGS(argv)
+        rest = flags.FLAGS(config.command_line_form(argv))
         if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
             config.command_line_lists(flags.FLAGS["config"].value)
         return rest

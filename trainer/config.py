@@ -300,6 +300,25 @@ def microbatch_size(cfg) -> int:
     return cfg.train.global_batch_size // cfg.train.grad_accum_steps
 
 
+NUMBER_LISTS = ("train.profile_steps", "debug.poison_batches", "debug.lr_spike")  # every other list holds strings
+
+
+def command_line_form(args: list[str]) -> list[str]:
+    """The command line with each list of strings given in the documented comma form
+    (`--config.data.mixture=python_stdlib:3,notes:1`) spelt as the tuple the flag parser reads, which takes bare
+    words alone (a ':' or a space in an element stops it). A value already in brackets or quotes is left as
+    it is (a sample prompt with a comma in it: `--config.train.sample_prompts="('f(a, b',)"`)."""
+    lists = {k for k, v in flatten(defaults()).items() if isinstance(v, tuple) and k not in NUMBER_LISTS}
+    out = []
+    for arg in args:
+        key, eq, value = arg.removeprefix("--config.").partition("=")
+        if arg.startswith("--config.") and eq and key in lists and not value.startswith(("(", "[", "'", '"')):
+            parts = value.split(",") if key == "train.sample_prompts" else [p.strip() for p in value.split(",")]
+            arg = f"--config.{key}={tuple(p for p in parts if p)!r}"  # a prompt's spaces are the prompt's
+        out.append(arg)
+    return out
+
+
 def command_line_lists(cfg: ml_collections.ConfigDict) -> None:
     """Split, in place, what the flag parser leaves of a list as one string ('data,fsdp' -> ('data', 'fsdp'),
     '' -> ()); numbers arrive as tuples already."""
