@@ -383,6 +383,8 @@ def test_a_token_weighted_mixture_gives_each_corpus_its_share_of_tokens_and_resu
         got = next(fresh)
         for key in e:
             np.testing.assert_array_equal(e[key][4:], got[key])
+    for done in (fresh, it, other):  # closed parent by parent, as a run's end closes them (nothing raised)
+        done.close()
 
 
 def test_a_mixture_run_logs_its_shares_and_each_corpus_held_out_loss_and_resumes_bit_for_bit(mixture_config,

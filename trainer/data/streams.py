@@ -184,15 +184,15 @@ class _TokenMix(grain.IterDataset):
 
 class _TokenMixIterator(grain.DatasetIterator):
     def __init__(self, parents: list[grain.MapDataset], shares: np.ndarray):
-        super().__init__()
-        self._parents, self._shares = parents, shares
+        super().__init__()  # no parent iterators: `_parents` is Grain's name for those, which close() closes
+        self._corpora, self._shares = parents, shares
         self._next = [0] * len(parents)
         self._taken = [0] * len(parents)
 
     def __next__(self) -> dict[str, np.ndarray]:
         behind = self._shares * sum(self._taken) - np.asarray(self._taken, np.float64)
         i = int(np.argmax(behind))
-        doc = self._parents[i][self._next[i]]
+        doc = self._corpora[i][self._next[i]]
         self._next[i] += 1
         self._taken[i] += len(doc["tokens"])
         return doc

@@ -138,7 +138,8 @@ class Run:
         """Everything it opens (threads, worker processes, the checkpoint manager, the bucket copier) is
         closed again if a later part of the start-up fails: a long-lived process (the scaling sweep trains
         many runs in one) keeps nothing of a run that did not start."""
-        self.ckpt = self.data = self.workers = self.files = self.writer = self.profiler = self.hang = None
+        self.ckpt = self.data = self.row_batches = self.workers = None
+        self.files = self.writer = self.profiler = self.hang = None
         self.goodput = account or Goodput()
         try:
             self._open(cfg, workdir, setup, init)
@@ -187,8 +188,11 @@ class Run:
             wd.write_config(workdir, cfg)
         self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
         if cfg.data.workers:  # the rows' reading and tokenising in processes of their own, from this state
-            data = self.workers = workers.ProcessRows(self.stream, cfg.data.train_split, self.rows, data.get_state(),
+            state = data.get_state()
+            data.close()
+            data = self.workers = workers.ProcessRows(self.stream, cfg.data.train_split, self.rows, state,
                                                       shuffle=True, workers=cfg.data.workers)  # fmt: skip
+        self.row_batches = data
         self.data = streams.prefetch(data, self._plan, self.data_read)
         self.hang = HangWatch(t.hang_seconds, lambda: self.step, workdir,
                               lambda: self.workers.stacks() if self.workers else [])  # fmt: skip
@@ -403,10 +407,10 @@ class Run:
     def close(self) -> None:
         """Closes what is open, in an order that lets the last checkpoint commit before the files follow it."""
         self.goodput.enter("startup")  # closing down is counted with starting up
-        if self.data is not None:  # the reading-ahead thread first: it may be reading from the workers
+        if self.data is not None:  # the reading-ahead thread first: it may be reading from the rows or workers
             self.data.close()
-        if self.workers is not None:
-            self.workers.close()
+        if self.row_batches is not None:  # then the rows' iterators (or the workers): Grain closes parent by parent
+            self.row_batches.close()
         if self.profiler is not None:
             self.profiler.stop()
         if self.ckpt is not None:
