@@ -155,6 +155,8 @@ class Watchdog(threading.Thread):
                 lost = [] if stopped else self._judge(last) if self.me == 0 else self._verdict()
             except Exception:  # the runtime is shutting down (the run ended) or its coordinator is gone
                 return
+            if _stopped_myself.is_set():  # this process has said its own sentence and is ending: nothing to add
+                return
             if stopped:
                 p, why = stopped[0]
                 print(f"error: process {p} of {self.count} stopped: {why}", file=sys.stderr, flush=True)
@@ -197,6 +199,9 @@ def _exit_together(me: int, beat: float) -> None:
     os._exit(1)
 
 
+_stopped_myself = threading.Event()  # set by stop_all: the watchdog then says nothing of the others' stops
+
+
 def stopped_peers(client, me: int) -> list[tuple[int, str]]:
     """(process, why) of the other processes that stopped on an error of their own."""
     entries = client.key_value_dir_get(STOPPED)
@@ -210,6 +215,7 @@ def stop_all(why: str, stacks: bool = False) -> None:
     client = _client()
     if client is None or jax.process_count() == 1:
         return
+    _stopped_myself.set()
     try:
         if stacks:
             client.key_value_set(STACKS, "1")

@@ -5,12 +5,14 @@
 Each process gets the coordinator address (a free local port), the process
 count and its id through the environment (see parallelism/distributed.py), and,
 with --devices_per_process, that many simulated CPU devices. Output is
-forwarded line by line with a [process] prefix. If any process fails, the
-others are stopped and the launcher exits with that process's status.
+forwarded line by line with a [process] prefix (less Gloo's "connected" lines). If
+any process fails, the others end with its sentence (or are stopped after 30 s)
+and the launcher exits with that process's status.
 """
 
 import argparse
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -24,8 +26,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Gloo (XLA:CPU's collectives between processes) says so each time a group of processes connects, from C++
+# with no setting to quiet it: the line says nothing a user acts on, and comes by the dozen.
+GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+GRACE_SECONDS = 30  # a failed process's peers end by themselves with its sentence (parallelism/distributed.py)
+
+
 def forward(proc: subprocess.Popen, index: int) -> None:
     for line in proc.stdout:
+        if GLOO_CONNECTED.match(line):
+            continue
         sys.stdout.write(f"[{index}] {line}")
         sys.stdout.flush()
 
@@ -60,12 +70,16 @@ def main() -> int:
     for t in threads:
         t.start()
 
-    # The first failure stops the rest: a collective run cannot go on without one of its processes.
+    # The first failure stops the rest: a collective run cannot go on without one of its processes. They are
+    # told so by the failed one and end with its sentence; any still running after a grace period are ended.
     status = 0
     while any(p.poll() is None for p in procs):
         failed = [p for p in procs if p.poll() not in (None, 0)]
         if failed:
             status = failed[0].returncode
+            deadline = time.monotonic() + GRACE_SECONDS
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.2)
             for p in procs:
                 if p.poll() is None:
                     p.terminate()

@@ -14,9 +14,10 @@ reference; without them an Orbax save fails with "Malformed StorageGeneration"):
 
 The clients are pointed at it by their documented settings (see `environment`).
 
-Faults of a real bucket, for the tests that need them: `fault(port, status, after)`
-makes it answer every request after the next `after` with that HTTP status (403:
-refused, 503: unavailable, ...; 0 ends the fault), as GCS does, with a JSON error.
+Faults of a real bucket, for the tests that need them: `fault(port, status, after, only)`
+makes it answer every request after the next `after` (whose path holds `only`) with
+that HTTP status (403: refused, 503: unavailable, ...; 0 ends the fault), as GCS does,
+with a JSON error.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sys
 import threading
 import urllib.request
 from http import HTTPStatus
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, unquote, urlencode, urlparse
 
 from gcp_storage_emulator.exceptions import NotFound
 from gcp_storage_emulator.handlers import objects
@@ -113,23 +114,26 @@ objects.insert = _writing(objects.insert, _upload_name)
 objects.delete = _writing(objects.delete, lambda request: request.params.get("object_id"))
 
 
-def fault(port: int, status: int, after: int = 0) -> None:
-    """From now on (after `after` more requests), every request to the emulator gets `status`; 0 ends it."""
-    with urllib.request.urlopen(f"http://localhost:{port}/_fault?status={status}&after={after}") as reply:
+def fault(port: int, status: int, after: int = 0, only: str = "") -> None:
+    """From now on (after `after` more requests), every request to the emulator gets `status`; 0 ends it.
+    With `only`, just the requests whose (URL-decoded) path holds it (say, a checkpoint's array files)."""
+    query = urlencode({"status": status, "after": after, "only": only})
+    with urllib.request.urlopen(f"http://localhost:{port}/_fault?{query}") as reply:
         assert reply.status == 200
 
 
-_fault = {"status": 0, "after": 0}
+_fault = {"status": 0, "after": 0, "only": ""}
 
 
 def _faulty(handle):
     def wrapped(router, method):
         handler = router._request_handler
         if handler.path.startswith("/_fault"):
-            _fault.update({k: int(v[0]) for k, v in parse_qs(urlparse(handler.path).query).items()})
+            asked = parse_qs(urlparse(handler.path).query, keep_blank_values=True)
+            _fault.update({k: v[0] if k == "only" else int(v[0]) for k, v in asked.items()})
             Response(handler).close()
             return
-        if _fault["status"] and _fault["after"] <= 0:
+        if _fault["status"] and _fault["after"] <= 0 and _fault["only"] in unquote(handler.path):
             handler.rfile.read(int(handler.headers.get("Content-Length") or 0))  # the request, unanswered
             response = Response(handler)
             response.status = HTTPStatus(_fault["status"])

@@ -171,7 +171,7 @@ def test_a_hugging_face_tokenizer_json_trains_exports_and_marks_documents_with_i
     corpora.prepare(cfg.data)
     stream = streams.Stream.from_config(cfg)
     source = corpora.open_split(cfg.data, "train")
-    (doc,) = streams._documents(stream, "train", shuffle=False, endless=False)[:1]
+    (doc,) = streams.documents(stream, "train", shuffle=False, endless=False)[:1]
     expected = hf_tok.encode(source[0]["text"].decode()).ids
     assert doc["tokens"].tolist() == [bos, *expected, eos]
 

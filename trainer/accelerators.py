@@ -23,18 +23,21 @@ import tempfile
 @contextlib.contextmanager
 def stderr_held_back():
     """Within, what this process writes to stderr is kept aside; it is written out after all if the block
-    raises (the noise is then the explanation)."""
+    raises (the noise is then the explanation), unless with a ConfigError, whose sentence explains it."""
+    from trainer.errors import ConfigError
+
     sys.stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
         try:
             yield
-        except BaseException:
+        except BaseException as e:
             sys.stderr.flush()
             os.dup2(saved, 2)
-            held.seek(0)
-            os.write(2, held.read())
+            if not isinstance(e, ConfigError):
+                held.seek(0)
+                os.write(2, held.read())
             raise
         finally:
             sys.stderr.flush()

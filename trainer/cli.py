@@ -14,8 +14,9 @@ from collections.abc import Callable
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from trainer import accelerators, config
+from trainer import accelerators, config, last_words
 from trainer.errors import ConfigError, TrainingError
+from trainer.storage import faults
 
 _COORDINATOR = flags.DEFINE_string("coordinator", None, "Multi-process runs: host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many processes.")
@@ -106,6 +107,16 @@ def _parse(argv):
         sys.exit(f"error: a command-line flag could not be applied ({detail}); check it against trainer/config.py.")
 
 
+def _stop(sentence: str, distributed) -> None:
+    """End the command on its one sentence: nothing written to stderr after it (last_words.py), the other
+    processes of a multi-process run ended with it."""
+    last_words.from_now_on()
+    print(f"error: {sentence}", file=sys.stderr, flush=True)
+    if distributed is not None:  # several processes: the others end now, with this sentence
+        distributed.stop_all(sentence)
+    sys.exit(1)
+
+
 def _unknown_key(argv) -> str | None:
     """The first --config.section.key=... that names no key, as a sentence with the nearest known key."""
     import difflib
@@ -136,22 +147,29 @@ def run(main: Callable[..., None], *, takes_args: bool = False, uses_devices: bo
             sys.exit(f"error: unexpected arguments {argv[1:]}; options are --flag=value.")
         # Orbax logs every file it renames and TFDS every custom config; our own lines are prints.
         logging.set_verbosity(logging.ERROR)
+        # A run that stops on its storage says so in one sentence, with nothing of the libraries' winding down.
+        last_words.when_stopping = last_words.from_now_on
         distributed = None  # scripts that use no devices run in one process
         try:
             if uses_devices:
                 from parallelism import distributed
 
-                distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value, _MULTIHOST.value)
+                with accelerators.stderr_held_back():  # the plugins speak as the distributed runtime loads them too
+                    distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
+                                           _MULTIHOST.value)  # fmt: skip
                 accelerators.start()
             main(argv[1:]) if takes_args else main()
         except (ConfigError, TrainingError) as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            if distributed is not None:  # several processes: the others end now, with this sentence
-                distributed.stop_all(str(e))
-            sys.exit(1)
+            _stop(str(e), distributed)
         except Exception as e:
             if distributed is not None and distributed.runtime_started():
                 distributed.wait_if_a_process_died(e)  # a lost or stopped peer: the watchdog names it, ending this
+            kind = faults.storage_trouble(e)
+            if kind is not None:  # the storage's own answer, met where no read expected it: said, not traced
+                fix = ("it kept failing; rerun once it answers" if kind == faults.TRANSIENT else
+                       "check the path, the credentials and their permissions, then rerun")  # fmt: skip
+                _stop(f"the storage failed ({faults.summary(e)}); the run stopped there; {fix}.", distributed)
+            if distributed is not None and distributed.runtime_started():
                 traceback.print_exc()
                 distributed.stop_all(f"{type(e).__name__}: {' '.join(str(e).split())[:300]} (its log has the trace)")
             raise

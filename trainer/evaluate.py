@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from parallelism.distributed import fetch
-from trainer.data import corpora, streams
+from trainer.data import corpora, held_out, streams
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.loss import target_weights
@@ -66,7 +66,7 @@ def evaluate(setup: Setup, step_fn, params, local_batches, token_bytes: np.ndarr
     """Loss sum, token count, documents begun and batches over `local_batches` (this process's rows of each
     global batch), over all processes; with `token_bytes`, also the UTF-8 bytes of the predicted tokens.
 
-    A batch with nothing to predict on any process ends the pass uncounted (streams.one_pass's end: every
+    A batch with nothing to predict on any process ends the pass uncounted (held_out.one_pass's end: every
     process sees the same global count, so all stop together). `progress` gets the sums so far after each batch.
     """
     sums = {"total": 0.0, "count": 0.0, "batches": 0, "bytes": 0, "documents": 0}
@@ -77,7 +77,8 @@ def evaluate(setup: Setup, step_fn, params, local_batches, token_bytes: np.ndarr
         sums["total"] += float(s)
         sums["count"] += float(n)
         sums["batches"] += 1
-        sums["documents"] += int(streams.document_starts(local, bos_id).sum())
+        begun = local["documents"] if "documents" in local else streams.document_starts(local, bos_id)
+        sums["documents"] += int(begun.sum())
         if token_bytes is not None:
             sums["bytes"] += int(token_bytes[_targets(local)].sum())
         if progress is not None:
@@ -137,7 +138,7 @@ class Evaluator:
 def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches: int = 0, devices=None,
                         say: Callable[[str], None] = print) -> dict:  # fmt: skip
     """Loss, perplexity and bits per byte of a checkpoint on `data.eval_split`, once through, each process
-    reading its own rows' documents (streams.one_pass); process 0 says how far it has got every half minute,
+    reading its own rows' documents (held_out.one_pass); process 0 says how far it has got every half minute,
     and at the end how many documents and tokens were read.
 
     `max_batches` > 0 stops early (and is required for a synthetic source).
@@ -156,7 +157,7 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     if cfg.data.source == "synthetic":
         local_batches = streams.batches(stream, cfg.data.eval_split, rows, shuffle=False)
     else:
-        local_batches = streams.one_pass(stream, cfg.data.eval_split, rows)
+        local_batches = held_out.one_pass(stream, cfg.data.eval_split, rows)
     if max_batches:
         local_batches = itertools.islice(local_batches, max_batches)
     tokenizer = load_tokenizer(cfg.data) if cfg.data.source != "synthetic" else None

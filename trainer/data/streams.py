@@ -33,7 +33,7 @@ realised shares the loop logs (`mixture_counts`); it never reaches the device.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import grain
 import jax
@@ -44,7 +44,6 @@ from jax.sharding import NamedSharding
 from trainer.data.corpora import open_corpus, text_feature
 from trainer.data.mixture import parse_mixture
 from trainer.data.tokenizers import load_tokenizer
-from trainer.errors import ConfigError
 
 SYNTHETIC_DOCUMENTS = 2**62  # "infinite", yet a valid MapDataset length
 
@@ -100,7 +99,7 @@ class Stream:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
 
 
-def _documents(stream: Stream, split: str, shuffle: bool, endless: bool = True, tag: int | None = None):
+def documents(stream: Stream, split: str, shuffle: bool, endless: bool = True, tag: int | None = None):
     """A MapDataset of {"tokens": int32[n]} documents of `stream.name`: endless, or the split once, in
     order. With `tag`, each also has {"source": int32[n]} filled with it (its corpus in a mixture)."""
     seed = stream.seed
@@ -151,13 +150,13 @@ def batches(stream: Stream, split: str, rows: Sequence[int], *, shuffle: bool) -
     """
     length = {"tokens": stream.seq_len}
     if not stream.mixture:
-        docs = _documents(stream, split, shuffle)
+        docs = documents(stream, split, shuffle)
         row_docs = lambda r: docs[r :: stream.rows].to_iter_dataset()
     else:
         length["source"] = stream.seq_len
         drawn = [(i, weight) for i, (_, weight) in enumerate(stream.mixture) if weight > 0]
         sources = list(stream.sources().values())
-        docs = {i: _documents(sources[i], split, shuffle, tag=i) for i, _ in drawn}
+        docs = {i: documents(sources[i], split, shuffle, tag=i) for i, _ in drawn}
         weights = [weight for _, weight in drawn]
         if stream.mixture_unit == "tokens":
             row_docs = lambda r: _TokenMix([docs[i][r :: stream.rows] for i, _ in drawn], weights)
@@ -275,25 +274,6 @@ def _slices_as_tuples(state):
     return state
 
 
-def one_pass(stream: Stream, split: str, rows: Sequence[int]) -> Iterator[dict[str, np.ndarray]]:
-    """Every document of the split once, in order, each process reading only its rows' documents: row r of
-    the global batch (B rows) packs documents r, r+B, r+2B, ... into windows, as training's rows do. A row
-    whose documents are done is padding (segment id 0, no loss) from then on, and the batches go on, all
-    padding once every row is done: the caller stops at the first batch with nothing to predict
-    (trainer/evaluate.py), which every process reaches together. The batches depend on B, not on the number
-    of processes.
-    """
-    if stream.source == "synthetic":
-        raise ConfigError("a synthetic source has no end; evaluate a fixed number of batches instead.")
-    docs = _documents(stream, split, shuffle=False, endless=False)
-    length = {"tokens": stream.seq_len}
-    windows = {r: iter(ConcatThenSplitIterDataset(docs[r :: stream.rows].to_iter_dataset(), length_struct=length))
-               for r in rows}  # fmt: skip
-    padding = {k: np.zeros(stream.seq_len, np.int32) for k in ("tokens", "tokens_segment_ids", "tokens_positions")}
-    while True:
-        yield _stack([next(windows[r], padding) for r in rows])
-
-
 def process_rows(sharding: NamedSharding, global_batch: int, seq_len: int) -> list[int]:
     """The rows of a batch of `global_batch` rows that this process's devices hold, in order."""
     indices = sharding.addressable_devices_indices_map((global_batch, seq_len)).values()
@@ -308,13 +288,16 @@ def ramp_rows(local_rows: Sequence[int], size: int, global_batch: int) -> list[i
     return [a * stride for a in local_rows]
 
 
+HOST_ONLY = ("source", "documents")  # a mixture's corpus of each token; documents begun in a row (held_out.py)
+
+
 def to_global(local: dict[str, np.ndarray], sharding: NamedSharding, global_batch: int) -> dict[str, jax.Array]:
-    """Assemble each process's rows into global arrays laid out by `sharding` (a mixture's `source`, which
-    the model does not read, stays on the host)."""
+    """Assemble each process's rows into global arrays laid out by `sharding` (what the model does not read,
+    HOST_ONLY, stays on the host)."""
     return {
         k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
         for k, v in local.items()
-        if k != "source"
+        if k not in HOST_ONLY
     }
 
 

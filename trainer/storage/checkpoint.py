@@ -33,6 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from parallelism.distributed import max_over_processes
+from trainer import last_words
 from trainer.errors import ConfigError, StorageError
 from trainer.storage import faults
 from trainer.storage.workdir import forget_listings, move, path
@@ -186,10 +187,12 @@ class Checkpointer:
         or all raise Unreadable with the worst verdict (a collective: every process reads, then asks)."""
         result, error = None, None
         try:
-            result = work()
-            failed = [r for r in (result.values() if isinstance(result, Mapping) else ()) if isinstance(r, Failed)]
-            if failed:
-                raise failed[0].error
+            # The libraries' words while a read fails are dropped: the error is said in ours (last_words.py).
+            with last_words.held_while_reading(lambda e: faults.verdict(e) == faults.STOP):
+                result = work()
+                failed = [r for r in (result.values() if isinstance(result, Mapping) else ()) if isinstance(r, Failed)]
+                if failed:
+                    raise failed[0].error
         except (ConfigError, *CODE_FAULTS):
             raise
         except Exception as e:
@@ -347,6 +350,7 @@ class Checkpointer:
                 error = e
         if max_over_processes(int(error is not None)):  # every process waits for the move here
             reason = faults.summary(error) if error is not None else "on process 0"
+            last_words.when_stopping()
             raise StorageError(
                 f"setting the checkpoint at step {step} aside into {target} failed ({reason}); nothing is lost (it "
                 f"is whole in {source} or there); rerun to try again once the storage answers."

@@ -22,6 +22,7 @@ import re
 import time
 from collections.abc import Callable
 
+from trainer import last_words
 from trainer.errors import StorageError
 
 OK, DAMAGED, TRANSIENT, STOP = 0, 1, 2, 3  # ordered: the worst verdict of any process decides for all
@@ -96,6 +97,20 @@ def verdict(error: BaseException | None) -> int:
     return DAMAGED if DAMAGED in found else STOP
 
 
+def storage_trouble(error: BaseException) -> int | None:
+    """STOP or TRANSIENT where something in the error's chain is the storage's own answer (a refusal, 429 or
+    5xx by HTTP status or TensorStore's status words); None where nothing is (a bug is not the storage's)."""
+    found = set()
+    for e in chain(error):
+        text, status = str(e), _http_status(e)
+        if status in _HTTP_REFUSED or text.startswith("Forbidden") or re.search(r"\b(PERMISSION_DENIED|"
+                                                                                 r"UNAUTHENTICATED)\b", text):
+            found.add(STOP)
+        elif status in _HTTP_TRANSIENT or any(re.search(rf"\b{code}\b", text) for code in _TRANSIENT_CODES):
+            found.add(TRANSIENT)
+    return max(found) if found else None
+
+
 def summary(error: BaseException) -> str:
     """The most telling line of an error chain: its root cause, on one line, not too long."""
     e = chain(error)[-1] if _verdict_of(error) is None else error
@@ -125,7 +140,9 @@ def retrying(what: str, read: Callable[[], object], seconds: float, say: Callabl
 
 def stopped(what: str, error: BaseException | None, kind: int, seconds: float) -> str:
     """The sentence a run stops with when its storage or memory, not its files, failed (`error` None: on
-    another process, whose log names it)."""
+    another process, whose log names it). From here on a command's stderr holds nothing but that sentence
+    (trainer/last_words.py)."""
+    last_words.when_stopping()
     if error is None:
         return f"{what} failed on another process (its log names the error); nothing was moved or deleted."
     if kind == TRANSIENT:
