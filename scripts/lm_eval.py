@@ -26,8 +26,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<co
 _TASKS = flags.DEFINE_list("tasks", None, "Comma-separated task (or group) names, as the harness names them.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default the newest.")
 _LIMIT = flags.DEFINE_float(
-    "limit", 0, "At most this many documents per task (below 1: that share of them; 0: all of them, as "
-    "train.harness_limit=0)."
+    "limit",
+    0,
+    "At most this many documents per task (below 1: that share of them; 0: all of them, as train.harness_limit=0).",
 )
 cli.at_least(_LIMIT, 0, "must be 0 (every document) or more: a count of documents per task, or below 1 a share of "
              "them.")  # fmt: skip

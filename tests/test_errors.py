@@ -73,8 +73,9 @@ CASES = {
         r"model.d_model=36 does not divide over mesh.fsdp x mesh.expert=8 \(mesh.rules.embed",
     ),
     "a width a custom rule's axes do not divide": (
-        lambda: micro_config(model=dict(d_model=36, head_dim=16), mesh=dict(fsdp=4, tensor=2,
-                                                                            rules=dict(embed=("fsdp", "tensor")))),
+        lambda: micro_config(
+            model=dict(d_model=36, head_dim=16), mesh=dict(fsdp=4, tensor=2, rules=dict(embed=("fsdp", "tensor")))
+        ),
         r"model.d_model=36 does not divide over mesh.fsdp x mesh.tensor=8 \(mesh.rules.embed",
     ),
     "a capacity factor of zero": (
@@ -378,7 +379,8 @@ def test_keys_the_chosen_settings_never_read_are_named_in_a_warning():
                                           "model.moe.experts_per_token": 4})  # fmt: skip
     assert unread_settings(dense) == [
         f"model.moe.{key} is read only when model.moe.num_experts is not 0; with model.moe.num_experts=0 it does "
-        "nothing." for key in ("experts_per_token=4", "d_ff=96", "router_bias=0.001")
+        "nothing."
+        for key in ("experts_per_token=4", "d_ff=96", "router_bias=0.001")
     ]
     dropless = with_changes(dense, {"model.moe.num_experts": 8, "model.moe.capacity_factor": 2.0})
     assert unread_settings(dropless) == [

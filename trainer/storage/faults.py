@@ -103,8 +103,8 @@ def storage_trouble(error: BaseException) -> int | None:
     found = set()
     for e in chain(error):
         text, status = str(e), _http_status(e)
-        if status in _HTTP_REFUSED or text.startswith("Forbidden") or re.search(r"\b(PERMISSION_DENIED|"
-                                                                                 r"UNAUTHENTICATED)\b", text):
+        refused = any(re.search(rf"\b{code}\b", text) for code in ("PERMISSION_DENIED", "UNAUTHENTICATED"))
+        if status in _HTTP_REFUSED or text.startswith("Forbidden") or refused:
             found.add(STOP)
         elif status in _HTTP_TRANSIENT or any(re.search(rf"\b{code}\b", text) for code in _TRANSIENT_CODES):
             found.add(TRANSIENT)
