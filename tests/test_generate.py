@@ -80,8 +80,13 @@ def test_a_request_the_model_cannot_make_as_asked_is_refused_in_one_sentence():
     check_request(cfg, tok, "x" * 13, 50, names)  # 1 + 13 + 50 = 64: fits exactly
     with pytest.raises(ConfigError, match=r"^the prompt 'xxxxxxxxxxxxxx' \(15 tokens with its begin-of-document id\) "
                                           r"and --max_new_tokens=50 make 65 tokens, more than model.max_seq_len=64; "
-                                          r"shorten one of them\.$"):  # fmt: skip
+                                          r"ask for at most 49 new tokens, or shorten the prompt\.$"):  # fmt: skip
         check_request(cfg, tok, "x" * 14, 50, names)
+    # The prompt alone leaves no room: said of the prompt, quoted by its start only.
+    with pytest.raises(ConfigError, match=r"^the prompt 'abcdefghijabcdefghijabcdefghij\.\.\.' \(71 tokens with its "
+                                          r"begin-of-document id\) leaves no room in model.max_seq_len=64 for a new "
+                                          r"token; shorten it to at most 62 tokens\.$"):  # fmt: skip
+        check_request(cfg, tok, "abcdefghij" * 7, 8, names)
     check_request(cfg, tok, "", 8, names, temperature=0.8, top_k=384)
     with pytest.raises(ConfigError, match=r"^--top_k=385 is more than the model's 384 token ids \(model.vocab_size\); "
                                           r"use at most 384, or 0 for all\.$"):  # fmt: skip

@@ -1,6 +1,9 @@
 """Interop with transformers (Llama, Mixtral and Qwen3-MoE models, AutoTokenizer), in both directions."""
 
+import contextlib
+import io
 import os
+import re
 import sysconfig
 
 import jax
@@ -54,6 +57,14 @@ def test_exported_checkpoint_gives_transformers_our_logits(tmp_path, model):
     text = "def f(x):\n\treturn  x  # ünïcode ✓"
     assert tokenizer(text)["input_ids"] == [BOS_ID, *ByteTokenizer().encode(text).tolist()]
     assert tokenizer.decode(tokenizer(text)["input_ids"], skip_special_tokens=True) == text
+    if model == dict(tie_embeddings=False):  # docs/huggingface.md's load-and-generate block, run on this export
+        page = open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "huggingface.md")).read()
+        (block,) = re.findall(r"```python\n(.*?)```", page, re.S)
+        assert 'out = "hf/tiny"' in block
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(block.replace('out = "hf/tiny"', f"out = {out!r}"), {})
+        assert printed.getvalue().startswith("def main(") and len(printed.getvalue()) > len("def main(\n")
 
 
 @pytest.mark.parametrize("tied", [False, True])

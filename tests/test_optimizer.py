@@ -159,3 +159,42 @@ def test_clipping_bounds_the_update_by_the_global_norm():
     _, state = tx.update(grad, state, params)
     mu = state[1].inner_state[0].mu["w"]
     np.testing.assert_allclose(np.asarray(mu), 0.1 * np.array([0.6, 0.8, 0.0, 0.0]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd", "constant"])
+def test_the_train_on_hint_says_when_a_schedule_would_rewarm_and_how_not_to(schedule):
+    """A finished run's 'train on' hint (trainer/cli.py): twice the steps stretches a schedule that decays to
+    the end, so the rate rises again, which the hint says; its second command goes on from the rate the run
+    ended with, never above it, and changes none of the steps already taken. A constant schedule: one
+    command, nothing to say."""
+    from trainer.cli import train_on
+    from trainer.config import with_changes
+
+    cfg = with_changes(micro_config(), {"train.steps": 300, "optim.schedule": schedule, "optim.warmup_steps": 20,
+                                        "optim.lr": 4e-3})  # fmt: skip
+    said = train_on(cfg)
+    ran = make_schedule(cfg.optim, 300)
+    ended = float(ran(299))
+    if schedule == "constant":
+        assert said == [("train on, to twice the steps", ["--config.train.steps=600"])]
+        return
+    (stretched, longer), (held, flags) = said
+    assert longer == ["--config.train.steps=600"] and flags[0] == "--config.train.steps=600"
+    again = float(make_schedule(with_changes(cfg, {"train.steps": 600}).optim, 600)(300))
+    assert again > ended and f"rises again, from {ended:.2e} to {again:.2e}" in stretched
+    assert f"{ended:.2e}, without re-warming" in held
+    changes = {"train.steps": 600}
+    for flag in flags[1:]:
+        key, value = flag.removeprefix("--config.").split("=")
+        changes[key] = type(defaults_of(key))(value)
+    going_on = make_schedule(with_changes(cfg, changes).optim, 600)
+    rates = np.array([float(going_on(s)) for s in range(600)])
+    if schedule != "wsd":  # the same curve to the run's end (wsd's is held at its floor from there on)
+        np.testing.assert_allclose(rates[:300], [float(ran(s)) for s in range(300)], rtol=1e-6)
+    assert rates[300:].max() <= ended * (1 + 1e-6)
+
+
+def defaults_of(key: str):
+    from trainer.config import defaults, flatten
+
+    return flatten(defaults())[key]

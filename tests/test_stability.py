@@ -125,7 +125,9 @@ def test_a_poisoned_window_longer_than_the_budget_rolls_back_and_the_run_finishe
     # The records' step times (data waits included) add up to the productive time and the waits.
     assert s["step"] + s["data"] == pytest.approx(sum(step_times) - sum(undone), abs=3 * slack)
     # It is printed at the end, in every logged record (so TensorBoard and W&B), and drawn by the report.
-    assert re.search(rf"goodput {100 * s['step'] / sum(s.values()):.1f}%: .* over 2 launches", out)
+    own = sum(s.values()) - s["between_launches"]  # the share is of the launches' own time, the pause apart
+    assert re.search(rf"goodput {100 * s['step'] / own:.1f}%: .* of the run's own time over 2 launches \(.*\); "
+                     rf"0m\d\ds between launches, not counted", out)  # fmt: skip
     shares = [r["goodput/share"] for r in records(workdir) if "goodput/share" in r]
     assert len(shares) == len(step_times) and all(0 < x < 1 for x in shares)
     bars = fig.axes[-1].patches

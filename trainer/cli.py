@@ -57,20 +57,43 @@ def _next_commands(result: dict, cfg, workdir_flag: str | None, argv: list[str])
     where = [f"--workdir={shlex.quote(workdir_flag)}"] if workdir_flag else []
     reached = f"loss {result['loss']:.4f}" if "loss" in result else "nothing logged"
     if "eval_loss" in result:
-        reached = f"validation loss {result['eval_loss']:.4f} (the unigram's {result['unigram_loss']:.4f}), " + reached
-    longer = 2 * cfg.train.steps
+        reached = (f"validation loss {result['eval_loss']:.4f} (the unigram's {result['unigram_loss']:.4f}; "
+                   f"{result['eval_covers']}), " + reached)  # fmt: skip
     prompt = cfg.train.sample_prompts[0] if cfg.train.sample_prompts else ""
     new_tokens = min(128, cfg.model.max_seq_len // 2)  # within the model's context beside a short prompt
     sample = "--temperature=0.6"  # sampled: a small model's greedy text soon repeats itself
     commands = [
-        ("train on, to twice the steps", "train.py", [f"--config.train.steps={longer}"]),
+        *((what, "train.py", extra) for what, extra in train_on(cfg)),
         ("evaluate the newest checkpoint", "eval.py", []),
         ("write from it", "generate.py", [f"--prompt={shlex.quote(prompt)}", f"--max_new_tokens={new_tokens}", sample]),
     ]
     lines = [f"done: {workdir_flag or default_workdir()} is at step {result['step']}; {reached}", "next:"]
     for what, script, extra in commands:
-        lines.append(f"  python scripts/{script} {' '.join(config_flags_given + where + extra)}    # {what}")
+        ours = {a.split("=")[0] for a in extra}  # a flag given again here replaces the one given before
+        given = [a for a in config_flags_given if a.split("=")[0] not in ours]
+        lines.append(f"  python scripts/{script} {' '.join(given + where + extra)}    # {what}")
     return "\n".join(lines)
+
+
+def train_on(cfg) -> list[tuple[str, list[str]]]:
+    """How to go on past train.steps, as (what it does, the flags): to twice the steps, saying what that does
+    to a schedule that decays to the end (it stretches, so the learning rate rises again), and then the
+    flags that go on at the rate the run ended with instead."""
+    from trainer.optim.schedules import make_schedule
+
+    o, steps = cfg.optim, cfg.train.steps
+    longer = [f"--config.train.steps={2 * steps}"]
+    ended = float(make_schedule(o, steps)(steps - 1))  # the last update's rate
+    again = float(make_schedule(o, 2 * steps)(steps))  # the next one's, under the stretched schedule
+    if again <= ended * (1 + 1e-6):
+        return [("train on, to twice the steps", longer)]
+    stretched = (f"train on, to twice the steps: the {o.schedule} schedule then spans {2 * steps} steps, so the "
+                 f"learning rate rises again, from {ended:.2e} to {again:.2e}")  # fmt: skip
+    if o.schedule in ("cosine", "linear"):  # the same decay, ending where it ended, then held
+        held = [f"--config.optim.decay_steps={steps - o.warmup_steps}"]
+    else:  # wsd: held at its floor
+        held = ["--config.optim.schedule=constant", f"--config.optim.lr={ended:.6g}", "--config.optim.warmup_steps=0"]
+    return [(stretched, longer), (f"train on at the rate it ended with, {ended:.2e}, without re-warming", longer + held)]
 
 
 def config_path() -> str:

@@ -100,17 +100,27 @@ class Evaluator:
 
     def __init__(self, setup: Setup, rows: list[int]):
         cfg, stream = setup.cfg, streams.Stream.from_config(setup.cfg)
-        self._sources = {}
+        self._sources, begun = {}, 0
+        bos = None if cfg.data.source == "synthetic" else load_tokenizer(cfg.data).bos_id
         for name, source in stream.sources().items():
             batches = iter(streams.batches(source, cfg.data.eval_split, rows, shuffle=False))
             batches = list(itertools.islice(batches, cfg.train.eval_batches))
             self._sources[name] = (batches, self._unigram_loss(setup, batches))
+            begun += sum(int(streams.document_starts(b, bos).sum()) for b in batches)
+        self.documents = int(_sum_over_processes(np.array(begun)))  # begun in these batches, on every process
         total = sum(w for _, w in stream.mixture)
         self._weights = {name: w / total for name, w in stream.mixture} or {"": 1.0}
         self._setup = setup
         # Compiled now, with the train step: not in the middle of the run, where a hang watch would wait on it.
         batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, setup.batch_sharding)
         self._step = eval_step(setup).lower(setup.abstract_state().params, batch).compile()
+
+    def covers(self, result: dict) -> str:
+        """What the loss of a `result` was measured on, and where the whole split's is: the console says it
+        beside the number, so that it is never taken for eval.py's."""
+        batches = self._setup.cfg.train.eval_batches
+        return (f"the first {batches} held-out batch{'es' * (batches > 1)}: {int(result['eval_tokens']):,} tokens, "
+                f"{self.documents:,} documents begun; eval.py scores the whole split")  # fmt: skip
 
     def __call__(self, params, progress: Callable[[], None] | None = None) -> dict[str, float]:
         """`progress()` is called after every batch (the loop's hang watch)."""
@@ -184,7 +194,10 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     }
     result["file"] = str(path(workdir) / "eval" / record_name(result["evaluated"]))
     if primary:
-        say(f"read {sums['documents']:,} documents, {int(count):,} predicted tokens in {sums['batches']} batches")
+        what = f"the first {max_batches} batches of" if max_batches else "the whole"
+        say(f"read {sums['documents']:,} documents, {int(count):,} predicted tokens in {sums['batches']} batches: "
+            f"loss {loss:.4f} on {what} {cfg.data.eval_split} split (training's eval_loss reads its first "
+            f"train.eval_batches={cfg.train.eval_batches} batches only)")  # fmt: skip
         write_file(result["file"], json.dumps(result))
         say(f"wrote {result['file']}")
     return result

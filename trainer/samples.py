@@ -35,12 +35,18 @@ def check_request(cfg, tokenizer, text: str, new_tokens: int, names: dict[str, s
     """Refuse, in one sentence, a completion the model cannot make as asked: a prompt and `new_tokens` beyond
     model.max_seq_len, a top_k beyond the vocabulary, or top_k / top_p with temperature 0 (greedy, which
     ignores them). `names` says what the caller calls new_tokens, top_k, top_p and temperature."""
-    length = len(prompt_ids(tokenizer, text)) + new_tokens
-    if length > cfg.model.max_seq_len:
+    prompt, limit = len(prompt_ids(tokenizer, text)), cfg.model.max_seq_len
+    quoted = repr(text if len(text) <= 30 else text[:30] + "...")  # its start: enough to know which
+    if prompt >= limit:
         raise ConfigError(
-            f"the prompt {text!r} ({length - new_tokens} tokens with its begin-of-document id) and "
-            f"{names['new_tokens']}={new_tokens} make {length} tokens, more than model.max_seq_len="
-            f"{cfg.model.max_seq_len}; shorten one of them."
+            f"the prompt {quoted} ({prompt} tokens with its begin-of-document id) leaves no room in "
+            f"model.max_seq_len={limit} for a new token; shorten it to at most {limit - 2} tokens."
+        )
+    if prompt + new_tokens > limit:
+        raise ConfigError(
+            f"the prompt {quoted} ({prompt} tokens with its begin-of-document id) and {names['new_tokens']}="
+            f"{new_tokens} make {prompt + new_tokens} tokens, more than model.max_seq_len={limit}; ask for at most "
+            f"{limit - prompt} new tokens, or shorten the prompt."
         )
     if top_k > cfg.model.vocab_size:
         raise ConfigError(

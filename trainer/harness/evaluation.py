@@ -29,6 +29,7 @@ import functools
 import os
 import random
 import re
+import socket
 import sys
 import tempfile
 
@@ -175,7 +176,13 @@ def load_tasks(manager: TaskManager, names: list[str]) -> list:
                 "adds a folder of your own task YAML files."
             )  # fmt: skip
         try:
-            tasks = manager.load(name)
+            try:  # from this machine first: no request that the Hub client would retry for a minute
+                with _offline():
+                    tasks = manager.load(name)
+            except ConnectionError:
+                if not _hub_reachable():
+                    raise
+                tasks = manager.load(name)  # not here yet, and the Hub answers: fetched (then cached)
         except ConnectionError as e:
             where = re.search(r"reach '([^']+)'", str(e))
             raise ConfigError(
@@ -189,6 +196,32 @@ def load_tasks(manager: TaskManager, names: list[str]) -> list:
         groups = tasks.get("groups", {})
         loaded += [groups[name]] if name in groups else list(tasks["tasks"].values())
     return loaded
+
+
+@contextlib.contextmanager
+def _offline():
+    """The Hub's and the datasets library's offline mode, as HF_HUB_OFFLINE=1 sets it, for a while."""
+    import datasets
+    import huggingface_hub
+
+    before = huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    huggingface_hub.constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        huggingface_hub.constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = before
+
+
+def _hub_reachable(seconds: float = 5.0) -> bool:
+    """Whether the Hub (HF_ENDPOINT) takes a connection, asked once, without the client's retries."""
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=seconds).close()
+        return True
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager

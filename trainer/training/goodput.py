@@ -23,8 +23,9 @@ aside, then renamed) at every log point, save and at the end. Beside the
 totals it keeps the productive seconds the run had when each kept checkpoint
 was saved: what a rollback or a restart to that checkpoint loses is the
 productive time since. The totals go into every logged record as
-`goodput/<bucket>` (seconds), `goodput/total` and `goodput/share` (step /
-total), and are printed at the end of each launch.
+`goodput/<bucket>` (seconds), `goodput/total`, `goodput/own` (all but the time
+between launches, which a scheduler spends, not the run) and `goodput/share`
+(step / own), and are printed at the end of each launch.
 """
 
 from __future__ import annotations
@@ -106,13 +107,17 @@ class Goodput:
         self._lose_since(step, "lost_rollback")
 
     def totals(self) -> dict[str, float]:
-        """`goodput/<bucket>` in seconds, `goodput/total` and `goodput/share`: the run's account until now."""
+        """`goodput/<bucket>` in seconds, `goodput/total` (every bucket), `goodput/own` (the launches' own time:
+        all but between_launches, which is the scheduler's, not the run's to spend) and `goodput/share` (step /
+        own): the run's account until now."""
         self._tick()
         total = sum(self.seconds.values())
+        own = total - self.seconds["between_launches"]
         return {
             **{f"goodput/{name}": v for name, v in self.seconds.items()},
             "goodput/total": total,
-            "goodput/share": self.seconds["step"] / total if total else 0.0,
+            "goodput/own": own,
+            "goodput/share": self.seconds["step"] / own if own else 0.0,
         }
 
     def write(self) -> None:
@@ -128,11 +133,13 @@ class Goodput:
     def summary(self) -> str:
         """One line: the productive share of the run's time so far and where the rest went."""
         t = self.totals()
-        rest = ", ".join(f"{name.replace('_', ' ')} {duration(self.seconds[name])}" for name in BUCKETS[1:]
+        rest = ", ".join(f"{name.replace('_', ' ')} {duration(self.seconds[name])}" for name in BUCKETS[1:-1]
                          if self.seconds[name] >= 0.05)  # fmt: skip
         launches = f"{self.launches} launch{'es' * (self.launches > 1)}"
+        between = self.seconds["between_launches"]
         return (f"goodput {100 * t['goodput/share']:.1f}%: {duration(self.seconds['step'])} of training steps in "
-                f"{duration(t['goodput/total'])} over {launches} ({rest})")  # fmt: skip
+                f"{duration(t['goodput/own'])} of the run's own time over {launches} ({rest})"
+                + (f"; {duration(between)} between launches, not counted" if between >= 0.05 else ""))  # fmt: skip
 
     def _tick(self) -> None:
         now = time.perf_counter()

@@ -373,8 +373,9 @@ class Run:
         if evaluate:
             self.goodput.enter("eval")
             result = self.evaluator(self.state.params, self.hang.progress)
-            self.last.update(result)
-            line = f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f})"
+            self.last.update(result, eval_covers=self.evaluator.covers(result))
+            line = (f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f}; "
+                    f"{self.evaluator.covers(result)})")  # fmt: skip
             self.writer.write(step, result, console=line)
             if self.samples is not None:
                 with self.hang.suspended() if not self.sampled else contextlib.nullcontext():  # the first compiles
