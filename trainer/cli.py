@@ -93,7 +93,8 @@ def train_on(cfg) -> list[tuple[str, list[str]]]:
         held = [f"--config.optim.decay_steps={steps - o.warmup_steps}"]
     else:  # wsd: held at its floor
         held = ["--config.optim.schedule=constant", f"--config.optim.lr={ended:.6g}", "--config.optim.warmup_steps=0"]
-    return [(stretched, longer), (f"train on at the rate it ended with, {ended:.2e}, without re-warming", longer + held)]
+    steady = f"train on at the rate it ended with, {ended:.2e}, without re-warming"
+    return [(stretched, longer), (steady, longer + held)]
 
 
 def config_path() -> str:
