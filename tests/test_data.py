@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
-from trainer.data import corpora, streams, text_files
+from trainer.data import corpora, streams
+from trainer.data.preparation import split as split_rule
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
 from trainer.data.workers import ProcessRows
 from trainer.errors import ConfigError
@@ -549,11 +550,16 @@ def test_a_corpus_prepared_before_the_split_rule_keeps_it_and_its_run_resumes(tm
         (corpus / f"f{i:03d}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * (1 + i % 4))
     files = [(str(corpus / f"f{i:03d}.py"), f"f{i:03d}.py") for i in range(150)]
     data_dir = str(tmp_path / "tfds")
-    old = text_files._builder(files, text_files.SPLIT_BY_FILE, "text", None, "old", ["x"], data_dir)
-    record = text_files.made_from(files, "text", text_files.SPLIT_BY_FILE)
+    # Prepared under the rule of then, its record written as it was then (no rule in it).
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(split_rule, "settled_rule", lambda directories, fraction: split_rule.SPLIT_BY_FILE)
+        corpora.prepare(micro_config(data=dict(source="text_files", name="old", paths=str(corpus / "*.py"),
+                                               data_dir=data_dir)).data)  # fmt: skip
+    made = os.path.join(data_dir, "text_files", "old", "1.0.0", split_rule.MADE_FROM_FILE)
+    record = json.loads(open(made).read())
     del record["split"]
-    text_files._build(old, record, None)
-    made = os.path.join(old.data_dir, text_files.MADE_FROM_FILE)
+    with open(made, "w") as f:
+        json.dump(record, f)
     stamp = os.path.getmtime(made)
 
     def cfg(steps, **data):
@@ -579,7 +585,7 @@ def test_a_corpus_prepared_before_the_split_rule_keeps_it_and_its_run_resumes(tm
         source = corpora.open_split(data, split)
         return sorted(source[i]["source"].decode() for i in range(len(source)))
 
-    held = sorted(rel for _, rel in files if text_files.is_validation(text_files.SPLIT_BY_FILE, rel, None))
+    held = sorted(rel for _, rel in files if split_rule.is_validation(split_rule.SPLIT_BY_FILE, rel, None))
     assert sources(cfg(4).data, "validation") == held
     cached = cfg(4, tokenized=True)
     corpora.prepare(cached.data)

@@ -29,7 +29,8 @@ ATTENTION_IMPLS = ("xla", "dot_product", "cudnn", "splash", "auto")
 CONTEXT_ATTENTION = ("ring", "all_gather")
 SCHEDULES = ("cosine", "wsd", "linear", "constant")
 DTYPES = ("float32", "bfloat16", "float16")
-SOURCES = ("text_files", "tfds", "synthetic")
+SOURCES = ("text_files", "tfds", "synthetic", "megatron", "dolma")
+TOKEN_DTYPES = ("uint16", "uint32")  # data.token_dtype: Dolma's token files (trainer/data/readers/dolma.py)
 TOKENIZERS = ("byte", "sentencepiece", "hf")
 TRACKERS = ("tensorboard", "wandb")
 MIXTURE_UNITS = ("tokens", "documents")
@@ -116,7 +117,9 @@ def _declared() -> dict[str, dict]:
     c.data = dict(
         source="text_files",  # one of SOURCES
         name="python_stdlib",  # TFDS dataset name (text_files: the corpus name)
-        paths="",  # text_files: comma-separated globs; "" = this Python's standard library
+        # text_files: comma-separated globs ("" = this Python's standard library); megatron: the datasets'
+        # prefixes (without .bin/.idx); dolma: globs of the .npy token files
+        paths="",
         data_dir="",  # where prepared datasets live; "" = ~/tensorflow_datasets
         text_key="text",  # the text's feature (tfds), field (JSON lines) or column (Parquet)
         train_split="train",
@@ -131,6 +134,8 @@ def _declared() -> dict[str, dict]:
             0.02, "(0, 0.5]"
         ),  # text_files: the share of documents held out (by a hash of each one's place)
         tokenized=False,  # text_files: read the corpus's tokenised cache (made once), no tokenizer in the loop
+        token_dtype="uint16",  # dolma: the token files' one of TOKEN_DTYPES
+        eos_id=Num(-1, "-1 or [0, inf)"),  # dolma: the id that ends each document; -1 = the tokenizer's EOS
         workers=Num(
             0, "[0, inf)"
         ),  # processes that read and tokenise the batch rows; 0 = a thread of the training process
@@ -271,6 +276,8 @@ READ_ONLY_UNDER = {
     "precision.initial_loss_scale": ("precision.loss_scaling", ("dynamic",)),
     "precision.loss_scale_growth_interval": ("precision.loss_scaling", ("dynamic",)),
     "data.tokenizer_path": ("data.tokenizer", ("sentencepiece", "hf")),
+    "data.token_dtype": ("data.source", ("dolma",)),
+    "data.eos_id": ("data.source", ("dolma",)),
     "model.moe.capacity_factor": ("model.moe.impl", ("capacity",)),
     "model.moe.grouped_matmul": ("model.moe.impl", ("dropless",)),
 }

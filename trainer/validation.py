@@ -33,6 +33,7 @@ from trainer.config import (
     RENAMED,
     SCHEDULES,
     SOURCES,
+    TOKEN_DTYPES,
     TOKENIZERS,
     TRACKERS,
     defaults,
@@ -80,6 +81,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("data.tokenizer", d.tokenizer, TOKENIZERS)
     _choice("data.packing", d.packing, ("concat",))
     _choice("data.mixture_unit", d.mixture_unit, MIXTURE_UNITS)
+    _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
+    if d.source in ("megatron", "dolma") and not d.paths:
+        what = "the datasets' prefixes (without .bin or .idx)" if d.source == "megatron" else "globs of its .npy files"
+        raise ConfigError(f"data.source={d.source} reads token files where they are: give data.paths, {what}.")
     if not m.head_dim and m.d_model % m.n_heads:
         raise ConfigError(
             f"model.d_model={m.d_model} is not a multiple of model.n_heads={m.n_heads}; "
@@ -189,7 +194,10 @@ def _check_lists(cfg) -> None:
         )
     _check_watching(cfg)
     if cfg.data.tokenized and cfg.data.source != "text_files":
-        raise ConfigError("data.tokenized reads a text_files corpus's tokenised cache; set data.source=text_files.")
+        what = " (Megatron's and Dolma's files hold tokens already)" * (cfg.data.source in ("megatron", "dolma"))
+        raise ConfigError(
+            f"data.tokenized reads a text_files corpus's tokenised cache{what}; set data.source=text_files."
+        )
     if parse_mixture(cfg.data.mixture) and cfg.data.source == "synthetic":
         raise ConfigError("data.mixture draws from prepared corpora; use data.source=text_files or tfds.")
 

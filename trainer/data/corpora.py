@@ -1,53 +1,43 @@
-"""Where a prepared corpus lives, who prepares it, and whether every host of a run reads the same one.
+"""Where a corpus lives, who prepares it, and whether every host of a run reads the same one.
 
-A corpus is prepared once into `data.data_dir` (default ~/tensorflow_datasets):
-a local directory, or a `gs://` bucket that every host of a pod reads straight
-from (ArrayRecord opens `gs://` shards itself; each process reads only its
-rows). At a run's start process 0 alone prepares a text_files corpus that is
-not there yet (scripts/prepare_data.py does it ahead of time), so no two hosts
-ever build into one place at once.
+A corpus is prepared once into `data.data_dir` (default ~/tensorflow_datasets; trainer/data/preparation/):
+a local directory, or a `gs://` bucket that every host of a pod reads straight from (ArrayRecord opens
+`gs://` shards itself; each process reads only its rows). Megatron's and Dolma's token files are read
+where they are, with nothing to prepare (trainer/data/readers/). At a run's start process 0 alone prepares
+a text_files corpus that is not there yet (scripts/prepare_data.py does it ahead of time, on Apache Beam
+for a large one), so no two hosts ever build into one place at once.
 
 Hosts with disks of their own see a local data_dir each on their own disk. So
 before anything compiles every process states what it finds (`statement`: each
 split's shard lengths and size, and for text files the record of what it was
-made from and with), and a process whose statement is not process 0's is named
-in one sentence with the command that fixes it (`check_every_host_reads_it`).
+made from and with; for token files their sizes), and a process whose statement is not process 0's is
+named in one sentence with the command that fixes it (`check_every_host_reads_it`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import jax
-import tensorflow_datasets as tfds
-from etils import epath
 
 from parallelism.distributed import differing_from_first
-from trainer.data import text_files
+from trainer.data import preparation, readers
 from trainer.data.mixture import parse_mixture
+from trainer.data.preparation.split import MADE_FROM_FILE, TOKENIZER_FILE, check_made_with
 from trainer.data.tokenizers import load_tokenizer, made_with
 from trainer.errors import ConfigError
-from trainer.storage.workdir import is_remote
 
-DEFAULT_DIR = "~/tensorflow_datasets"
-VERSION = "1.0.0"  # text_files' one version
-
-
-def data_dir(data_cfg) -> str:
-    location = data_cfg.data_dir or DEFAULT_DIR
-    return location if is_remote(location) else str(epath.Path(location).expanduser())
+DEFAULT_DIR = readers.DEFAULT_DIR
+data_dir = readers.data_dir
 
 
-def prepare(data_cfg) -> None:
-    """Build a text_files corpus if it is not prepared yet (and, with data.tokenized, its tokenised cache);
+def prepare(data_cfg, workers: int = 1, beam_options: str = "", say=print) -> None:
+    """Build a text_files corpus if it is not prepared yet (and, with data.tokenized, its tokenised store);
     other sources need nothing."""
     if data_cfg.source == "text_files":
-        d = data_cfg
-        text_files.prepare(d.name, d.paths, data_dir(d), d.text_key, validation_fraction=d.validation_fraction)
-        if d.tokenized:
-            text_files.prepare(d.name, d.paths, data_dir(d), d.text_key, load_tokenizer(d), made_with(d),
-                               d.validation_fraction)  # fmt: skip
+        preparation.prepare(data_cfg, data_dir(data_cfg), workers=workers, beam_options=beam_options, say=say)
 
 
 def text_feature(data_cfg) -> str:
@@ -58,71 +48,65 @@ def text_feature(data_cfg) -> str:
 
 def open_split(data_cfg, split: str):
     """A random-access source of examples (dicts) for one split of data.name."""
-    return open_corpus(data_cfg, data_cfg.name, split)
+    return readers.open_split(data_cfg, data_cfg.name, split)
+
+
+def corpora_read(data_cfg) -> list[str]:
+    """The corpora the run reads: data.name, or each corpus of a mixture."""
+    return [name for name, _ in parse_mixture(data_cfg.mixture)] or [data_cfg.name]
 
 
 def names(data_cfg) -> list[str]:
-    """The prepared datasets the run reads (data.name, or each corpus of a mixture), as TFDS names them."""
-    read = [name for name, _ in parse_mixture(data_cfg.mixture)] or [data_cfg.name]
-    suffix = text_files.TOKENS_SUFFIX if data_cfg.tokenized else ""
-    return [f"text_files/{c}{suffix}" if data_cfg.source == "text_files" else c for c in read]
-
-
-def open_corpus(data_cfg, corpus: str, split: str):
-    """A random-access source of one split of `corpus` (a name of data.name's kind, without the cache suffix)."""
-    suffix = text_files.TOKENS_SUFFIX if data_cfg.tokenized else ""
-    return _open(data_cfg, f"text_files/{corpus}{suffix}" if data_cfg.source == "text_files" else corpus, split)
-
-
-def _open(data_cfg, name: str, split: str):
-    """One split of the prepared dataset TFDS calls `name` (names() gives the run's)."""
-    try:
-        if data_cfg.source == "text_files" and not (_directory(data_cfg, name) / "dataset_info.json").exists():
-            raise tfds.core.registered.DatasetNotFoundError(name)  # TFDS would say its builder config is unknown
-        return tfds.data_source(name, split=split, data_dir=data_dir(data_cfg), download=False)
-    except tfds.core.registered.DatasetNotFoundError as e:
-        hint = (
-            "run scripts/prepare_data.py with this config"
-            if data_cfg.source == "text_files"
-            else "prepare it with TFDS in array_record format"
-        )
-        raise ConfigError(f"dataset {name!r} is not prepared under {data_dir(data_cfg)}; {hint}.") from e
-    except (KeyError, ValueError) as e:
-        raise ConfigError(f"dataset {name!r} has no split {split!r} ({e}).") from e
-
-
-def _directory(data_cfg, name: str) -> epath.Path:
-    return epath.Path(data_dir(data_cfg)) / name / VERSION
+    """The prepared datasets the run reads, as TFDS names them (token files: their paths)."""
+    return [readers.tfds_name(data_cfg, c) if readers.kind(data_cfg, c) in ("text_files", "tfds") else c
+            for c in corpora_read(data_cfg)]  # fmt: skip
 
 
 def check_prepared(data_cfg, split: str) -> None:
-    """Refuse, in one sentence, a corpus the run reads that is not prepared, or a tokenised cache made with
+    """Refuse, in one sentence, a corpus the run reads that is not prepared, or a tokenised store made with
     another tokenizer (this process must hold the tokenizer)."""
-    for name in names(data_cfg):
-        _open(data_cfg, name, split)
+    for corpus in corpora_read(data_cfg):
+        readers.open_split(data_cfg, corpus, split)
     _check_made_with(data_cfg)
 
 
 def _check_made_with(data_cfg) -> None:
     if data_cfg.tokenized:
-        for name in names(data_cfg):
-            text_files.check_made_with(str(_directory(data_cfg, name)), made_with(data_cfg))
+        for corpus in corpora_read(data_cfg):
+            if readers.kind(data_cfg, corpus) == "text_files":
+                name = readers.tfds_name(data_cfg, corpus)
+                check_made_with(str(readers.directory(data_cfg, name)), made_with(data_cfg))
 
 
 def statement(data_cfg, splits: list[str]) -> str:
     """What this process finds of the corpora the run reads: each split's shard lengths and bytes, and what
-    a text_files corpus records of its files and tokenizer. Equal statements, equal data. Raises ConfigError
-    for a corpus this process does not find."""
+    a text_files corpus records of its files and tokenizer (token files: their documents and sizes). Equal
+    statements, equal data. Raises ConfigError for a corpus this process does not find."""
     found = []
-    for name in names(data_cfg):
+    for corpus in corpora_read(data_cfg):
+        which = readers.kind(data_cfg, corpus)
+        if which in ("megatron", "dolma"):
+            found.append([corpus, [len(readers.open_split(data_cfg, corpus, s)) for s in splits],
+                          sorted(os.path.getsize(p) for p in _token_paths(data_cfg, corpus))])  # fmt: skip
+            continue
+        name = readers.tfds_name(data_cfg, corpus)
         for split in splits:
-            info = _open(data_cfg, name, split).dataset_info.splits[split]
+            info = readers.open_prepared(data_cfg, name, split).dataset_info.splits[split]
             found.append([name, split, list(info.shard_lengths), info.num_bytes])
-        if data_cfg.source == "text_files":
-            for record in (text_files.MADE_FROM_FILE, text_files.TOKENIZER_FILE):
-                file = _directory(data_cfg, name) / record
+        if which == "text_files":
+            for record in (MADE_FROM_FILE, TOKENIZER_FILE):
+                file = readers.directory(data_cfg, name) / record
                 found.append([record, json.loads(file.read_text()) if file.exists() else None])
     return json.dumps(found, sort_keys=True)
+
+
+def _token_paths(data_cfg, corpus: str) -> list[str]:
+    import glob
+
+    paths = readers.paths_of(data_cfg, corpus)
+    if readers.kind(data_cfg, corpus) == "megatron":
+        return [os.path.expanduser(p) + suffix for p in paths for suffix in (".bin", ".idx")]
+    return [f for p in paths for f in glob.glob(os.path.expanduser(p))]
 
 
 MISSING = "missing"
@@ -131,7 +115,7 @@ MISSING = "missing"
 def check_every_host_reads_it(data_cfg, splits: list[str]) -> None:
     """Refuse, before anything compiles, a run whose processes do not all read the corpus process 0 has (a
     collective: every process calls it, after process 0 has prepared it). Process 0 also checks a tokenised
-    cache against its tokenizer."""
+    store against its tokenizer."""
     me = jax.process_index()
     try:
         mine = statement(data_cfg, splits)

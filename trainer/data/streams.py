@@ -41,7 +41,8 @@ import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchDatasetIterator
 from jax.sharding import NamedSharding
 
-from trainer.data.corpora import open_corpus, text_feature
+from trainer.data import readers
+from trainer.data.corpora import text_feature
 from trainer.data.mixture import parse_mixture
 from trainer.data.tokenizers import load_tokenizer
 
@@ -69,6 +70,10 @@ class Stream:
     mixture_unit: str = "tokens"  # what the weights are shares of: "tokens" or "documents"
     tokenized: bool = False  # read the tokenised cache: the same ids, no tokenizer in the loop
     data_dir: str = ""
+    # Token files read as they are (trainer/data/readers/): their split, and Dolma's dtype and end id.
+    validation_fraction: float = 0.02
+    token_dtype: str = "uint16"
+    eos_id: int = -1
 
     @classmethod
     def from_config(cls, cfg) -> Stream:
@@ -78,7 +83,7 @@ class Stream:
             tokenizer_path=d.tokenizer_path, seq_len=d.seq_len, packing=d.packing, train_split=d.train_split,
             seed=cfg.train.seed, rows=cfg.train.global_batch_size, vocab_size=cfg.model.vocab_size,
             mixture=parse_mixture(d.mixture), mixture_unit=d.mixture_unit, tokenized=d.tokenized,
-            data_dir=d.data_dir,
+            data_dir=d.data_dir, validation_fraction=d.validation_fraction, token_dtype=d.token_dtype, eos_id=d.eos_id,
         )  # fmt: skip
 
     def sources(self) -> dict[str, Stream]:
@@ -90,12 +95,17 @@ class Stream:
     def identity(self) -> dict:
         """What the batches depend on: not where the corpus or the tokenizer lives, nor whether its cache is
         read, nor the globs (and, for text files, the field) that selected its files: a prepared corpus records
-        what it was made from and refuses a config that selects anything else (trainer/data/text_files.py), so
+        what it was made from and refuses a config that selects anything else (trainer/data/preparation/), so
         a glob spelt otherwise over the same files resumes; the tokenizer's file is held to the run's copy
         (trainer/storage/run_tokenizer.py). The mixture's unit only where there is a mixture."""
         ignored = {"data_dir", "tokenized", "paths", "tokenizer_path"}
         ignored |= {"text_key"} if self.source == "text_files" else set()
         ignored |= set() if self.mixture else {"mixture_unit"}
+        kinds = {readers.kind(self, c) for c in ([n for n, _ in self.mixture] or [self.name])}
+        if kinds & {"megatron", "dolma"}:  # read as they are: the split and the documents' ends are the run's settings
+            ignored -= {"paths"}
+        else:  # a prepared corpus records its own split
+            ignored |= {"validation_fraction", "token_dtype", "eos_id"}
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignored}
 
 
@@ -111,12 +121,12 @@ def documents(stream: Stream, split: str, shuffle: bool, endless: bool = True, t
 
         return grain.MapDataset.range(SYNTHETIC_DOCUMENTS).map(random_doc)
 
-    docs = grain.MapDataset.source(open_corpus(stream, stream.name, split))
+    docs = grain.MapDataset.source(readers.open_split(stream, stream.name, split))
     if shuffle:
         docs = docs.shuffle(seed=seed)
     if endless:
         docs = docs.repeat()  # repeat() reshuffles each epoch
-    if stream.tokenized:
+    if readers.holds_tokens(stream, stream.name):
         return docs.map(lambda example: _tagged(np.asarray(example["tokens"], np.int32), tag))
     tokenizer, key = load_tokenizer(stream), text_feature(stream)
 

@@ -1,0 +1,254 @@
+"""A pretraining corpus of any size: one pass on Apache Beam or in this process, the same corpus either way;
+a document's side of the split by its own place; one builder at a time; progress while it runs; and
+corpora other stacks tokenised (Megatron-LM's .bin/.idx, Dolma's .npy), read as they are."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO, micro_config
+from test_data import held_out
+
+from trainer.data import corpora, readers, streams
+from trainer.data.preparation import pipeline, progress
+from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer
+from trainer.errors import ConfigError
+
+
+def mixed_corpus(root) -> list[tuple[str, list[str]]]:
+    """Parquet, zstd JSON lines and text files (a few hundred KB): [(file below root, its documents)]."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    rng = np.random.default_rng(0)
+    words = ["def", "the", "return", "model", "data", "x", "for", "in", "ünï", "\n"]
+    text = lambda n: " ".join(rng.choice(words, n))  # noqa: E731
+    made = []
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(3):
+        rows = [text(int(n)) for n in rng.integers(1, 60, 150)]
+        pq.write_table(pa.table({"text": rows}), root / f"part-{i}.parquet", row_group_size=50)
+        made.append((f"part-{i}.parquet", rows))
+    for i in range(2):
+        lines = [text(int(n)) for n in rng.integers(1, 60, 120)]
+        with zstandard.open(root / f"web-{i}.jsonl.zst", "wt") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in lines)
+        made.append((f"web-{i}.jsonl.zst", lines))
+    for i in range(60):
+        doc = text(int(rng.integers(50, 400)))
+        (root / f"file-{i:02d}.txt").write_text(doc)
+        made.append((f"file-{i:02d}.txt", [doc]))
+    return sorted(made)
+
+
+def read_all(data, split: str, key: str) -> list:
+    source = corpora.open_split(data, split)
+    return [source[i][key] for i in range(len(source))]
+
+
+def test_a_corpus_is_the_same_whatever_prepares_it_and_holds_out_by_each_documents_place(tmp_path, monkeypatch):
+    """One pass over Parquet, zstd JSON-lines and text files makes both splits and the tokenised store, in this
+    process and on Beam's DirectRunner with 2 processes (units of ~20 KB: many shards): every document of
+    both, text and token ids, in the same order; each held out by the hash of its own place, computed here
+    apart from the code (test_data.held_out), in file order; the tokens are BOS, the text's bytes, EOS."""
+    pytest.importorskip("apache_beam", reason="the beam extra is not installed: pip install -e '.[beam]'")
+    made = mixed_corpus(tmp_path / "corpus")
+    monkeypatch.setattr(pipeline, "UNIT_BYTES", 20_000)
+    prepared = {}
+    for workers in (1, 2):
+        data = micro_config(data=dict(source="text_files", name="mixed", paths=f"{tmp_path}/corpus/*",
+                                      data_dir=str(tmp_path / f"tfds{workers}"), tokenized=True,
+                                      validation_fraction=0.1)).data  # fmt: skip
+        corpora.prepare(data, workers=workers)
+        prepared[workers] = {(s, "tokens"): read_all(data, s, "tokens") for s in ("train", "validation")}
+        data.tokenized = False  # the text corpus itself, made in the same pass
+        prepared[workers].update({(s, "text"): read_all(data, s, "text") for s in ("train", "validation")})
+    for key, one in prepared[1].items():
+        two = prepared[2][key]
+        assert len(one) == len(two) and all(np.array_equal(a, b) for a, b in zip(one, two, strict=True)), key
+    shards = [f for f in os.listdir(tmp_path / "tfds2" / "text_files" / "mixed" / "1.0.0") if "-train." in f]
+    assert len(shards) > 5  # the text files alone made several units
+    for split in ("train", "validation"):
+        place = lambda rel, i: rel if rel.endswith(".txt") else f"{rel}:{i}"  # noqa: E731 - a text file: one document
+        expected = [doc for rel, docs in made for i, doc in enumerate(docs)
+                    if held_out(place(rel, i), 0.1) == (split == "validation")]  # fmt: skip
+        assert [t.decode() for t in prepared[1][split, "text"]] == expected
+        tokens = [np.concatenate([[BOS_ID], ByteTokenizer().encode(t), [EOS_ID]]) for t in expected]
+        assert all(np.array_equal(a, b) for a, b in zip(prepared[1][split, "tokens"], tokens, strict=True))
+    assert 0.05 < len(prepared[1]["validation", "text"]) / sum(len(d) for _, d in made) < 0.15
+
+
+def test_a_documents_side_does_not_move_when_another_directory_joins(tmp_path):
+    """web/*.jsonl alone, then web/*.jsonl with code/*.jsonl: each web document is held out or not alike in
+    both, by its place below web/, its glob's root (before, the place was below the files' common root, and
+    most held-out web documents of the second were training documents of the first)."""
+    for folder in ("web", "code"):
+        (tmp_path / folder).mkdir()
+        for i in range(16):
+            lines = [json.dumps({"text": f"{folder} {i} line {j}"}) for j in range(10)]
+            (tmp_path / folder / f"{i:02d}.jsonl").write_text("\n".join(lines) + "\n")
+    held = {}
+    web, code = f"{tmp_path}/web/*.jsonl", f"{tmp_path}/code/*.jsonl"
+    for name, paths in (("web", web), ("both", f"{web},{code}")):
+        data = micro_config(data=dict(source="text_files", name=name, paths=paths, data_dir=str(tmp_path / "tfds"),
+                                      validation_fraction=0.2)).data  # fmt: skip
+        corpora.prepare(data)
+        held[name] = {t.decode() for t in read_all(data, "validation", "text")}
+    web = {t for t in held["both"] if t.startswith("web")}
+    assert web == held["web"] == {f"web {i} line {j}" for i in range(16) for j in range(10)
+                                  if held_out(f"{i:02d}.jsonl:{j}", 0.2)}  # fmt: skip
+    assert len(web) > 10 and len(held["both"]) > len(web)
+
+
+SLOW_UNITS = """
+import os, time
+if os.environ.get("PREPARE_SLOWLY"):
+    from trainer.data.preparation import pipeline
+    prepare_unit = pipeline.prepare_unit
+
+    def slowly(unit, plan):
+        time.sleep(float(os.environ["PREPARE_SLOWLY"]))
+        return prepare_unit(unit, plan)
+
+    pipeline.prepare_unit = slowly
+"""
+
+
+def test_two_processes_preparing_one_corpus_end_with_one_corpus(tmp_path):
+    """Two scripts/prepare_data.py on the same corpus and data_dir at once (the first made slow by a
+    sitecustomize that delays each unit): the second waits for the first and uses its corpus; both succeed,
+    with no traceback, and one corpus, with no staging left, is there."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_UNITS)
+    mixed_corpus(tmp_path / "corpus")
+    args = [sys.executable, "scripts/prepare_data.py", "--config", "configs/tiny.py",
+            f"--config.data.paths={tmp_path}/corpus/*", f"--config.data.data_dir={tmp_path}/tfds"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "PREPARE_SLOWLY": "6"}
+    first = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert first.stdout.readline().startswith("preparing python_stdlib from 65 files")  # it holds the lock
+    second = subprocess.run(args, cwd=REPO, env={**env, "PREPARE_SLOWLY": ""}, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    out, err = first.communicate(timeout=300)
+    assert first.returncode == 0 and second.returncode == 0, err + second.stderr
+    assert "another process is preparing python_stdlib; waiting for it to finish" in second.stdout
+    assert "preparing python_stdlib from" not in second.stdout  # it built nothing
+    for said in (out, second.stdout):
+        assert said.strip().splitlines()[-1].startswith(f"python_stdlib under {tmp_path}/tfds: train ")
+    assert "Traceback" not in err + second.stderr
+    assert sorted(os.listdir(tmp_path / "tfds" / "text_files")) == ["python_stdlib"]
+
+
+def test_a_long_preparation_says_how_far_it_has_got(tmp_path, monkeypatch):
+    """Lines every interval (here 0.2 s, 30 by default) with the documents, text, tokens and input read so
+    far, its rate and the time left; then the prepared totals."""
+    mixed_corpus(tmp_path / "corpus")
+    monkeypatch.setattr(progress, "EVERY_SECONDS", 0.2)
+    monkeypatch.setattr(pipeline, "REPORT_SECONDS", 0.0)
+    slow = pipeline.documents
+
+    def documents(*args):
+        for document in slow(*args):
+            yield document
+            __import__("time").sleep(0.003)
+
+    monkeypatch.setattr(pipeline, "documents", documents)
+    said = []
+    data = micro_config(data=dict(source="text_files", name="slow", paths=f"{tmp_path}/corpus/*",
+                                  data_dir=str(tmp_path / "tfds"), tokenized=True)).data  # fmt: skip
+    corpora.prepare(data, say=said.append)
+    lines = [s for s in said if s.startswith("preparing slow: ")]
+    pattern = r"preparing slow: [\d,]+ documents, [\d.]+ MB of text, [\d,]+ tokens; \d+% of [\d.]+ MB read at "
+    assert len(lines) >= 2 and all(re.match(pattern + r"[\d.]+ MB/s, \dm\d\ds left$", s) for s in lines), said
+    assert said[-1].startswith("prepared slow: 750 documents, ")
+
+
+def megatron_files(prefix, documents: list[np.ndarray]) -> None:
+    """Written by megatron-core's own IndexedDatasetBuilder (uint16 ids), two of the documents in two
+    sequences each."""
+    torch = pytest.importorskip("torch", reason="the hf extra is not installed: pip install -e '.[hf]'")
+    pytest.importorskip("megatron.core", reason="the formats extra is not installed: pip install -e '.[formats]'")
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
+    for i, doc in enumerate(documents):
+        if i % 7 == 3 and len(doc) > 1:  # a document of two sequences
+            builder.add_document(torch.tensor(doc, dtype=torch.int64), [len(doc) // 2, len(doc) - len(doc) // 2])
+        else:
+            builder.add_document(torch.tensor(doc, dtype=torch.int64), [len(doc)])
+    builder.finalize(f"{prefix}.idx")
+
+
+def dolma_file(path, documents: list[np.ndarray], dtype) -> None:
+    """Dolma's token file, written from its published form (a bare array of ids, which OLMo-core memory-maps):
+    neither dolma 1.2.1 nor ai2-olmo-core 3.0.0 installs here beside the rest (they pin older numpy, fsspec,
+    tokenizers, huggingface_hub)."""
+    array = np.concatenate(documents).astype(dtype)
+    np.memmap(path, dtype, "w+", shape=array.shape)[:] = array
+
+
+def test_megatron_and_dolma_token_files_are_read_as_they_are_and_mixed_with_ours(tmp_path):
+    """Documents of byte ids, [BOS, text, EOS] each, written by megatron-core's builder and as Dolma's files:
+    every document comes back whole, one of every 50 held out (the 50th, 100th, ...), with no preparation;
+    a mixture of a corpus prepared here and both, weighted 2:1:1 by tokens, draws them so; bad files are one
+    sentence each."""
+    rng = np.random.default_rng(1)
+    docs = [np.concatenate([[BOS_ID], rng.integers(3, 259, int(n)), [EOS_ID]]) for n in rng.integers(5, 300, 400)]
+    megatron_files(tmp_path / "meg", docs)
+    dolma_file(tmp_path / "dolma-0.npy", docs[:250], np.uint32)
+    dolma_file(tmp_path / "dolma-1.npy", docs[250:], np.uint32)
+    expected = {"train": [d for i, d in enumerate(docs) if i % 50 != 49],
+                "validation": [d for i, d in enumerate(docs) if i % 50 == 49]}  # fmt: skip
+    dolma_expected = {s: [d for part in (docs[:250], docs[250:]) for i, d in enumerate(part)
+                          if (i % 50 == 49) == (s == "validation")] for s in expected}  # fmt: skip
+    for source, paths, want in (("megatron", str(tmp_path / "meg"), expected),
+                                ("dolma", f"{tmp_path}/dolma-*.npy", dolma_expected)):  # fmt: skip
+        cfg = micro_config(data=dict(source=source, paths=paths, token_dtype="uint32"))
+        stream = streams.Stream.from_config(cfg)
+        for split, documents in want.items():
+            got = readers.open_split(stream, stream.name, split)
+            assert len(got) == len(documents), (source, split)
+            assert all(np.array_equal(got[i]["tokens"], d) for i, d in enumerate(documents)), (source, split)
+
+    (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": "note " * int(n)}) + "\n"
+                                                  for n in rng.integers(2, 60, 2000)))  # fmt: skip
+    ours = dict(source="text_files", name="notes", paths=str(tmp_path / "notes.jsonl"), data_dir=str(tmp_path / "tfds"))
+    corpora.prepare(micro_config(data=ours).data)
+    mixed = micro_config(data=dict(ours, seq_len=256, token_dtype="uint32",
+                                   mixture=("notes:2", f"{tmp_path}/meg:1", f"{tmp_path}/dolma-*.npy:1")),
+                         train=dict(global_batch_size=8))  # fmt: skip
+    it = iter(streams.batches(streams.Stream.from_config(mixed), "train", range(8), shuffle=True))
+    counts = sum(streams.mixture_counts(next(it), "tokens", 3, BOS_ID) for _ in range(100))
+    np.testing.assert_allclose(counts / counts.sum(), [0.5, 0.25, 0.25], atol=0.01)
+
+    (tmp_path / "bad.idx").write_bytes(b"NOTMEGA\x00\x00" + bytes(25))
+    (tmp_path / "bad.bin").write_bytes(bytes(8))
+    (tmp_path / "odd.npy").write_bytes(bytes(7))
+    small = micro_config(model=dict(vocab_size=128), data=dict(source="dolma", paths=f"{tmp_path}/dolma-0.npy",
+                                                               token_dtype="uint32"))  # fmt: skip
+    cases = [(micro_config(data=dict(source="megatron", paths=str(tmp_path / "bad"))),
+              r"bad.idx does not begin with Megatron's index header"),
+             (micro_config(data=dict(source="dolma", paths=str(tmp_path / "odd.npy"), token_dtype="uint32")),
+              r"odd.npy is 7 bytes, not a whole number of uint32 tokens \(4 bytes each\)"),
+             (small, r"dolma-0.npy holds token id 25\d, at or above model.vocab_size=128")]  # fmt: skip
+    for cfg, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            stream = streams.Stream.from_config(cfg)
+            readers.open_split(stream, stream.name, "train")
+
+
+def test_a_runner_that_cannot_run_here_is_one_sentence_before_anything_is_written(tmp_path):
+    pytest.importorskip("apache_beam", reason="the beam extra is not installed: pip install -e '.[beam]'")
+    mixed_corpus(tmp_path / "corpus")
+    data = micro_config(data=dict(source="text_files", paths=f"{tmp_path}/corpus/*",
+                                  data_dir=str(tmp_path / "tfds"))).data  # fmt: skip
+    with pytest.raises(ConfigError, match=r"the Beam runner NoSuchRunner cannot be loaded here"):
+        corpora.prepare(data, beam_options="--runner=NoSuchRunner")
+    with pytest.raises(ConfigError, match=r"the Beam runner PortableRunner runs on other machines, which cannot "
+                                          r"write data.data_dir="):  # fmt: skip
+        corpora.prepare(data, beam_options="--runner=PortableRunner")
+    assert not (tmp_path / "tfds").exists()

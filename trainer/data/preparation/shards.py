@@ -1,0 +1,117 @@
+"""A prepared corpus on disk: a TFDS dataset in array_record shards, read back by `tfds.data_source`.
+
+The corpus `name` lives at <data_dir>/text_files/<name>/1.0.0 (documents' text) and its tokenised store at
+<data_dir>/text_files/<name>-tokens/1.0.0 (each document's token ids, begin and end marks included). Each
+split has one shard per unit of the preparation (trainer/data/preparation/pipeline.py), named as TFDS
+names them (`text_files-train.array_record-00003-of-00016`), so the number of shards is known before any
+is written and no shard is ever renamed; a unit with nothing for a split writes an empty shard. Examples
+are serialised with TFDS's own serializer for the dataset's features, and `dataset_info.json`, written
+last, makes the directory a prepared dataset: TFDS takes a directory without it for an unprepared one.
+
+ArrayRecord writes local files only: a shard is written to a local temporary file, then moved (or, to a
+bucket, copied) to its place.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import tensorflow_datasets as tfds
+from etils import epath
+
+from trainer.storage.workdir import is_remote
+
+TOKENS_SUFFIX = "-tokens"  # the tokenised store of corpus <name> is dataset <name>-tokens
+SPLITS = ("train", "validation")
+FORMAT = "array_record"
+
+
+class TextFiles(tfds.core.GeneratorBasedBuilder):
+    """Local text files as a TFDS dataset; the builder config name is the corpus name. Its examples are
+    written by the preparation pipeline, never by TFDS: the builder gives the dataset its name, place and
+    features."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self) -> tfds.core.DatasetInfo:
+        if self.builder_config.name.endswith(TOKENS_SUFFIX):
+            content = tfds.features.Tensor(shape=(None,), dtype=np.int32, encoding=tfds.features.Encoding.ZLIB)
+            features = tfds.features.FeaturesDict({"tokens": content, "source": tfds.features.Text()})
+        else:
+            features = tfds.features.FeaturesDict({"text": tfds.features.Text(), "source": tfds.features.Text()})
+        return tfds.core.DatasetInfo(builder=self, features=features)
+
+    def _split_generators(self, dl_manager):
+        raise NotImplementedError("prepared by trainer/data/preparation/pipeline.py")
+
+    def _generate_examples(self):
+        raise NotImplementedError("prepared by trainer/data/preparation/pipeline.py")
+
+
+def builder(config_name: str, data_dir: str) -> TextFiles:
+    return TextFiles(config=tfds.core.BuilderConfig(name=config_name, description="text files"), data_dir=data_dir,
+                     file_format=FORMAT)  # fmt: skip
+
+
+@functools.cache
+def _features(tokens: bool) -> tfds.features.FeaturesDict:
+    return builder("features" + TOKENS_SUFFIX * tokens, tempfile.gettempdir()).info.features
+
+
+def version_dir(data_dir: str, config_name: str) -> epath.Path:
+    return epath.Path(data_dir) / "text_files" / config_name / str(TextFiles.VERSION)
+
+
+def _template(directory: str, split: str) -> tfds.core.ShardedFileTemplate:
+    return tfds.core.ShardedFileTemplate(data_dir=epath.Path(directory), dataset_name="text_files", split=split,
+                                         filetype_suffix=FORMAT)  # fmt: skip
+
+
+class ShardWriter:
+    """One unit's shard of one split of one dataset: examples appended, then `close()` puts it in place."""
+
+    def __init__(self, config_name: str, directory: str, split: str, unit: int, units: int):
+        from array_record.python.array_record_module import ArrayRecordWriter
+        from tensorflow_datasets.core import example_serializer
+
+        self.features = _features(config_name.endswith(TOKENS_SUFFIX))
+        self._serializer = example_serializer.ExampleSerializer(self.features.get_serialized_info())
+        self.target = os.fspath(_template(directory, split).sharded_filepath(shard_index=unit, num_shards=units))
+        self._local = tempfile.NamedTemporaryFile(prefix="trainer-shard-", delete=False)  # noqa: SIM115
+        self._local.close()
+        self._writer = ArrayRecordWriter(self._local.name, "group_size:1")  # random access by index
+        self.count = self.bytes = 0
+
+    def write(self, example: dict) -> None:
+        record = self._serializer.serialize_example(self.features.encode_example(example))
+        self._writer.write(record)
+        self.count, self.bytes = self.count + 1, self.bytes + len(record)
+
+    def close(self) -> None:
+        self._writer.close()
+        if is_remote(self.target):
+            import fsspec
+
+            fsspec.filesystem("gcs").put_file(self._local.name, self.target)
+            os.remove(self._local.name)
+        else:
+            os.makedirs(os.path.dirname(self.target), exist_ok=True)
+            shutil.move(self._local.name, self.target)
+
+    def discard(self) -> None:
+        self._writer.close()
+        os.remove(self._local.name)
+
+
+def write_info(config_name: str, directory: str, lengths: dict[str, list[int]], sizes: dict[str, int]) -> None:
+    """dataset_info.json (and features.json) for the shards written to `directory`: what makes it a prepared
+    dataset, so it is written last."""
+    info = builder(config_name, tempfile.gettempdir()).info
+    splits = [tfds.core.SplitInfo(name=split, shard_lengths=lengths[split], num_bytes=sizes[split],
+                                  filename_template=_template(directory, split)) for split in SPLITS]  # fmt: skip
+    info.set_splits(tfds.core.SplitDict(splits))
+    info.write_to_directory(epath.Path(directory))
