@@ -43,6 +43,7 @@ def quick(corpus_dir, out):
             "moe",
         ),
         ("overhead.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "overhead"),
+        ("prepare.py", ["--mb=2", "--small_mb=1", "--batches=2", f"--dir={out.parent / 'prepare'}"], "prepare"),
         (
             "pipeline_bubble.py",
             [*SYNTHETIC, "--stages=2", "--microbatches=2", "--steps=1", "--simulate_devices=2"],
@@ -81,6 +82,8 @@ def test_every_benchmark_runs_and_prints_what_results_records(corpus_dir, tmp_pa
     pytest.importorskip("torch")  # vs_pytorch.py and harness.py: the hf extra, which CI installs
     pytest.importorskip("lm_eval")  # harness.py: the eval extra, which CI installs
     pytest.importorskip("libtpu")  # memory_calibration.py: the tpu extra, which CI installs
+    pytest.importorskip("apache_beam")  # prepare.py: the beam extra, which CI installs
+    pytest.importorskip("megatron.core")  # prepare.py: the formats extra, which CI installs
     fields = recorded_fields()
     out = tmp_path / "calibration.jsonl"
     for script, args, name in quick(corpus_dir, out):

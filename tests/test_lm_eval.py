@@ -8,6 +8,7 @@ the model's context (32 tokens), so that the truncation is compared too.
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -136,6 +137,10 @@ def test_the_harness_on_a_pod_gives_the_one_device_answers_and_files(trained):
     assert out.returncode == 0, out.stdout[-3000:]
     assert "[0] |tiny_choice" in out.stdout and "requests cut from the left to fit the model's context" in out.stdout
     assert "[1] |" not in out.stdout  # one table, from process 0
+    # Nothing but what we print: no Gloo connection lines, progress bars or plugin and library log lines.
+    noise = [line for line in out.stdout.splitlines()
+             if re.search(r"\[Gloo\]|it/s\]|\d+%\||^\[\d\] [IWEF]\d{4} |WARNING|Traceback", line)]  # fmt: skip
+    assert not noise, noise
     folder = f"{workdir}/lm_eval/step200"
     written = json.load(open(newest(f"{folder}/results_*.json")))  # (the run above wrote one too)
     assert written["truncated"] == ours["truncated"]

@@ -224,6 +224,13 @@ def test_megatron_and_dolma_token_files_are_read_as_they_are_and_mixed_with_ours
     it = iter(streams.batches(streams.Stream.from_config(mixed), "train", range(8), shuffle=True))
     counts = sum(streams.mixture_counts(next(it), "tokens", 3, BOS_ID) for _ in range(100))
     np.testing.assert_allclose(counts / counts.sum(), [0.5, 0.25, 0.25], atol=0.01)
+    # Shuffled by index and resumed from the checkpoint's JSON as any corpus: the same windows after.
+    state = json.loads(json.dumps(it.get_state()))
+    expected = [next(it) for _ in range(3)]
+    resumed = iter(streams.batches(streams.Stream.from_config(mixed), "train", range(8), shuffle=True))
+    resumed.set_state(state)
+    for batch in expected:
+        np.testing.assert_array_equal(next(resumed)["tokens"], batch["tokens"])
 
     (tmp_path / "bad.idx").write_bytes(b"NOTMEGA\x00\x00" + bytes(25))
     (tmp_path / "bad.bin").write_bytes(bytes(8))

@@ -216,6 +216,7 @@ def what_was_evaluated(cfg, workdir: str, step: int, max_batches: int) -> dict:
         "dataset": "+".join(map(str, d.mixture)) or d.name, "source": d.source, "paths": d.paths,
         "data_dir": d.data_dir, "split": d.eval_split, "tokenizer": d.tokenizer, "tokenizer_path": d.tokenizer_path,
         "seq_len": d.seq_len, "global_batch_size": cfg.train.global_batch_size, "batches": max_batches or "all",
+        **({"processes": jax.process_count()} if max_batches else {}),  # which pieces fill the first K batches
         "step": step, "checkpoint": f"{wd.checkpoint_dir(workdir)}/{step}", "committed_ns": committed,
     }  # fmt: skip
 

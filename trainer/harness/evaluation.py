@@ -177,12 +177,13 @@ def load_tasks(manager: TaskManager, names: list[str]) -> list:
             )  # fmt: skip
         try:
             try:  # from this machine first: no request that the Hub client would retry for a minute
-                with _offline():
+                with _offline(), _no_progress_bars():
                     tasks = manager.load(name)
             except ConnectionError:
                 if not _hub_reachable():
                     raise
-                tasks = manager.load(name)  # not here yet, and the Hub answers: fetched (then cached)
+                with _no_progress_bars():
+                    tasks = manager.load(name)  # not here yet, and the Hub answers: fetched (then cached)
         except ConnectionError as e:
             where = re.search(r"reach '([^']+)'", str(e))
             raise ConfigError(
@@ -239,6 +240,24 @@ def _global_generators_kept():
             torch.set_rng_state(torch_state)
 
 
+@contextlib.contextmanager
+def _no_progress_bars():
+    """The harness's and the datasets library's tqdm bars off: the command's output is ours (a bar per task and
+    per method, redrawn, says nothing the results do not)."""
+    from tqdm import tqdm
+
+    shown = tqdm.__init__
+
+    def hidden(self, *args, **kwargs):
+        shown(self, *args, **{**kwargs, "disable": True})
+
+    tqdm.__init__ = hidden
+    try:
+        yield
+    finally:
+        tqdm.__init__ = shown
+
+
 def evaluate(scorer: Scorer, params, tokenizer, tasks: list, *, limit: float | None = None,
              num_fewshot: int | None = None, bootstrap_iters: int = 0, log_samples: bool = True,
              name: str = "trainer") -> dict:  # fmt: skip
@@ -246,7 +265,7 @@ def evaluate(scorer: Scorer, params, tokenizer, tasks: list, *, limit: float | N
     per method, and "samples" when `log_samples`. `name` is the model's name in the results. `limit`: documents
     per task, below 1 a share of them; 0 or None all of them (the harness itself refuses 0)."""
     lm = HarnessLM(scorer, params, tokenizer)
-    with _global_generators_kept():
+    with _global_generators_kept(), _no_progress_bars():
         results = simple_evaluate(model=lm, model_args={"model": name}, tasks=tasks, num_fewshot=num_fewshot,
                                   limit=limit or None, bootstrap_iters=bootstrap_iters,
                                   log_samples=log_samples)  # fmt: skip
