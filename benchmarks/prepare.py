@@ -49,18 +49,39 @@ FILES = 16
 VOCAB = 32768
 
 PREPARE = """
-import json, resource, sys, time
+import glob, json, os, sys, threading, time
 from trainer.data import corpora
 from trainer.config import defaults
+
+def high_water(pid):
+    try:
+        return next(int(l.split()[1]) for l in open(f"/proc/{pid}/status") if l.startswith("VmHWM")) / 1024
+    except (OSError, StopIteration):
+        return 0.0
+
+# The kernel's high-water mark of each process doing the work (ru_maxrss would carry over its parent's at
+# exec): this one, or Beam's workers, its children, looked at every 0.2 s.
+children, done = {}, threading.Event()
+def watch():
+    while not done.wait(0.2):
+        for stat in glob.glob("/proc/[0-9]*/stat"):
+            try:
+                fields = open(stat).read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == os.getpid():
+                pid = int(stat.split("/")[2])
+                children[pid] = max(children.get(pid, 0.0), high_water(pid))
+threading.Thread(target=watch, daemon=True).start()
 cfg = defaults()
 cfg.data.update(source="text_files", name="bench", paths=sys.argv[1], data_dir=sys.argv[2], tokenizer="hf",
                 tokenizer_path=sys.argv[3], tokenized=True)
 start = time.perf_counter()
 corpora.prepare(cfg.data, workers=int(sys.argv[4]), say=lambda line: None)
 seconds = time.perf_counter() - start
-# The process doing the work: this one, or Beam's workers (its children).
-usage = resource.RUSAGE_SELF if int(sys.argv[4]) == 1 else resource.RUSAGE_CHILDREN
-print(json.dumps({"seconds": seconds, "peak_mb": resource.getrusage(usage).ru_maxrss / 1024}))
+done.set()
+peak = high_water("self") if int(sys.argv[4]) == 1 else max(children.values())
+print(json.dumps({"seconds": seconds, "peak_mb": peak}))
 """
 
 

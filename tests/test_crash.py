@@ -178,11 +178,16 @@ def test_a_bucket_workdir_survives_a_kill_and_a_damaged_checkpoint(bucket, corpu
     # The commands the finished run printed last, run as printed (shortened: two batches, four tokens).
     done, commands = final.stdout.split("\ndone: ")[1].split("\nnext:\n")
     assert done.startswith(f"{workdir} is at step {STEPS}; loss ")
-    said = {}
-    for line in commands.splitlines()[:3]:
+    said, train_on = {}, []
+    for line in commands.splitlines():
         command_line = shlex.split(line.split("    # ")[0])
-        said[command_line[1]] = command_line
+        said.setdefault(command_line[1], command_line)
+        if command_line[1] == "scripts/train.py":
+            train_on.append(command_line)
     assert said["scripts/train.py"][-1] == f"--config.train.steps={2 * STEPS}"
+    # The schedule decays to the end: twice the steps would re-warm it, so a second command goes on at its end
+    held = [f"--config.train.steps={2 * STEPS}", f"--config.optim.decay_steps={STEPS - 2}"]  # 2 steps of warmup
+    assert len(train_on) == 2 and train_on[1][-2:] == held
     evaluated = subprocess.run([sys.executable, *said["scripts/eval.py"][1:], "--max_batches=2"],
                                cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]

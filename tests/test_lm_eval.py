@@ -72,15 +72,16 @@ def responses(samples):
     return {(task, s["doc_id"]): s["resps"] for task, docs in samples.items() for s in docs}
 
 
-def assert_same(ours, theirs, atol):
+def assert_same(ours, theirs, atol, rtol=0.0):
     assert ours.keys() == theirs.keys()
     for key in ours:
         for a, b in zip(ours[key], theirs[key], strict=True):
             a, b = a[0], b[0]  # one response per request (the files hold numbers as strings)
             if isinstance(a, (list, tuple)):  # (log-likelihood, greedy)
-                assert abs(float(a[0]) - float(b[0])) <= atol and str(a[1]) == str(b[1]), (key, a, b)
+                close = abs(float(a[0]) - float(b[0])) <= atol + rtol * abs(float(b[0]))
+                assert close and str(a[1]) == str(b[1]), (key, a, b)
             elif key[0] == "tiny_rolling":  # a text's log-likelihood
-                assert abs(float(a) - float(b)) <= atol, (key, a, b)
+                assert abs(float(a) - float(b)) <= atol + rtol * abs(float(b)), (key, a, b)
             else:  # generated text
                 assert a == b, key
 
@@ -147,7 +148,8 @@ def test_the_harness_on_a_pod_gives_the_one_device_answers_and_files(trained):
     samples = {}
     for task in NAMES:
         samples[task] = [json.loads(line) for line in open(newest(f"{folder}/samples_{task}_*.jsonl"))]
-    assert_same(responses(samples), responses(ours["samples"]), atol=1e-5)
+    # fp32 sums of up to 32 log-probabilities, reduced in another order over the context axis
+    assert_same(responses(samples), responses(ours["samples"]), atol=1e-5, rtol=1e-6)
 
 
 def newest(pattern):
