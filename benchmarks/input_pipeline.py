@@ -31,6 +31,7 @@ from absl import flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
+from timing import pipeline_rate  # noqa: E402
 
 from trainer import cli  # noqa: E402
 
@@ -39,19 +40,6 @@ _BATCHES = flags.DEFINE_integer("batches", 50, "Batches read for the pipeline-on
 _STEPS = flags.DEFINE_integer("steps", 10, "Training steps timed (after one to compile).")
 _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
 _PER_CORE = flags.DEFINE_bool("per_core", False, "Measure the data paths alone, per core, against llm_1b on 8 H100s.")
-
-
-def pipeline_rate(cfg, batches: int) -> float:
-    """Tokens per second of global batches read, packed and stacked, in this thread (one core)."""
-    from trainer.data import streams
-
-    rows = cfg.train.global_batch_size
-    data = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(rows), shuffle=True))
-    next(data)
-    start = time.perf_counter()
-    for _ in range(batches):
-        next(data)
-    return batches * rows * cfg.data.seq_len / (time.perf_counter() - start)
 
 
 def per_core(cfg, batches: int) -> dict:

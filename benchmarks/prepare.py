@@ -38,6 +38,7 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
+from timing import pipeline_rate  # noqa: E402
 
 _MB = flags.DEFINE_integer("mb", 1200, "Size of the large corpus, MB of JSON lines (uncompressed).")
 _SMALL = flags.DEFINE_integer("small_mb", 400, "Size of the small corpus (the large one is it, three times).")
@@ -60,17 +61,21 @@ def high_water(pid):
         return 0.0
 
 # The kernel's high-water mark of each process doing the work (ru_maxrss would carry over its parent's at
-# exec): this one, or Beam's workers, its children, looked at every 0.2 s.
+# exec): this one, or Beam's workers, its descendants (started through a shell), looked at every 0.2 s.
 children, done = {}, threading.Event()
 def watch():
     while not done.wait(0.2):
+        parent = {}
         for stat in glob.glob("/proc/[0-9]*/stat"):
             try:
-                fields = open(stat).read().rsplit(")", 1)[1].split()
-            except OSError:
+                parent[int(stat.split("/")[2])] = int(open(stat).read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
                 continue
-            if int(fields[1]) == os.getpid():
-                pid = int(stat.split("/")[2])
+        for pid in parent:
+            up = pid
+            while up in parent and up != os.getpid():
+                up = parent[up]
+            if up == os.getpid() and pid != os.getpid():
                 children[pid] = max(children.get(pid, 0.0), high_water(pid))
 threading.Thread(target=watch, daemon=True).start()
 cfg = defaults()
@@ -162,18 +167,6 @@ def tokens_in(data_dir: str) -> int:
     return total
 
 
-def read_rate(cfg, batches: int) -> float:
-    from trainer.data import streams
-
-    rows = cfg.train.global_batch_size
-    data = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(rows), shuffle=True))
-    next(data)
-    start = time.perf_counter()
-    for _ in range(batches):
-        next(data)
-    return batches * rows * cfg.data.seq_len / (time.perf_counter() - start)
-
-
 def megatron_from_store(data_dir: str, prefix: str) -> None:
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -234,18 +227,18 @@ def main(_):
     cfg.data.update(source="text_files", name="bench", data_dir=f"{root}/out-1w", tokenizer="hf",
                     tokenizer_path=tokenizer, tokenized=True, seq_len=2048)  # fmt: skip
     cfg.train.global_batch_size = 16
-    figures["read_tokens_per_s_store"] = read_rate(cfg, _BATCHES.value)
+    figures["read_tokens_per_s_store"] = pipeline_rate(cfg, _BATCHES.value)
     megatron_from_store(f"{root}/out-1w", f"{root}/megatron")
     megatron = cfg.copy_and_resolve_references()
     megatron.data.update(source="megatron", paths=f"{root}/megatron", tokenized=False)
-    figures["read_tokens_per_s_megatron"] = read_rate(megatron, _BATCHES.value)
+    figures["read_tokens_per_s_megatron"] = pipeline_rate(megatron, _BATCHES.value)
     if _DOLMA.value:
         seconds, dolma_tokens = dolma(_DOLMA.value, [f"{root}/large/*.jsonl.gz"], tokenizer, f"{root}/dolma", 2)
         figures["dolma_tokens_per_s_2p"] = dolma_tokens / seconds
         figures["ours_over_dolma"] = figures["tokens_per_s_2w"] / figures["dolma_tokens_per_s_2p"]
         npy = cfg.copy_and_resolve_references()
         npy.data.update(source="dolma", paths=f"{root}/dolma/*.npy", tokenized=False, token_dtype="uint16", eos_id=2)
-        figures["read_tokens_per_s_dolma"] = read_rate(npy, _BATCHES.value)
+        figures["read_tokens_per_s_dolma"] = pipeline_rate(npy, _BATCHES.value)
     else:
         skipped = ("dolma_tokens_per_s_2p", "ours_over_dolma", "read_tokens_per_s_dolma")
         figures.update(dict.fromkeys(skipped, "skipped"))

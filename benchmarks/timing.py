@@ -48,3 +48,16 @@ def step_seconds_and_memory(cfg, steps: int) -> tuple[float, int]:
         if i:
             times.append(time.perf_counter() - start)
     return statistics.median(times), memory_per_device(compiled, setup.mesh.devices.flat[0].platform)["total"]
+
+
+def pipeline_rate(cfg, batches: int) -> float:
+    """Tokens per second of global batches read, packed and stacked, in this thread (one core)."""
+    from trainer.data import streams
+
+    rows = cfg.train.global_batch_size
+    data = iter(streams.batches(streams.Stream.from_config(cfg), "train", range(rows), shuffle=True))
+    next(data)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(data)
+    return batches * rows * cfg.data.seq_len / (time.perf_counter() - start)
