@@ -22,6 +22,7 @@ SYNTHETIC = [*TINY, "--config.data.source=synthetic"]
 def quick(corpus_dir, out):
     """Each benchmark's smallest run: (script, arguments, the benchmark its line names)."""
     data = [*TINY, f"--config.data.data_dir={corpus_dir}"]
+    prepared = os.path.join(os.path.dirname(out), "prepare")
     return [
         ("checkpoint.py", [*SYNTHETIC, "--repeats=1"], "checkpoint"),
         ("compile_layers.py", [*SYNTHETIC, "--layers=1"], "compile_layers"),
@@ -43,7 +44,7 @@ def quick(corpus_dir, out):
             "moe",
         ),
         ("overhead.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "overhead"),
-        ("prepare.py", ["--mb=2", "--small_mb=1", "--batches=2", f"--dir={out.parent / 'prepare'}"], "prepare"),
+        ("prepare.py", ["--mb=2", "--small_mb=1", "--batches=2", f"--dir={prepared}"], "prepare"),
         (
             "pipeline_bubble.py",
             [*SYNTHETIC, "--stages=2", "--microbatches=2", "--steps=1", "--simulate_devices=2"],
