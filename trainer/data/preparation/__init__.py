@@ -82,8 +82,10 @@ def _build(d, data_dir, files, rule, record, tokenizer, missing, dirs, arguments
                              units=len(units), reports=f"{staging}/reports")  # fmt: skip
         total = sum(u.size for u in units)
         what = " and its tokenised store" if len(missing) > 1 else " (its tokenised store)" * tokenizing
-        say(f"preparing {d.name}{what} from {len(files):,} files, {total / 1e6:,.1f} MB, in {len(units)} "
-            f"unit{'s' * (len(units) > 1)} on {runner}")
+        say(
+            f"preparing {d.name}{what} from {len(files):,} files, {total / 1e6:,.1f} MB, in {len(units)} "
+            f"unit{'s' * (len(units) > 1)} on {runner}"
+        )
         progress = Progress(plan.reports, d.name, total, say)
         progress.start()
         started = time.monotonic()
@@ -110,6 +112,8 @@ def _lengths(plan: pipeline.Plan) -> dict[str, dict[str, tuple[list[int], list[i
         raise RuntimeError(f"{plan.units - len(reports)} of {plan.units} units reported no result")
     out = {}
     for name, _ in plan.targets:
-        out[name] = {s: ([r["shards"][f"{name}/{s}"][0] for r in reports], [r["shards"][f"{name}/{s}"][1]
-                                                                           for r in reports]) for s in shards.SPLITS}
+        out[name] = {
+            s: ([r["shards"][f"{name}/{s}"][0] for r in reports], [r["shards"][f"{name}/{s}"][1] for r in reports])
+            for s in shards.SPLITS
+        }
     return out
