@@ -194,6 +194,10 @@ def _declared() -> dict[str, dict]:
         # No step, evaluation batch or checkpoint for this long: write every thread's stack and end the run
         # (all its processes), so that the scheduler relaunches it (trainer/training/hang.py); 0 = never.
         hang_seconds=Num(1800.0, "[0, inf)"),
+        # Compiled programs kept for the next launch (trainer/compile_cache.py): a directory, local or gs://; a
+        # relative one is taken from the workdir; "" = none. The default, beside the workdir, gives way to a
+        # JAX_COMPILATION_CACHE_DIR in the environment.
+        compile_cache="../compile_cache",
     )
     # Bad steps (non-finite, or a gradient-norm spike) are skipped; too many in a
     # window, or a loss that stays diverged, rolls back to the last healthy checkpoint.

@@ -27,6 +27,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from trainer import compile_cache
 from trainer.config import flatten, from_dict, with_changes
 from trainer.data.streams import Stream
 from trainer.errors import ConfigError, StorageError
@@ -219,7 +220,8 @@ def load_init_params(cfg, setup) -> tuple[dict, str, int]:
 def load_params(cfg, workdir: str, step: int | None = None, devices=None) -> tuple[Setup, int, dict]:
     """(setup, step, params) of the newest checkpoint in `workdir`, or the one at `step`, for evaluation,
     generation and export: parameters only, straight into the shardings of the mesh the config asks for,
-    and nothing in the workdir created, cleaned up or deleted."""
+    and nothing in the workdir created, cleaned up or deleted (compiled programs go to train.compile_cache)."""
+    compile_cache.use(compile_cache.place(cfg.train.compile_cache, workdir))
     setup = build(cfg, devices)
     check_architecture(workdir, cfg)
     steps = wd.saved_steps(workdir)

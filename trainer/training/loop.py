@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from parallelism.distributed import barrier, fetch, wait_if_a_process_died
-from trainer import harness, samples
+from trainer import compile_cache, harness, samples
 from trainer.config import microbatch_size
 from trainer.data import corpora, streams, workers
 from trainer.data.tokenizers import load_tokenizer
@@ -94,6 +94,7 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
 def train(cfg, workdir: str) -> dict:
     """Train, or resume from the newest readable checkpoint in `workdir`; returns the last logged values."""
     account = Goodput()  # the launch's clock starts here: its checks and start-up are timed too
+    compile_cache.use(compile_cache.place(cfg.train.compile_cache, workdir))
     setup, init = prepare_run(cfg, workdir)
     run = Run(setup.cfg, workdir, setup, init, account)
     try:
@@ -260,14 +261,16 @@ class Run:
         """The train step compiled ahead of time for a batch of `size` sequences (a ramp uses a few sizes)."""
         if size not in self.compiled:
             s, batch = self.setup, abstract_batch(size, self.cfg.data.seq_len, self.setup.batch_sharding)
+            cache = compile_cache.in_use()
+            hits = cache.hits if cache else 0
             with self.hang.suspended(), self.goodput.phase("compile"):  # no hang: a batch-size ramp's new size
                 start = time.perf_counter()
                 self.compiled[size] = s.train_step(size // self.micro).lower(self.abstract, batch).compile()
                 seconds = time.perf_counter() - start
             used = memory_per_device(self.compiled[size], s.mesh.devices.flat[0].platform)["total"]
-            self.say(
-                f"compiled the train step for {size} sequences in {seconds:.1f}s, {used / 2**30:.2f} GiB per device"
-            )
+            kept = " (loaded from the compile cache)" if cache and cache.hits > hits else ""
+            self.say(f"compiled the train step for {size} sequences in {seconds:.1f}s{kept}, {used / 2**30:.2f} GiB "
+                     "per device")  # fmt: skip
             self.mark_time += seconds  # compiling is not training time
         return self.compiled[size]
 
