@@ -203,7 +203,9 @@ def main():
         else:
             how = (f"XLA (arguments {b['arguments'] / gib:.2f}, temporaries {b['temporaries'] / gib:.2f}, "
                    f"outputs not aliased {(b['outputs'] - b['aliased']) / gib:.2f})")  # fmt: skip
-        print(f"                  {used / gib:.2f} GiB compiled, {how}; compiled in {result['compile_seconds']:.1f}s")
+        kept = " (kept from an earlier compile: train.compile_cache)" if result.get("compile_kept") else ""
+        print(f"                  {used / gib:.2f} GiB compiled, {how}; compiled in {result['compile_seconds']:.1f}s"
+              f"{kept}")  # fmt: skip
     elif "out_of_memory" in result and "target" not in result:
         needed = result["compiled_bytes_per_device"]
         heap = f"a heap of {needed / gib:.2f} GiB per device; " if needed else ""

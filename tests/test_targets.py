@@ -80,9 +80,15 @@ def test_libtpu_builds_the_slices_we_name():
 
 
 @needs_libtpu
-def test_fsdp_on_two_v5e_slices_and_a_v5p_slice_compile_fit_and_communicate_like_the_textbook():
+def test_fsdp_on_two_v5e_slices_and_a_v5p_slice_compile_fit_and_communicate_like_the_textbook(tmp_path):
     for target, slices, mesh in (("v5e-4", 2, dict(dcn_data=2)), ("v5p-8", 1, {})):
-        result = plan(bf16_model(**mesh), target=target, slices=slices)
+        cfg = bf16_model(**mesh)
+        cfg.train.compile_cache = str(tmp_path / "cache")
+        result = plan(cfg, target=target, slices=slices)
+        # Planned again: what the compile gave is kept (train.compile_cache), the same to the byte.
+        again = plan(cfg, target=target, slices=slices)
+        assert not result["compile_kept"] and again["compile_kept"]
+        assert [again[k] for k in COMPILED] == [result[k] for k in COMPILED]
         assert result["devices"] == 4 * slices and result["mesh"]["fsdp"] == 4 and result["mesh"]["data"] == slices
         assert result["fits"] and 0 < result["compiled_bytes_per_device"] < result["usable_hbm_bytes_per_device"]
         # The figure is XLA:TPU's HBM heap, read from its buffer-assignment report: it holds the state, and
@@ -104,14 +110,20 @@ def test_fsdp_on_two_v5e_slices_and_a_v5p_slice_compile_fit_and_communicate_like
         assert cost["roofline_seconds"] > 0 and 0 < cost["mfu_ceiling"] <= 1
 
 
+COMPILED = ("compiled_bytes_per_device", "compiled_breakdown", "cost", "collectives", "fits")
+
+
 @needs_libtpu
-def test_a_step_xla_tpu_refuses_is_reported_with_the_heap_it_needed():
+def test_a_step_xla_tpu_refuses_is_reported_with_the_heap_it_needed(tmp_path):
     """A batch no v5e chip holds: the plan's verdict, not an error, with the heap from XLA:TPU's report, the
     "HLO temporaries" its message states (the state included)."""
     cfg = bf16_model()
     cfg.train.update(global_batch_size=16384, grad_accum_steps=1)
+    cfg.train.compile_cache = str(tmp_path / "cache")
     result = plan(cfg, target="v5e-1")
     assert not result["fits"] and "cost" not in result
+    again = plan(cfg, target="v5e-1")  # the refusal is kept too
+    assert again["compile_kept"] and again["out_of_memory"] == result["out_of_memory"]
     stated = re.search(r"HLO temporaries \(([\d.]+)G\)", result["out_of_memory"])
     assert stated, result["out_of_memory"]
     needed = result["compiled_bytes_per_device"]

@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import posixpath
 import threading
 import uuid
 import warnings
+import zlib
+from collections.abc import Callable
+from importlib import metadata
 
 import jax
 from jax._src import compilation_cache as jax_cache
@@ -86,6 +90,31 @@ def in_use() -> Kept | None:
     return cache if isinstance(cache, Kept) else None
 
 
+def remembered(kind: str, key_parts: list[str], compute: Callable[[], dict]) -> tuple[dict, bool]:
+    """(`compute()`, whether it came from the cache): what a caller found from a compile it cannot keep as an
+    executable (plan.py's compiles for a TPU or GPU target), kept as JSON under `<cache>/<kind>/`, keyed by
+    `key_parts` and the installed jax, jaxlib, libtpu and plugin versions."""
+    cache = in_use()
+    if cache is None:
+        return compute(), False
+    key = hashlib.sha256("\n".join([*key_parts, *_versions()]).encode()).hexdigest()
+    found = cache.get(f"{kind}/{key}")
+    if found is not None:
+        try:
+            return json.loads(zlib.decompress(found)), True
+        except (ValueError, zlib.error):
+            cache.unloadable()
+    value = compute()
+    cache.put(f"{kind}/{key}", zlib.compress(json.dumps(value).encode()))
+    return value, False
+
+
+def _versions() -> list[str]:
+    names = ("jax", "libtpu")
+    return sorted(f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()
+                  if (d.metadata["Name"] or "").lower().startswith(names))  # fmt: skip
+
+
 @contextlib.contextmanager
 def standing_aside():
     """No entry read or written meanwhile: compiles for a topology with no devices here (plan.py --target)
@@ -126,7 +155,7 @@ class Kept(CacheInterface):
         n = len(_MAGIC)
         head, digest, value = data[:n], data[n : n + _DIGEST], data[n + _DIGEST :]
         if head != _MAGIC or hashlib.sha256(value).digest() != digest:
-            self._unloadable()
+            self.unloadable()
             return None
         with self._lock:
             self.hits += 1
@@ -140,21 +169,22 @@ class Kept(CacheInterface):
             if key in self._handed:  # handed over, yet compiled again: JAX could not load it
                 self.hits -= 1
                 self._handed.discard(key)
-                self._unloadable()
+                self.unloadable()
         data = _MAGIC + hashlib.sha256(value).digest() + value
         try:
             if self.remote:  # an object appears whole or not at all
                 (self._path / f"{key}{_SUFFIX}").write_bytes(data)
                 return
-            os.makedirs(self.directory, exist_ok=True)
-            partial = os.path.join(self.directory, f".{key}-{uuid.uuid4().hex}.partial")
+            entry = os.path.join(self.directory, f"{key}{_SUFFIX}")
+            os.makedirs(os.path.dirname(entry), exist_ok=True)
+            partial = f"{entry}.{uuid.uuid4().hex}.partial"
             with open(partial, "wb") as f:
                 f.write(data)
-            os.replace(partial, os.path.join(self.directory, f"{key}{_SUFFIX}"))
+            os.replace(partial, entry)
         except Exception as e:
             self._give_up("writing", e)
 
-    def _unloadable(self) -> None:
+    def unloadable(self) -> None:
         if not self._said and jax.process_index() == 0:
             self._said = True
             self.say(

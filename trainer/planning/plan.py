@@ -11,7 +11,9 @@ temporaries (trainer/training/step.py, memory_per_device).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import re
 import time
 
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from parallelism import collectives, hlo, pipeline
+from trainer import compile_cache
 from trainer.chips import CHIPS, gpu_memory_share
 from trainer.config import microbatch_size
 from trainer.errors import ConfigError
@@ -55,6 +58,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     With `target` (a Cloud TPU type, e.g. 'v5e-4', or GPU hosts, 'h100-8') and `slices`, the step is
     compiled by that hardware's compiler for its devices: memory against the chip's HBM, cost and roofline
     too; with `fit`, when it does not fit, the fastest variant that does (trainer/planning/fit.py)."""
+    compile_cache.use(compile_cache.place(cfg.train.compile_cache, None))
     hardware = parse_target(target) if target else None
     if hardware is not None:
         chip = hardware.chip_name
@@ -114,21 +118,29 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     start = time.perf_counter()
     lowered = setup.train_step().lower(setup.abstract_state(),
                                        abstract_batch(t.global_batch_size, seq, setup.batch_sharding))  # fmt: skip
-    try:
-        compiled, breakdown = compile_with_heap(lowered, setup.mesh.devices.flat[0].platform)
-    except OutOfHbm as e:
+    platform = setup.mesh.devices.flat[0].platform
+    if hardware is None:
+        compiled = _compiled(lowered, platform)
+    else:  # minutes on a TPU topology: what the plan reads from it is kept (trainer/compile_cache.py)
+        devices_here = setup.mesh.devices.flatten().tolist()
+        key = [lowered.as_text(), target, str(slices), str(len(devices_here)), devices_here[0].device_kind,
+               os.environ.get("XLA_FLAGS", "")]  # fmt: skip
+        compiled, result["compile_kept"] = compile_cache.remembered("plans", key,
+                                                                    lambda: _compiled(lowered, platform, aside=True))
+    if "out_of_memory" in compiled:
         # XLA:TPU refuses to compile a step whose heap exceeds the chip's HBM: for a plan that is the
         # verdict, with the heap it needed, not a failure (for a target, or a TPU VM's own chips).
-        compiled = None
-        result.update(fits=False, compiled_bytes_per_device=e.heap, out_of_memory=str(e))
+        result.update(fits=False, compiled_bytes_per_device=compiled["heap"], out_of_memory=compiled["out_of_memory"])
         if hardware is not None:
             result.update(target_fields(hardware, slices))
+        compiled = None
     result["compile_seconds"] = time.perf_counter() - start
     if compiled is not None:
+        breakdown = dict(compiled["breakdown"])
         result["compiled_bytes_per_device"] = breakdown.pop("total")
         result["compiled_breakdown"] = breakdown
         if hardware is not None:
-            result.update(on_target(hardware, slices, compiled, result))
+            result.update(on_target(hardware, slices, compiled["hlo"], result))
     if fit and not result["fits"]:
         n_matmul = matmul_params(setup.spec.arch, setup.model.abstract_params)
         compile_variant = lambda variant: plan(variant, devices=devices, target=target, slices=slices)  # noqa: E731
@@ -141,7 +153,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     if sharding or hardware is not None:
         result["state_bytes_per_device"] = memory.state_bytes(setup)
         result["collectives"] = {
-            "measured": collectives.parse(compiled.as_text()),
+            "measured": collectives.parse(compiled["hlo"]),
             "textbook": collectives.textbook(
                 counts["total"],
                 dict(setup.mesh.shape),
@@ -159,7 +171,19 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     return result
 
 
-def on_target(hardware: Target, slices: int, compiled, result: dict) -> dict:
+def _compiled(lowered, platform: str, aside: bool = False) -> dict:
+    """What a plan reads from the compiled step: its HLO text and XLA's memory per device, or the
+    compiler's refusal and the heap it needed. `aside`: a target's executable, which no device here could
+    load, is not kept."""
+    try:
+        with compile_cache.standing_aside() if aside else contextlib.nullcontext():
+            compiled, breakdown = compile_with_heap(lowered, platform)
+    except OutOfHbm as e:
+        return {"out_of_memory": str(e), "heap": e.heap}
+    return {"hlo": compiled.as_text(), "breakdown": breakdown}
+
+
+def on_target(hardware: Target, slices: int, compiled_hlo: str, result: dict) -> dict:
     """The verdict against the chip's HBM, and the cost read from the compiled HLO with its roofline.
 
     XLA's cost_analysis() counts a loop body once (a 71x under-count for
@@ -168,7 +192,7 @@ def on_target(hardware: Target, slices: int, compiled, result: dict) -> dict:
     peak and bytes / bandwidth: no step can be faster; the MFU ceiling is the
     model FLOPs per device over what the chip can do in that time.
     """
-    used, cost = result["compiled_bytes_per_device"], hlo_cost(hlo.read(compiled.as_text()), hardware.chip)
+    used, cost = result["compiled_bytes_per_device"], hlo_cost(hlo.read(compiled_hlo), hardware.chip)
     roofline = cost["roofline_seconds"]
     model_flops = result["flops_per_step"] / result["devices"]
     cost["mfu_ceiling"] = model_flops / (hardware.chip.peak_flops * roofline) if roofline else 0.0
