@@ -125,8 +125,9 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         devices_here = setup.mesh.devices.flatten().tolist()
         key = [lowered.as_text(), target, str(slices), str(len(devices_here)), devices_here[0].device_kind,
                os.environ.get("XLA_FLAGS", "")]  # fmt: skip
-        compiled, result["compile_kept"] = compile_cache.remembered("plans", key,
-                                                                    lambda: _compiled(lowered, platform, aside=True))
+        compiled, result["compile_kept"] = compile_cache.remembered(
+            "plans", key, lambda: _compiled(lowered, platform, aside=True)
+        )
     if "out_of_memory" in compiled:
         # XLA:TPU refuses to compile a step whose heap exceeds the chip's HBM: for a plan that is the
         # verdict, with the heap it needed, not a failure (for a target, or a TPU VM's own chips).
