@@ -27,15 +27,16 @@ def free_port() -> int:
 
 
 # Gloo (XLA:CPU's collectives between processes) says so each time a group of processes connects, from C++
-# threads with no setting to quiet them (two at once can run into one line): nothing a user acts on, and it
-# comes by the dozen. A rank that is NOT connected is kept.
-GLOO_CONNECTED = re.compile(r"^\[Gloo\] Rank (?!.*NOT connected)")
+# threads with no setting to quiet them (two at once can cut into each other's line anywhere, seen:
+# "7 peer ranks. Expected number of connected peer ranks is : 7[Gloo] Rank 6 is connected ..."): nothing
+# a user acts on, and it comes by the dozen. A rank that is NOT connected is kept.
+GLOO_CONNECTED = re.compile(r"^(?!.*NOT connected).*(\[Gloo\] Rank|connected peer ranks)")
 GRACE_SECONDS = 30  # a failed process's peers end by themselves with its sentence (parallelism/distributed.py)
 
 
 def forward(proc: subprocess.Popen, index: int) -> None:
     for line in proc.stdout:
-        if GLOO_CONNECTED.match(line):
+        if GLOO_CONNECTED.search(line):
             continue
         sys.stdout.write(f"[{index}] {line}")
         sys.stdout.flush()
