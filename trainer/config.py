@@ -231,6 +231,12 @@ def _declared() -> dict[str, dict]:
         "reset_optimizer": "",
         # "DIR[@STEP]": start a new run from another run's weights, everything else fresh (fine-tuning).
         "init_from": "",
+        # A fast tier on each host's own disk or RAM disk ("" = none; $VARS and ~ expanded, e.g.
+        # /tmp/local/$TRAINER_PROCESS_ID for processes sharing a machine): a checkpoint every local_every_steps,
+        # the newest local_keep kept; a relaunch resumes from it when it is newer (trainer/storage/local_tier.py).
+        "local_dir": "",
+        "local_every_steps": Num(100, "[1, inf)"),
+        "local_keep": Num(2, "[1, 16]"),
     }
     return vars(c)
 

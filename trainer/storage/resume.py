@@ -150,6 +150,16 @@ def restore_state(
     return TrainState(params=params, opt_state=opt_state, **on_mesh), reset, asked if reset else done
 
 
+def state_from_local(fields: dict, setup, saved=None) -> TrainState:
+    """A local checkpoint's fields (trainer/storage/local_tier.py) as the state, its counters read as a
+    persistent checkpoint's are (converted to this config's batch, loss scaling and stability settings)."""
+    meta = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)),
+                        {k: fields[k] for k in ("step", "rng", "clock", "loss_scale", "stability")})  # fmt: skip
+    counters = _counters(meta, setup.cfg, saved)
+    on_mesh = jax.device_put({"step": meta["step"], "rng": meta["rng"], **counters}, setup.shard.replicated())
+    return TrainState(params=fields["params"], opt_state=fields["opt_state"], **on_mesh)
+
+
 def _counters(meta: dict, cfg, saved) -> dict:
     """The clock, loss scale and stability entries of a restored meta item, whichever layout wrote it.
 

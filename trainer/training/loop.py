@@ -35,6 +35,7 @@ from trainer.flops import count_params, flops_per_token, inactive_params, peak_f
 from trainer.storage import resume, run_tokenizer
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
+from trainer.storage.local_tier import LocalTier
 from trainer.storage.metrics import MetricsWriter, check_fresh_start
 from trainer.training import batch_ramp, clock, stability
 from trainer.training.goodput import Goodput, duration
@@ -139,7 +140,7 @@ class Run:
         """Everything it opens (threads, worker processes, the checkpoint manager, the bucket copier) is
         closed again if a later part of the start-up fails: a long-lived process (the scaling sweep trains
         many runs in one) keeps nothing of a run that did not start."""
-        self.ckpt = self.data = self.row_batches = self.workers = None
+        self.ckpt = self.local = self.data = self.row_batches = self.workers = None
         self.files = self.writer = self.profiler = self.hang = None
         self.goodput = account or Goodput()
         try:
@@ -164,12 +165,16 @@ class Run:
             async_save=cfg.checkpoint["async"],
         )  # fmt: skip
         self.abstract = setup.abstract_state()
+        c = cfg.checkpoint
+        self.local = LocalTier(c.local_dir, c.local_keep, c["async"], setup.mesh) if c.local_dir else None
 
         def restore(step: int):
             data = self._new_data()
             return (*resume.restore_state(self.ckpt, step, setup, data, saved_cfg), data)
 
-        found = self.ckpt.restore_newest_intact(restore, self.say, cfg.checkpoint.retry_seconds)
+        found = self._from_local(saved_cfg) if self.local is not None else None
+        if found is None:
+            found = self.ckpt.restore_newest_intact(restore, self.say, cfg.checkpoint.retry_seconds)
         self.resumed = found is not None
         # A new run takes the asked reset label as done: there is no optimiser state to reset yet.
         self.reset_optimizer, self.reset_label = False, resume.reset_label(cfg.checkpoint.reset_optimizer)
@@ -215,6 +220,18 @@ class Run:
         self.bos_id = load_tokenizer(cfg.data).bos_id if cfg.data.source != "synthetic" else None
         self.mark_step, self.mark_time = self.step, time.perf_counter()
         self.last: dict = {}
+
+    def _from_local(self, saved_cfg):
+        """(step, (state, False, reset label, data)) from the local tier, if it holds a step newer than the
+        persistent tier's newest that every process can restore (trainer/storage/local_tier.py)."""
+        data = self._new_data()
+        asked = resume.reset_label(self.cfg.checkpoint.reset_optimizer)
+        found = self.local.restore(max(self.ckpt.steps(), default=-1), self.abstract, data, asked, self.say)
+        if found is None:
+            data.close()
+            return None
+        step, fields, label = found
+        return step, (resume.state_from_local(fields, self.setup, saved_cfg), False, label, data)
 
     def _new_data(self):
         return iter(streams.batches(self.stream, self.cfg.data.train_split, self.rows, shuffle=True))
@@ -367,7 +384,8 @@ class Run:
         every = cfg.train.harness_every or cfg.train.eval_every
         harness = self.harness is not None and (done or bool(every) and step % every == 0)
         save = step % cfg.checkpoint.every_steps == 0 or done or force_save
-        if not (evaluate or harness or save):
+        local = not save and self.local is not None and step % cfg.checkpoint.local_every_steps == 0
+        if not (evaluate or harness or save or local):
             return
         # Let queued training steps finish first, so that the pause excluded
         # from step_time is evaluation and saving alone.
@@ -390,6 +408,11 @@ class Run:
             self.last.update(result)
             self.writer.write(step, result, console=line)
             self.hang.progress()
+        if local:
+            self.goodput.enter("checkpoint")
+            self.local.save(step, self.state, self.data, self.reset_label)
+            self.goodput.saved(step, self._kept_steps())
+            self.hang.progress()
         if save:
             self.goodput.enter("checkpoint")
             self._save(step)
@@ -406,7 +429,11 @@ class Run:
 
     def _save(self, step: int) -> None:
         self.ckpt.save(step, self.state, self.data, reset_label=self.reset_label)
-        self.goodput.saved(step, self.ckpt.steps())
+        self.goodput.saved(step, self._kept_steps())
+
+    def _kept_steps(self) -> list[int]:
+        """The steps a later launch could resume from, in either tier."""
+        return sorted({*self.ckpt.steps(), *(self.local.steps() if self.local is not None else ())})
 
     def close(self) -> None:
         """Closes what is open, in an order that lets the last checkpoint commit before the files follow it."""
@@ -417,10 +444,11 @@ class Run:
             self.row_batches.close()
         if self.profiler is not None:
             self.profiler.stop()
-        if self.ckpt is not None:
-            with self.goodput.phase("checkpoint"):
-                self.ckpt.wait()
-            self.ckpt.close()
+        for tier in (self.local, self.ckpt):
+            if tier is not None:
+                with self.goodput.phase("checkpoint"):
+                    tier.wait()
+                tier.close()
         if self.writer is not None:
             self.writer.close()
         self.goodput.write()  # before the files are closed: a bucket gets the final account

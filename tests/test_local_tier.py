@@ -1,0 +1,135 @@
+"""The local checkpoint tier (trainer/storage/local_tier.py): real processes killed between persistent saves
+resume from each process's own disk and end with an uninterrupted run's weights, bit for bit."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO, cli_args, micro_config
+from test_multiprocess import launch, text
+
+from trainer.storage.checkpoint import Checkpointer
+from trainer.training.setup import build
+from trainer.training.state import abstract_params
+
+STEPS = 14
+
+
+def run_config(**mesh):
+    cfg = micro_config(train=dict(steps=STEPS, log_every=1),
+                       checkpoint={"every_steps": 50, "keep": 2, "local_every_steps": 2})  # fmt: skip
+    cfg.mesh.update(mesh)
+    return cfg
+
+
+def final_params(workdir, cfg):
+    setup = build(cfg)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    assert ckpt.latest_step() == STEPS
+    params = jax.device_get(ckpt.restore_params(STEPS, abstract_params(setup.model, setup.shard)))
+    ckpt.close()
+    return params
+
+
+def assert_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def committed(local) -> list[int]:
+    return sorted(int(n) for n in os.listdir(local) if n.isdigit()) if os.path.isdir(local) else []
+
+
+def test_a_kill_between_persistent_saves_resumes_from_the_local_tier_and_damage_there_is_set_aside(tmp_path):
+    cfg = run_config()
+    train = [sys.executable, "scripts/train.py", *cli_args(cfg)]
+    straight = subprocess.run([*train, f"--workdir={tmp_path / 'straight'}"], cwd=REPO, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+    assert straight.returncode == 0, straight.stdout[-2000:] + straight.stderr[-2000:]
+
+    local, workdir = tmp_path / "local", tmp_path / "run"
+    command = [*train, f"--workdir={workdir}", f"--config.checkpoint.local_dir={local}"]
+
+    def killed_once(past: int) -> int:
+        """Run until the local tier has a step beyond `past`, SIGKILL; returns the newest committed local step."""
+        proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 200
+        while proc.poll() is None and not [s for s in committed(local) if s > past] and time.time() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        return committed(local)[-1]
+
+    first = killed_once(4)
+    assert not os.listdir(workdir / "checkpoints")  # no persistent save yet: it saves at the end alone
+    resumed = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Watched until it has saved locally past where it resumed, then killed again.
+    deadline = time.time() + 200
+    while resumed.poll() is None and committed(local)[-1] <= first + 2 and time.time() < deadline:
+        time.sleep(0.01)
+    resumed.send_signal(signal.SIGKILL)
+    out, _ = resumed.communicate()
+    assert f"resuming from the local checkpoint at step {first} in {local}" in out, out[-2000:]
+
+    # The newest local step damaged (a data file cut short): set aside, and the one before it resumed.
+    steps = committed(local)
+    newest, before = steps[-1], steps[-2]
+    data = max((os.path.join(d, f) for d, _, fs in os.walk(local / str(newest) / "state") for f in fs),
+               key=os.path.getsize)  # fmt: skip
+    with open(data, "r+b") as f:
+        f.truncate(os.path.getsize(data) // 2)
+    final = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
+    assert not final.stderr.strip(), final.stderr[-2000:]  # no library's words about the failed read
+    assert f"the local checkpoint at step {newest} cannot be read" in final.stdout, final.stdout[-2000:]
+    assert os.path.isdir(local / "damaged" / str(newest))
+    assert f"resuming from the local checkpoint at step {before}" in final.stdout, final.stdout[-2000:]
+    assert_equal(final_params(workdir, cfg), final_params(tmp_path / "straight", cfg))
+
+
+@pytest.mark.slow  # six launches of two processes: pytest -m slow
+@pytest.mark.parametrize("mesh, peers", [(dict(data=1, fsdp=-1), False), (dict(data=2, fsdp=4), True)])
+def test_two_processes_one_relaunched_with_its_local_tier_wiped(tmp_path, mesh, peers):
+    """Each process has its own local_dir (the launcher's process id in the path). Process 1's is wiped
+    before the relaunch: with the state fully sharded over both, all go back to the persistent tier together
+    and say why; with a data axis across the processes, process 0 holds a replica of every shard process 1
+    lacks, so both resume from the local step. Either way, the uninterrupted run's weights, bit for bit."""
+    cfg = run_config(**mesh)
+    base = [*cli_args(cfg), "--config.checkpoint.every_steps=6", "--config.checkpoint.local_dir="
+            f"{tmp_path}/local/$TRAINER_PROCESS_ID"]  # fmt: skip
+    procs, logs = launch([*base, f"--workdir={tmp_path / 'straight'}"], tmp_path / "straight-logs")
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], text(logs[0])[-2000:] + text(logs[1])[-2000:]
+
+    workdir = tmp_path / "run"
+    procs, logs = launch([*base, f"--workdir={workdir}"], tmp_path / "killed-logs")
+    deadline = time.time() + 300
+    while all(p.poll() is None for p in procs) and time.time() < deadline:
+        if all(max(committed(tmp_path / "local" / str(i)), default=0) >= 10 for i in range(2)):
+            break
+        time.sleep(0.01)
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    local_step = min(committed(tmp_path / "local" / str(i))[-1] for i in range(2))
+    persistent = max(int(n) for n in os.listdir(workdir / "checkpoints") if n.isdigit())
+    assert local_step > persistent
+    for name in os.listdir(tmp_path / "local" / "1"):  # a replaced machine: its disk is empty
+        subprocess.run(["rm", "-rf", str(tmp_path / "local" / "1" / name)], check=True)
+
+    procs, logs = launch([*base, f"--workdir={workdir}"], tmp_path / "relaunched-logs")
+    assert [p.wait(timeout=300) for p in procs] == [0, 0], text(logs[0])[-2000:] + text(logs[1])[-2000:]
+    said = text(logs[0])
+    if peers:
+        assert re.search(rf"resuming from the local checkpoint at step {local_step} in .*local/0, the processes "
+                         r"without it \(\[1\]\) given their share", said), said[-2000:]  # fmt: skip
+    else:
+        assert (f"the local checkpoint at step {local_step} is missing on process 1, and no other process holds a "
+                f"replica of its share") in said, said[-2000:]  # fmt: skip
+        assert f"resumed from the checkpoint at step {persistent}" in said, said[-2000:]
+    assert_equal(final_params(workdir, cfg), final_params(tmp_path / "straight", cfg))

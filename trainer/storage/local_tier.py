@@ -1,0 +1,330 @@
+"""The fast checkpoint tier: each process's own shards on its own disk, beside the persistent tier.
+
+`checkpoint.local_dir` (a host's disk or RAM disk; `$VAR` and `~` expanded, so
+processes sharing one machine can each have their own, e.g. `/tmp/local/$TRAINER_PROCESS_ID`)
+gets a checkpoint every `checkpoint.local_every_steps`, keeping the newest
+`checkpoint.local_keep`; the workdir keeps its own interval and retention. Each
+process writes what its devices hold (every shard, replicas too) with Orbax's
+per-process checkpointing, the way Orbax's emergency checkpointer writes its
+local tier (primary_host None, a replica id of None): no process waits on
+another's disk. Each process also writes the data position of every batch row
+(gathered at the save) and the layout it saved under: a local checkpoint is
+only read by the same process of the same mesh.
+
+At a relaunch every process says which local steps it holds, and all agree on
+the newest step, newer than the persistent tier's newest, that can be restored:
+held by every process, or held by some whose devices hold a replica of every
+shard the others lack (data parallelism across processes), which is then sent
+to them over the mesh (one summing collective, from one holder per shard). A
+step the layout gives no such replica (each process its own fsdp part) falls
+back, for all together, to the persistent tier, and the run says why. A local
+checkpoint that cannot be read is set aside under `<local_dir>/damaged/`, by the
+process that holds it, and the choice is made again; a storage fault is never
+taken for damage (trainer/storage/faults.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from orbax.checkpoint import type_handlers
+
+from parallelism.distributed import max_over_processes
+from trainer import last_words
+from trainer.errors import StorageError
+from trainer.storage import faults
+from trainer.storage.checkpoint import CODE_FAULTS
+from trainer.storage.workdir import move, path
+from trainer.training.state import TrainState
+
+STATE, ROWS, LAYOUT = "state", "rows", "layout"
+_MOST_STEPS = 16  # local steps a process reports at a relaunch (local_keep is below it)
+
+
+class _Guarded(ocp.PyTreeCheckpointHandler):
+    """A restore returns its failure instead of raising it (see checkpoint.Guarded)."""
+
+    def restore(self, directory, args=None):
+        try:
+            return super().restore(directory, args=args)
+        except Exception as e:
+            return e
+
+
+@ocp.args.register_with_handler(_Guarded, for_save=True)
+@dataclasses.dataclass
+class _Save(ocp.args.PyTreeSave):
+    pass
+
+
+@ocp.args.register_with_handler(_Guarded, for_restore=True)
+@dataclasses.dataclass
+class _Restore(ocp.args.PyTreeRestore):
+    pass
+
+
+def directory_of(setting: str) -> str:
+    return os.path.abspath(os.path.expanduser(os.path.expandvars(setting)))
+
+
+class LocalTier:
+    def __init__(self, setting: str, keep: int, async_save: bool, mesh):
+        self.directory, self.mesh, self.me = directory_of(setting), mesh, jax.process_index()
+        own = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={self.me},
+                                                 barrier_sync_key_prefix=f"local-{self.me}")  # fmt: skip
+        arrays = type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)
+        registry = type_handlers.create_type_handler_registry((jax.Array, arrays))
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=async_save, create=False, cleanup_tmp_directories=True,
+            multiprocessing_options=own, enable_per_process_directory_creation=True, save_root_metadata=False,
+        )  # fmt: skip
+        handlers = {
+            STATE: _Guarded(multiprocessing_options=own, type_handler_registry=registry),
+            ROWS: ocp.JsonCheckpointHandler(multiprocessing_options=own),
+            LAYOUT: ocp.JsonCheckpointHandler(multiprocessing_options=own),
+        }
+        os.makedirs(self.directory, exist_ok=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def layout(self) -> dict:
+        """What a local checkpoint must have been saved under to be read by this process."""
+        return {"processes": jax.process_count(), "mesh": [[n, int(s)] for n, s in self.mesh.shape.items()],
+                "devices": [int(d.id) for d in self.mesh.devices.flat if d.process_index == self.me]}  # fmt: skip
+
+    def save(self, step: int, state: TrainState, data_iterator, reset_label: int) -> None:
+        """A collective (every process saves at the same steps): the rows' positions are gathered."""
+        tree = _fields(state)
+        rows = {"rows": _gathered_rows(data_iterator.get_state()["rows"] if data_iterator is not None else {}),
+                "reset_optimizer": reset_label}  # fmt: skip
+        items = {
+            STATE: _Save(tree),
+            ROWS: ocp.args.JsonSave(rows),
+            LAYOUT: ocp.args.JsonSave(self.layout()),
+        }
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+    def usable_steps(self) -> list[int]:
+        """This process's complete local checkpoints saved under this layout, newest first."""
+        steps = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                saved = json.loads((ocp.step.build_step_path(self.directory, ocp.step.standard_name_format(),
+                                                             step) / LAYOUT / "metadata").read_text())  # fmt: skip
+            except (OSError, ValueError):
+                saved = None  # unreadable: offered all the same, so that a read sets it aside
+            if saved is None or saved == self.layout():
+                steps.append(step)
+        return steps[:_MOST_STEPS]
+
+    def restore(self, after: int, abstract: TrainState, data_iterator, asked_label: int, say):
+        """(step, the state's fields as saved, the run's last reset label) from the newest local step newer than
+        `after` that every process can restore, the data iterator set in place; None (said, when a newer local
+        step existed) to use the persistent tier."""
+        while True:
+            held = _gathered_steps(self.usable_steps())
+            choice, why = _choose(held, after, abstract, self.mesh)
+            if choice is None:
+                if why:
+                    say(why)
+                return None
+            step, holders = choice
+            tree, rows, error = self._read(step, abstract) if self.me in holders else (None, None, None)
+            kind = faults.verdict(error) if error is not None else faults.OK
+            worst = max_over_processes(kind)
+            if worst == faults.DAMAGED:
+                if kind == faults.DAMAGED:
+                    moved = self._set_aside(step)
+                    print(f"process {self.me}: the local checkpoint at step {step} cannot be read "
+                          f"({faults.summary(error)}); moved to {moved}", flush=True)  # fmt: skip
+                continue
+            if worst != faults.OK:
+                raise StorageError(faults.stopped(f"reading the local checkpoint at step {step} in {self.directory}",
+                                                  error, worst, 0))  # fmt: skip
+            saved = _broadcast_json(rows)  # every row's data position, and the run's last reset label
+            done = int(saved["reset_optimizer"])
+            if asked_label and asked_label != done:  # a new checkpoint.reset_optimizer: the persistent path resets
+                say(f"the local checkpoint at step {step} is left for the persistent tier: checkpoint.reset_optimizer "
+                    "asks for a fresh optimiser state")  # fmt: skip
+                return None
+            tree = _completed(tree, holders, abstract, self.mesh)
+            if data_iterator is not None:
+                data_iterator.set_state({"rows": saved["rows"]})
+            how = "" if len(holders) == jax.process_count() else (
+                f", the processes without it ({sorted(set(range(jax.process_count())) - holders)}) given their "
+                "share by the processes holding its replicas")  # fmt: skip
+            say(f"resuming from the local checkpoint at step {step} in {self.directory}{how}")
+            return step, tree, done
+
+    def _read(self, step: int, abstract: TrainState):
+        target = _fields(abstract)
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        items = {STATE: _Restore(target, restore_args=restore_args), ROWS: ocp.args.JsonRestore()}
+        try:
+            # The libraries' words while a read fails are dropped: the error is said in ours (last_words.py).
+            with last_words.held_while_reading(lambda e: faults.verdict(e) == faults.STOP):
+                result = self._manager.restore(step, args=ocp.args.Composite(**items))
+                if isinstance(result[STATE], Exception):
+                    raise result[STATE]
+        except CODE_FAULTS:
+            raise
+        except Exception as e:
+            return None, None, e
+        return result[STATE], result[ROWS], None
+
+    def _set_aside(self, step: int) -> str:
+        source = ocp.step.build_step_path(self.directory, ocp.step.standard_name_format(), step)
+        target, suffix = os.path.join(self.directory, "damaged", str(step)), 0
+        while os.path.exists(target):
+            suffix += 1
+            target = os.path.join(self.directory, "damaged", f"{step}.{suffix}")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        move(source, path(target))
+        self._manager.reload()
+        return target
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def _fields(state: TrainState) -> dict:
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(TrainState)}
+
+
+def _gathered_steps(mine: list[int]) -> list[set[int]]:
+    """Every process's local steps (a collective)."""
+    if jax.process_count() == 1:
+        return [set(mine)]
+    padded = np.full(_MOST_STEPS, -1, np.int64)
+    padded[: len(mine)] = mine
+    return [{int(s) for s in row if s >= 0} for row in np.asarray(multihost_utils.process_allgather(padded))]
+
+
+def _gathered_bytes(mine: bytes) -> list[bytes]:
+    """Every process's `mine` (a collective)."""
+    if jax.process_count() == 1:
+        return [mine]
+    lengths = np.asarray(multihost_utils.process_allgather(np.array(len(mine), np.int64)))
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: len(mine)] = np.frombuffer(mine, np.uint8)
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return [bytes(row[:n]) for row, n in zip(rows, lengths, strict=True)]
+
+
+def _gathered_rows(mine: dict) -> dict:
+    """Every process's batch rows' data positions, merged: any holder of a local step can give them all."""
+    merged = {}
+    for part in _gathered_bytes(json.dumps(mine).encode()):
+        merged.update(json.loads(part))
+    return merged
+
+
+def _broadcast_json(value):
+    """The first holder's `value` on every process (a collective; non-holders give None)."""
+    for part in _gathered_bytes(json.dumps(value).encode() if value is not None else b""):
+        if part:
+            return json.loads(part)
+    raise AssertionError("no process gave a value")
+
+
+def _choose(held: list[set[int]], after: int, abstract: TrainState, mesh):
+    """((step, its holders) or None, why not the newest local step): the same on every process."""
+    everyone = set(range(len(held)))
+    newer = sorted({s for steps in held for s in steps if s > after}, reverse=True)
+    for step in newer:
+        holders = {p for p in everyone if step in held[p]}
+        if holders == everyone or _replicated_for(holders, abstract, mesh):
+            return (step, holders), None
+    if not newer:
+        return None, None
+    step = newer[0]
+    lacking = sorted(everyone - {p for p in everyone if step in held[p]})
+    return None, (
+        f"the local checkpoint at step {newer[0]} is missing on process{'es' * (len(lacking) > 1)} "
+        f"{', '.join(map(str, lacking))}, and no other process holds a replica of "
+        f"{'their' if len(lacking) > 1 else 'its'} share (the mesh gives each process its own part of the "
+        f"sharded state); all resume from the persistent checkpoint"
+        + (f" at step {after}" if after >= 0 else "s (there are none: a fresh start)")
+    )
+
+
+def _replicated_for(holders: set[int], abstract: TrainState, mesh) -> bool:
+    """Whether, for every array, each shard a non-holder's device needs is on some holder's device."""
+    for leaf in jax.tree.leaves(_fields(abstract)):
+        indices = leaf.sharding.devices_indices_map(leaf.shape)
+        have = {_key(i) for d, i in indices.items() if d.process_index in holders}
+        if any(_key(i) not in have for d, i in indices.items() if d.process_index not in holders):
+            return False
+    return True
+
+
+def _key(index) -> tuple:
+    return tuple((s.start, s.stop) for s in index)
+
+
+def _completed(tree, holders: set[int], abstract: TrainState, mesh):
+    """Every process's arrays of a step some processes restored: each shard sent from one holder's device to
+    the devices that lack it, by a sum over the mesh axes the array is replicated along (all others add 0)."""
+    if len(holders) == jax.process_count():
+        return tree
+    flat, structure = jax.tree.flatten(_fields(abstract))
+    mine = jax.tree.leaves(tree) if tree else None
+    out = []
+    for i, leaf in enumerate(flat):
+        sharding = leaf.sharding
+        indices = sharding.devices_indices_map(leaf.shape)
+        if mine is not None:
+            have = mine[i]
+        else:
+            have = jax.make_array_from_callback(
+                leaf.shape, sharding, lambda idx, leaf=leaf: np.zeros(_shape(idx, leaf.shape), leaf.dtype)
+            )
+        out.append(_sent(have, _sources(indices, holders, mesh), sharding, mesh))
+    return jax.tree.unflatten(structure, out)
+
+
+def _shape(index, shape) -> tuple:
+    return tuple(len(range(*s.indices(n))) for s, n in zip(index, shape, strict=True))
+
+
+def _sources(indices: dict, holders: set[int], mesh) -> jax.Array:
+    """A bool per device of the mesh: whether it sends its shard (the first holder's device for each shard)."""
+    chosen, mask = set(), np.zeros(mesh.devices.shape, bool)
+    for position, device in np.ndenumerate(mesh.devices):
+        key = _key(indices[device])
+        if device.process_index in holders and key not in chosen:
+            chosen.add(key)
+            mask[position] = True
+    every = NamedSharding(mesh, P(*mesh.axis_names))
+    return jax.make_array_from_callback(mask.shape, every, lambda idx: mask[idx])
+
+
+def _sent(value: jax.Array, sources: jax.Array, sharding, mesh) -> jax.Array:
+    spec = sharding.spec
+    used = {a for part in spec for a in ((part,) if isinstance(part, str) else (part or ()))}
+    replicated = tuple(a for a in mesh.axis_names if a not in used)
+    if not replicated:
+        return value
+
+    def body(x, send):
+        kept = jnp.where(send.reshape(()), x, jnp.zeros_like(x))
+        if x.dtype == jnp.bool_:  # a sum of flags: one is the sender's, the rest are False
+            return jax.lax.psum(kept.astype(jnp.int32), replicated).astype(jnp.bool_)
+        return jax.lax.psum(kept, replicated)
+
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(spec, P(*mesh.axis_names)), out_specs=spec, check_vma=False)
+    return jax.jit(fn, out_shardings=sharding)(value, sources)
