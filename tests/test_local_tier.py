@@ -80,8 +80,7 @@ def test_a_kill_between_persistent_saves_resumes_from_the_local_tier_and_damage_
     # The newest local step damaged (a data file cut short): set aside, and the one before it resumed.
     steps = committed(local)
     newest, before = steps[-1], steps[-2]
-    data = max((os.path.join(d, f) for d, _, fs in os.walk(local / str(newest) / "state") for f in fs),
-               key=os.path.getsize)  # fmt: skip
+    data = max((local / str(newest)).glob("*.npy"), key=os.path.getsize)
     with open(data, "r+b") as f:
         f.truncate(os.path.getsize(data) // 2)
     final = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)

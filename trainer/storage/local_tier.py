@@ -4,12 +4,19 @@
 processes sharing one machine can each have their own, e.g. `/tmp/local/$TRAINER_PROCESS_ID`)
 gets a checkpoint every `checkpoint.local_every_steps`, keeping the newest
 `checkpoint.local_keep`; the workdir keeps its own interval and retention. Each
-process writes what its devices hold (every shard, replicas too) with Orbax's
-per-process checkpointing, the way Orbax's emergency checkpointer writes its
-local tier (primary_host None, a replica id of None): no process waits on
-another's disk. Each process also writes the data position of every batch row
-(gathered at the save) and the layout it saved under: a local checkpoint is
-only read by the same process of the same mesh.
+process writes what its devices hold (every shard, replicas too), one .npy file
+per shard with its CRC, into `<step>.partial/`, renamed to `<step>` when whole;
+no process waits on another's disk. Each process also writes the data position
+of every batch row (gathered at the save) and the layout it saved under: a
+local checkpoint is only read by the same process of the same mesh.
+
+Orbax's own per-process checkpointing (the CheckpointManager its emergency
+checkpointer builds its local tier from: primary_host None, one active process)
+was tried first and left: beside the persistent tier's manager, on two
+processes, process 1 wrote the persistent checkpoint's data item before process
+0 had made its directory, in every run (Orbax 0.12.8 coordinates directory
+creation through signals keyed by an operation id the two managers share);
+and Orbax's emergency manager itself keeps no local tier on a single slice.
 
 At a relaunch every process says which local steps it holds, and all agree on
 the newest step, newer than the persistent tier's newest, that can be restored:
@@ -28,48 +35,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import threading
+import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from orbax.checkpoint import type_handlers
 
 from parallelism.distributed import max_over_processes
-from trainer import last_words
 from trainer.errors import StorageError
 from trainer.storage import faults
-from trainer.storage.checkpoint import CODE_FAULTS
-from trainer.storage.workdir import move, path
 from trainer.training.state import TrainState
 
-STATE, ROWS, LAYOUT = "state", "rows", "layout"
 _MOST_STEPS = 16  # local steps a process reports at a relaunch (local_keep is below it)
-
-
-class _Guarded(ocp.PyTreeCheckpointHandler):
-    """A restore returns its failure instead of raising it (see checkpoint.Guarded)."""
-
-    def restore(self, directory, args=None):
-        try:
-            return super().restore(directory, args=args)
-        except Exception as e:
-            return e
-
-
-@ocp.args.register_with_handler(_Guarded, for_save=True)
-@dataclasses.dataclass
-class _Save(ocp.args.PyTreeSave):
-    pass
-
-
-@ocp.args.register_with_handler(_Guarded, for_restore=True)
-@dataclasses.dataclass
-class _Restore(ocp.args.PyTreeRestore):
-    pass
+_RECORD = "local.json"
+_PARTIAL = ".partial"
 
 
 def directory_of(setting: str) -> str:
@@ -78,22 +62,14 @@ def directory_of(setting: str) -> str:
 
 class LocalTier:
     def __init__(self, setting: str, keep: int, async_save: bool, mesh):
-        self.directory, self.mesh, self.me = directory_of(setting), mesh, jax.process_index()
-        own = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={self.me},
-                                                 barrier_sync_key_prefix=f"local-{self.me}")  # fmt: skip
-        arrays = type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False)
-        registry = type_handlers.create_type_handler_registry((jax.Array, arrays))
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=async_save, create=False, cleanup_tmp_directories=True,
-            multiprocessing_options=own, enable_per_process_directory_creation=True, save_root_metadata=False,
-        )  # fmt: skip
-        handlers = {
-            STATE: _Guarded(multiprocessing_options=own, type_handler_registry=registry),
-            ROWS: ocp.JsonCheckpointHandler(multiprocessing_options=own),
-            LAYOUT: ocp.JsonCheckpointHandler(multiprocessing_options=own),
-        }
+        self.directory, self.keep, self.async_save = directory_of(setting), keep, async_save
+        self.mesh, self.me = mesh, jax.process_index()
+        self._writing: threading.Thread | None = None
+        self._failed: BaseException | None = None
         os.makedirs(self.directory, exist_ok=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        for name in os.listdir(self.directory):  # a save a kill cut short: never complete, never read
+            if name.endswith(_PARTIAL):
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def layout(self) -> dict:
         """What a local checkpoint must have been saved under to be read by this process."""
@@ -101,25 +77,66 @@ class LocalTier:
                 "devices": [int(d.id) for d in self.mesh.devices.flat if d.process_index == self.me]}  # fmt: skip
 
     def save(self, step: int, state: TrainState, data_iterator, reset_label: int) -> None:
-        """A collective (every process saves at the same steps): the rows' positions are gathered."""
-        tree = _fields(state)
-        rows = {"rows": _gathered_rows(data_iterator.get_state()["rows"] if data_iterator is not None else {}),
-                "reset_optimizer": reset_label}  # fmt: skip
-        items = {
-            STATE: _Save(tree),
-            ROWS: ocp.args.JsonSave(rows),
-            LAYOUT: ocp.args.JsonSave(self.layout()),
-        }
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        """A collective (every process saves at the same steps): the rows' positions are gathered. The shards
+        are copied to host memory here; the files are written while training goes on (unless async is off)."""
+        rows = _gathered_rows(data_iterator.get_state()["rows"] if data_iterator is not None else {})
+        self.wait()
+        shards = {}
+        for i, leaf in enumerate(jax.tree.leaves(_fields(state))):
+            for shard in leaf.addressable_shards:
+                shards[f"{i}-{shard.device.id}.npy"] = np.asarray(shard.data)
+        record = {"step": step, "layout": self.layout(), "rows": rows, "reset_optimizer": reset_label}
+        self._writing = threading.Thread(target=self._write, args=(step, shards, record), daemon=True)
+        self._writing.start()
+        if not self.async_save:
+            self.wait()
+
+    def _write(self, step: int, shards: dict, record: dict) -> None:
+        """Written aside and renamed when whole, so a kill mid-save leaves no step that looks complete."""
+        try:
+            partial = os.path.join(self.directory, f"{step}{_PARTIAL}")
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+            record["crc32"] = {}
+            for name, array in shards.items():
+                with open(os.path.join(partial, name), "wb") as f:
+                    np.save(f, array, allow_pickle=False)
+                with open(os.path.join(partial, name), "rb") as f:
+                    record["crc32"][name] = zlib.crc32(f.read())
+            with open(os.path.join(partial, _RECORD), "w") as f:
+                json.dump(record, f)
+            final = os.path.join(self.directory, str(step))
+            shutil.rmtree(final, ignore_errors=True)  # this tier's own older copy of the step (a rollback)
+            os.rename(partial, final)
+            for old in self.steps()[: -self.keep]:  # this tier's retention: the newest `keep`
+                shutil.rmtree(os.path.join(self.directory, str(old)), ignore_errors=True)
+        except BaseException as e:  # said at the next save or wait, on the training thread
+            self._failed = e
+
+    def wait(self) -> None:
+        if self._writing is not None:
+            self._writing.join()
+            self._writing = None
+        if self._failed is not None:
+            error, self._failed = self._failed, None
+            raise StorageError(f"writing the local checkpoint tier in {self.directory} failed "
+                               f"({faults.summary(error)}); free space there, or set checkpoint.local_dir "
+                               "elsewhere (or to \"\" for none), and rerun to resume") from error  # fmt: skip
+
+    def close(self) -> None:
+        self.wait()
+
+    def steps(self) -> list[int]:
+        return sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
 
     def usable_steps(self) -> list[int]:
         """This process's complete local checkpoints saved under this layout, newest first."""
         steps = []
-        for step in sorted(self._manager.all_steps(), reverse=True):
+        for step in reversed(self.steps()):
             try:
-                saved = json.loads((ocp.step.build_step_path(self.directory, ocp.step.standard_name_format(),
-                                                             step) / LAYOUT / "metadata").read_text())  # fmt: skip
-            except (OSError, ValueError):
+                with open(os.path.join(self.directory, str(step), _RECORD)) as f:
+                    saved = json.load(f)["layout"]
+            except (OSError, ValueError, KeyError):
                 saved = None  # unreadable: offered all the same, so that a read sets it aside
             if saved is None or saved == self.layout():
                 steps.append(step)
@@ -137,7 +154,7 @@ class LocalTier:
                     say(why)
                 return None
             step, holders = choice
-            tree, rows, error = self._read(step, abstract) if self.me in holders else (None, None, None)
+            tree, record, error = self._read(step, abstract) if self.me in holders else (None, None, None)
             kind = faults.verdict(error) if error is not None else faults.OK
             worst = max_over_processes(kind)
             if worst == faults.DAMAGED:
@@ -149,7 +166,7 @@ class LocalTier:
             if worst != faults.OK:
                 raise StorageError(faults.stopped(f"reading the local checkpoint at step {step} in {self.directory}",
                                                   error, worst, 0))  # fmt: skip
-            saved = _broadcast_json(rows)  # every row's data position, and the run's last reset label
+            saved = _broadcast_json(record)  # every row's data position, and the run's last reset label
             done = int(saved["reset_optimizer"])
             if asked_label and asked_label != done:  # a new checkpoint.reset_optimizer: the persistent path resets
                 say(f"the local checkpoint at step {step} is left for the persistent tier: checkpoint.reset_optimizer "
@@ -165,40 +182,42 @@ class LocalTier:
             return step, tree, done
 
     def _read(self, step: int, abstract: TrainState):
-        target = _fields(abstract)
-        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
-        items = {STATE: _Restore(target, restore_args=restore_args), ROWS: ocp.args.JsonRestore()}
+        """(the state's fields, the step's record, None) or (None, None, the error): this process's shards."""
+        folder = os.path.join(self.directory, str(step))
         try:
-            # The libraries' words while a read fails are dropped: the error is said in ours (last_words.py).
-            with last_words.held_while_reading(lambda e: faults.verdict(e) == faults.STOP):
-                result = self._manager.restore(step, args=ocp.args.Composite(**items))
-                if isinstance(result[STATE], Exception):
-                    raise result[STATE]
-        except CODE_FAULTS:
-            raise
-        except Exception as e:
+            with open(os.path.join(folder, _RECORD)) as f:
+                record = json.load(f)
+            flat, structure = jax.tree.flatten(_fields(abstract))
+            leaves = []
+            for i, leaf in enumerate(flat):
+                pieces = []
+                for device, index in leaf.sharding.addressable_devices_indices_map(leaf.shape).items():
+                    name = f"{i}-{device.id}.npy"
+                    with open(os.path.join(folder, name), "rb") as f:
+                        data = f.read()
+                    if zlib.crc32(data) != record["crc32"].get(name):
+                        raise faults.Damaged(f"{name} in {folder} does not hold what was written")
+                    with open(os.path.join(folder, name), "rb") as f:
+                        array = np.load(f, allow_pickle=False)
+                    if array.shape != _shape(index, leaf.shape) or array.dtype != leaf.dtype:
+                        raise faults.Damaged(f"{name} in {folder} holds {array.dtype}{list(array.shape)}")
+                    pieces.append(jax.device_put(array, device))
+                leaves.append(jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, pieces))
+            return jax.tree.unflatten(structure, leaves), record, None
+        except (ValueError, KeyError, EOFError) as e:  # a record or file that is not what was written
+            return None, None, faults.Damaged(f"{folder}: {type(e).__name__}: {e}")
+        except OSError as e:
             return None, None, e
-        return result[STATE], result[ROWS], None
 
     def _set_aside(self, step: int) -> str:
-        source = ocp.step.build_step_path(self.directory, ocp.step.standard_name_format(), step)
+        """Moved into <local_dir>/damaged/, never deleted, by the process whose disk holds it."""
         target, suffix = os.path.join(self.directory, "damaged", str(step)), 0
         while os.path.exists(target):
             suffix += 1
             target = os.path.join(self.directory, "damaged", f"{step}.{suffix}")
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        move(source, path(target))
-        self._manager.reload()
+        os.rename(os.path.join(self.directory, str(step)), target)
         return target
-
-    def steps(self) -> list[int]:
-        return sorted(self._manager.all_steps())
-
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
-
-    def close(self) -> None:
-        self._manager.close()
 
 
 def _fields(state: TrainState) -> dict:
