@@ -388,6 +388,11 @@ def test_keys_the_chosen_settings_never_read_are_named_in_a_warning():
         "model.moe.impl=dropless it does nothing."
     ]
     assert unread_settings(with_changes(dropless, {"model.moe.impl": "capacity"})) == []
+    # The local checkpoint tier's keys, without a local_dir.
+    assert unread_settings(with_changes(micro_config(), {"checkpoint.local_every_steps": 10})) == [
+        "checkpoint.local_every_steps=10 is read only when checkpoint.local_dir is not ''; with "
+        "checkpoint.local_dir='' it does nothing."
+    ]
 
 
 def test_held_back_start_up_words_are_shown_when_the_start_up_fails(capfd, monkeypatch):

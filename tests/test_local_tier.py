@@ -100,9 +100,9 @@ def test_two_processes_one_relaunched_with_its_local_tier_wiped(tmp_path, mesh, 
     and say why; with a data axis across the processes, process 0 holds a replica of every shard process 1
     lacks, so both resume from the local step. Either way, the uninterrupted run's weights, bit for bit."""
     cfg = run_config(**mesh)
-    base = [*cli_args(cfg), "--config.checkpoint.every_steps=6", "--config.checkpoint.local_dir="
-            f"{tmp_path}/local/$TRAINER_PROCESS_ID"]  # fmt: skip
-    procs, logs = launch([*base, f"--workdir={tmp_path / 'straight'}"], tmp_path / "straight-logs")
+    plain = [*cli_args(cfg), "--config.checkpoint.every_steps=6"]
+    base = [*plain, f"--config.checkpoint.local_dir={tmp_path}/local/$TRAINER_PROCESS_ID"]
+    procs, logs = launch([*plain, f"--workdir={tmp_path / 'straight'}"], tmp_path / "straight-logs")
     assert [p.wait(timeout=300) for p in procs] == [0, 0], text(logs[0])[-2000:] + text(logs[1])[-2000:]
 
     workdir = tmp_path / "run"

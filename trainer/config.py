@@ -295,6 +295,7 @@ READ_ONLY_UNDER = {
 READ_ONLY_WITH = {f"model.moe.{k}": "model.moe.num_experts"
                   for k in ("experts_per_token", "shared_experts", "d_ff", "dense_layers", "every", "impl",
                             "capacity_factor", "grouped_matmul", "aux_loss", "z_loss", "router_bias")}  # fmt: skip
+READ_ONLY_WITH |= {f"checkpoint.{k}": "checkpoint.local_dir" for k in ("local_every_steps", "local_keep")}
 
 # Keys that were renamed: refused with their new name, and read from an older run's config.json.
 RENAMED = {"train.microbatches": "train.pipeline_microbatches"}

@@ -157,8 +157,8 @@ def unread_settings(cfg: ml_collections.ConfigDict) -> list[str]:
     for key, setting in READ_ONLY_WITH.items():
         if values[key] != default[key] and not values[setting]:
             named.add(key)
-            lines.append(f"{key}={values[key]!r} is read only when {setting} is not 0; with {setting}=0 it does "
-                         "nothing.")  # fmt: skip
+            lines.append(f"{key}={values[key]!r} is read only when {setting} is not {values[setting]!r}; with "
+                         f"{setting}={values[setting]!r} it does nothing.")  # fmt: skip
     for key, (setting, readers) in READ_ONLY_UNDER.items():
         if values[key] != default[key] and values[setting] not in readers and key not in named:
             chosen = values[setting]
