@@ -51,6 +51,7 @@ def quick(corpus_dir, out):
             "pipeline_bubble",
         ),  # fmt: skip
         ("remat.py", [*SYNTHETIC, "--steps=1"], "remat"),
+        ("restart.py", [*SYNTHETIC, "--config.train.steps=2", "--config.optim.warmup_steps=1"], "restart"),
         ("vs_pytorch.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "vs_pytorch"),
         (
             "memory_calibration.py",

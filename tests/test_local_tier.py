@@ -1,6 +1,7 @@
 """The local checkpoint tier (trainer/storage/local_tier.py): real processes killed between persistent saves
 resume from each process's own disk and end with an uninterrupted run's weights, bit for bit."""
 
+import json
 import os
 import re
 import signal
@@ -132,3 +133,21 @@ def test_two_processes_one_relaunched_with_its_local_tier_wiped(tmp_path, mesh, 
                 f"replica of its share") in said, said[-2000:]  # fmt: skip
         assert f"resumed from the checkpoint at step {persistent}" in said, said[-2000:]
     assert_equal(final_params(workdir, cfg), final_params(tmp_path / "straight", cfg))
+
+
+def test_a_rollback_moves_the_local_steps_past_it_out_of_the_way(tmp_path):
+    """Local steps saved in a stretch a rollback abandons are moved to <local_dir>/rolled_back/, as the
+    workdir's are: a relaunch never resumes the abandoned trajectory from them."""
+    from trainer.training.loop import train
+
+    local = tmp_path / "local"
+    cfg = micro_config(train=dict(steps=24, log_every=1),
+                       checkpoint={"every_steps": 5, "keep": 10, "local_dir": str(local), "local_every_steps": 2},
+                       stability=dict(max_bad_steps=4, bad_window=10, stats_warmup=5, diverge_steps=5))  # fmt: skip
+    cfg.debug.poison_batches = (12, 13, 14, 15, 16, 17)
+    train(cfg, str(tmp_path / "run"))
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        (event,) = [r for r in map(json.loads, f) if r.get("event") == "rollback"]
+    abandoned = sorted(int(n) for n in os.listdir(local / "rolled_back"))
+    assert abandoned and all(s > event["to_step"] for s in abandoned), (abandoned, event)
+    assert committed(local) and all(s % 2 == 0 and s % 5 != 0 for s in committed(local))

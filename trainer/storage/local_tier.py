@@ -209,12 +209,19 @@ class LocalTier:
         except OSError as e:
             return None, None, e
 
-    def _set_aside(self, step: int) -> str:
-        """Moved into <local_dir>/damaged/, never deleted, by the process whose disk holds it."""
-        target, suffix = os.path.join(self.directory, "damaged", str(step)), 0
+    def rolled_back_to(self, step: int) -> None:
+        """After a rollback to `step`: the local steps past it (the trajectory left) are moved to
+        <local_dir>/rolled_back/, as the workdir's are, so that no relaunch resumes from them."""
+        self.wait()
+        for later in [s for s in self.steps() if s > step]:
+            self._set_aside(later, "rolled_back")
+
+    def _set_aside(self, step: int, folder: str = "damaged") -> str:
+        """Moved into <local_dir>/<folder>/, never deleted, by the process whose disk holds it."""
+        target, suffix = os.path.join(self.directory, folder, str(step)), 0
         while os.path.exists(target):
             suffix += 1
-            target = os.path.join(self.directory, "damaged", f"{step}.{suffix}")
+            target = os.path.join(self.directory, folder, f"{step}.{suffix}")
         os.makedirs(os.path.dirname(target), exist_ok=True)
         os.rename(os.path.join(self.directory, str(step)), target)
         return target

@@ -173,6 +173,7 @@ class Run:
             return (*resume.restore_state(self.ckpt, step, setup, data, saved_cfg), data)
 
         found = self._from_local(saved_cfg) if self.local is not None else None
+        self.resumed_locally = found is not None
         if found is None:
             found = self.ckpt.restore_newest_intact(restore, self.say, cfg.checkpoint.retry_seconds)
         self.resumed = found is not None
@@ -259,7 +260,7 @@ class Run:
 
     def start(self) -> None:
         cfg, setup = self.cfg, self.setup
-        if self.resumed:
+        if self.resumed and not self.resumed_locally:  # the local tier says where it resumed itself
             fresh = f" with a fresh {cfg.optim.name} optimiser state (checkpoint.reset_optimizer)"
             self.say(f"resumed from the checkpoint at step {self.step}{fresh if self.reset_optimizer else ''}")
         counts = count_params(setup.model.abstract_params)
@@ -365,6 +366,8 @@ class Run:
         with self.goodput.phase("rollback"):
             self.state, skipped_batches = roll_back(self.cfg, self.ckpt, restore, self.state, self.data_read)
             self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
+            if self.local is not None:
+                self.local.rolled_back_to(self.step)
         self.goodput.rolled_back(self.step)
         self.dispatched = []
         lr_scale = float(fetch(self.state.stability["lr_scale"]))
