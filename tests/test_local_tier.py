@@ -43,8 +43,16 @@ def assert_equal(a, b):
         np.testing.assert_array_equal(x, y)
 
 
+def folder(local):
+    """The run's own folder in a local_dir (one run here)."""
+    found = [p for p in local.iterdir() if p.is_dir()] if local.is_dir() else []
+    assert len(found) <= 1, found
+    return found[0] if found else local / "none-yet"
+
+
 def committed(local) -> list[int]:
-    return sorted(int(n) for n in os.listdir(local) if n.isdigit()) if os.path.isdir(local) else []
+    mine = folder(local)
+    return sorted(int(n) for n in os.listdir(mine) if n.isdigit()) if mine.is_dir() else []
 
 
 def test_a_kill_between_persistent_saves_resumes_from_the_local_tier_and_damage_there_is_set_aside(tmp_path):
@@ -81,14 +89,14 @@ def test_a_kill_between_persistent_saves_resumes_from_the_local_tier_and_damage_
     # The newest local step damaged (a data file cut short): set aside, and the one before it resumed.
     steps = committed(local)
     newest, before = steps[-1], steps[-2]
-    data = max((local / str(newest)).glob("*.npy"), key=os.path.getsize)
+    data = max((folder(local) / str(newest)).glob("*.npy"), key=os.path.getsize)
     with open(data, "r+b") as f:
         f.truncate(os.path.getsize(data) // 2)
     final = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert final.returncode == 0, final.stdout[-2000:] + final.stderr[-2000:]
     assert not final.stderr.strip(), final.stderr[-2000:]  # no library's words about the failed read
     assert f"the local checkpoint at step {newest} cannot be read" in final.stdout, final.stdout[-2000:]
-    assert os.path.isdir(local / "damaged" / str(newest))
+    assert os.path.isdir(folder(local) / "damaged" / str(newest))
     assert f"resuming from the local checkpoint at step {before}" in final.stdout, final.stdout[-2000:]
     assert_equal(final_params(workdir, cfg), final_params(tmp_path / "straight", cfg))
 
@@ -126,8 +134,8 @@ def test_two_processes_one_relaunched_with_its_local_tier_wiped(tmp_path, mesh, 
     assert [p.wait(timeout=300) for p in procs] == [0, 0], text(logs[0])[-2000:] + text(logs[1])[-2000:]
     said = text(logs[0])
     if peers:
-        assert re.search(rf"resuming from the local checkpoint at step {local_step} in .*local/0, the processes "
-                         r"without it \(\[1\]\) given their share", said), said[-2000:]  # fmt: skip
+        assert re.search(rf"resuming from the local checkpoint at step {local_step} in .*local/0/run-\w+, the "
+                         r"processes without it \(\[1\]\) given their share", said), said[-2000:]  # fmt: skip
     else:
         assert (f"the local checkpoint at step {local_step} is missing on process 1, and no other process holds a "
                 f"replica of its share") in said, said[-2000:]  # fmt: skip
@@ -148,6 +156,6 @@ def test_a_rollback_moves_the_local_steps_past_it_out_of_the_way(tmp_path):
     train(cfg, str(tmp_path / "run"))
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         (event,) = [r for r in map(json.loads, f) if r.get("event") == "rollback"]
-    abandoned = sorted(int(n) for n in os.listdir(local / "rolled_back"))
+    abandoned = sorted(int(n) for n in os.listdir(folder(local) / "rolled_back"))
     assert abandoned and all(s > event["to_step"] for s in abandoned), (abandoned, event)
     assert committed(local) and all(s % 2 == 0 and s % 5 != 0 for s in committed(local))

@@ -1,14 +1,16 @@
 """The fast checkpoint tier: each process's own shards on its own disk, beside the persistent tier.
 
 `checkpoint.local_dir` (a host's disk or RAM disk; `$VAR` and `~` expanded, so
-processes sharing one machine can each have their own, e.g. `/tmp/local/$TRAINER_PROCESS_ID`)
-gets a checkpoint every `checkpoint.local_every_steps`, keeping the newest
-`checkpoint.local_keep`; the workdir keeps its own interval and retention. Each
-process writes what its devices hold (every shard, replicas too), one .npy file
-per shard with its CRC, into `<step>.partial/`, renamed to `<step>` when whole;
-no process waits on another's disk. Each process also writes the data position
-of every batch row (gathered at the save) and the layout it saved under: a
-local checkpoint is only read by the same process of the same mesh.
+processes sharing one machine can each have their own, e.g.
+`/tmp/local/$TRAINER_PROCESS_ID`; each run a folder of its own in it, named
+after its workdir) gets a checkpoint every `checkpoint.local_every_steps`,
+keeping the newest `checkpoint.local_keep`; the workdir keeps its own interval
+and retention. Each process writes what its devices hold (every shard, replicas
+too), one .npy file per shard with its CRC, into `<step>.partial/`, renamed to
+`<step>` when whole; no process waits on another's disk. Each process also
+writes the data position of every batch row (gathered at the save) and the
+layout it saved under: a local checkpoint is only read by the same process of
+the same mesh.
 
 Orbax's own per-process checkpointing (the CheckpointManager its emergency
 checkpointer builds its local tier from: primary_host None, one active process)
@@ -33,6 +35,7 @@ taken for damage (trainer/storage/faults.py).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -49,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 from parallelism.distributed import max_over_processes
 from trainer.errors import StorageError
 from trainer.storage import faults
+from trainer.storage.workdir import path
 from trainer.training.state import TrainState
 
 _MOST_STEPS = 16  # local steps a process reports at a relaunch (local_keep is below it)
@@ -56,13 +60,17 @@ _RECORD = "local.json"
 _PARTIAL = ".partial"
 
 
-def directory_of(setting: str) -> str:
-    return os.path.abspath(os.path.expanduser(os.path.expandvars(setting)))
+def directory_of(setting: str, workdir: str) -> str:
+    """The run's own folder in the local tier, named after its workdir: runs may share one local_dir, and a
+    new run never takes another's local checkpoints for its own."""
+    where = str(path(workdir))
+    name = f"{os.path.basename(where.rstrip('/')) or 'run'}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
+    return os.path.join(os.path.abspath(os.path.expanduser(os.path.expandvars(setting))), name)
 
 
 class LocalTier:
-    def __init__(self, setting: str, keep: int, async_save: bool, mesh):
-        self.directory, self.keep, self.async_save = directory_of(setting), keep, async_save
+    def __init__(self, setting: str, workdir: str, keep: int, async_save: bool, mesh):
+        self.directory, self.keep, self.async_save = directory_of(setting, workdir), keep, async_save
         self.mesh, self.me = mesh, jax.process_index()
         self._writing: threading.Thread | None = None
         self._failed: BaseException | None = None

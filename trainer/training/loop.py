@@ -166,7 +166,7 @@ class Run:
         )  # fmt: skip
         self.abstract = setup.abstract_state()
         c = cfg.checkpoint
-        self.local = LocalTier(c.local_dir, c.local_keep, c["async"], setup.mesh) if c.local_dir else None
+        self.local = LocalTier(c.local_dir, workdir, c.local_keep, c["async"], setup.mesh) if c.local_dir else None
 
         def restore(step: int):
             data = self._new_data()
