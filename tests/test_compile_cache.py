@@ -86,3 +86,31 @@ def test_the_cache_is_placed_from_the_workdir_and_off_when_empty(monkeypatch):
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/elsewhere")
     assert place("../compile_cache", "/runs/a") == "/elsewhere"  # the default gives way to JAX's variable
     assert place("/mine", "/runs/a") == "/mine"
+
+
+def test_a_bucket_holds_the_cache_as_a_local_directory_does(bucket):
+    """The store in a bucket (the emulator): a program compiled once is kept as one object and loaded by a
+    later compile of it (JAX's in-memory caches cleared in between, as a new process starts without them)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from trainer import compile_cache
+    from trainer.storage.workdir import path
+
+    try:
+        kept = compile_cache.use(f"{bucket.url}/compile_cache")
+
+        def program(x):
+            return jnp.tanh(x @ x.T) * 3.0 + 1.0
+
+        x = np.arange(64, dtype=np.float32).reshape(8, 8) / 64
+        first = np.asarray(jax.jit(program)(x))
+        entries = [p.name for p in path(f"{bucket.url}/compile_cache").iterdir()]
+        assert entries and all(e.endswith("-kept") for e in entries), entries
+        jax.clear_caches()
+        hits = kept.hits
+        np.testing.assert_array_equal(np.asarray(jax.jit(program)(x)), first)
+        assert kept.hits > hits
+    finally:
+        compile_cache.use(compile_cache.place(compile_cache.DEFAULT, None))  # the suite's own cache again
