@@ -179,6 +179,14 @@ def test_an_unwritable_workdir_fails_before_training(tmp_path):
         train(micro_config(), str(tmp_path / "a_file" / "run"))
 
 
+def test_an_unwritable_local_tier_fails_before_training_and_before_the_workdir_is_made(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    cfg = micro_config(checkpoint={"local_dir": str(tmp_path / "a_file" / "local")})
+    with pytest.raises(ConfigError, match=r"checkpoint.local_dir=.*a_file/local.: cannot write there \(Not a direc"):
+        train(cfg, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_workdir_in_an_unsupported_store_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="s3://bucket/run: only local paths and gs:// buckets"):
         train(micro_config(), "s3://bucket/run")

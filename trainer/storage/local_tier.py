@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -50,9 +51,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from parallelism.distributed import max_over_processes
-from trainer.errors import StorageError
+from trainer.errors import ConfigError, StorageError
 from trainer.storage import faults
-from trainer.storage.workdir import path
+from trainer.storage.workdir import path, try_writing
 from trainer.training.state import TrainState
 
 _MOST_STEPS = 16  # local steps a process reports at a relaunch (local_keep is below it)
@@ -68,11 +69,24 @@ def directory_of(setting: str, workdir: str) -> str:
     return os.path.join(os.path.abspath(os.path.expanduser(os.path.expandvars(setting))), name)
 
 
+def check_writable(setting: str, workdir: str) -> None:
+    """Make the run's folder in the local tier now, so a bad checkpoint.local_dir fails before anything
+    compiles, in one sentence."""
+    try:
+        try_writing(directory_of(setting, workdir))
+    except OSError as e:
+        raise ConfigError(
+            f"checkpoint.local_dir={setting!r}: cannot write there ({e.strerror or e}); give a writable directory "
+            'on this host\'s own disk, or "" for no local tier.'
+        ) from e
+
+
 class LocalTier:
     def __init__(self, setting: str, workdir: str, keep: int, async_save: bool, mesh):
         self.directory, self.keep, self.async_save = directory_of(setting, workdir), keep, async_save
         self.mesh, self.me = mesh, jax.process_index()
         self._writing: threading.Thread | None = None
+        self._pending: int | None = None  # the step being written: kept, as far as the run's account goes
         self._failed: BaseException | None = None
         os.makedirs(self.directory, exist_ok=True)
         for name in os.listdir(self.directory):  # a save a kill cut short: never complete, never read
@@ -94,6 +108,7 @@ class LocalTier:
             for shard in leaf.addressable_shards:
                 shards[f"{i}-{shard.device.id}.npy"] = np.asarray(shard.data)
         record = {"step": step, "layout": self.layout(), "rows": rows, "reset_optimizer": reset_label}
+        self._pending = step
         self._writing = threading.Thread(target=self._write, args=(step, shards, record), daemon=True)
         self._writing.start()
         if not self.async_save:
@@ -107,10 +122,11 @@ class LocalTier:
             os.makedirs(partial)
             record["crc32"] = {}
             for name, array in shards.items():
+                encoded = io.BytesIO()
+                np.save(encoded, array, allow_pickle=False)
+                record["crc32"][name] = zlib.crc32(encoded.getbuffer())
                 with open(os.path.join(partial, name), "wb") as f:
-                    np.save(f, array, allow_pickle=False)
-                with open(os.path.join(partial, name), "rb") as f:
-                    record["crc32"][name] = zlib.crc32(f.read())
+                    f.write(encoded.getbuffer())
             with open(os.path.join(partial, _RECORD), "w") as f:
                 json.dump(record, f)
             final = os.path.join(self.directory, str(step))
@@ -124,7 +140,7 @@ class LocalTier:
     def wait(self) -> None:
         if self._writing is not None:
             self._writing.join()
-            self._writing = None
+            self._writing = self._pending = None
         if self._failed is not None:
             error, self._failed = self._failed, None
             raise StorageError(f"writing the local checkpoint tier in {self.directory} failed "
@@ -135,7 +151,9 @@ class LocalTier:
         self.wait()
 
     def steps(self) -> list[int]:
-        return sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+        """The complete local steps, and the one being written (it will be, or the launch will not end well)."""
+        listed = {int(n) for n in os.listdir(self.directory) if n.isdigit()}
+        return sorted(listed | ({self._pending} if self._pending is not None else set()))
 
     def usable_steps(self) -> list[int]:
         """This process's complete local checkpoints saved under this layout, newest first."""
@@ -205,8 +223,7 @@ class LocalTier:
                         data = f.read()
                     if zlib.crc32(data) != record["crc32"].get(name):
                         raise faults.Damaged(f"{name} in {folder} does not hold what was written")
-                    with open(os.path.join(folder, name), "rb") as f:
-                        array = np.load(f, allow_pickle=False)
+                    array = np.load(io.BytesIO(data), allow_pickle=False)
                     if array.shape != _shape(index, leaf.shape) or array.dtype != leaf.dtype:
                         raise faults.Damaged(f"{name} in {folder} holds {array.dtype}{list(array.shape)}")
                     pieces.append(jax.device_put(array, device))

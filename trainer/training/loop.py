@@ -19,84 +19,39 @@ a process that dies ends the others, naming it (parallelism/distributed.py).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 
 import jax
 import numpy as np
 
-from parallelism.distributed import barrier, fetch, wait_if_a_process_died
+from parallelism.distributed import fetch, wait_if_a_process_died
 from trainer import compile_cache, harness, samples
 from trainer.config import microbatch_size
-from trainer.data import corpora, streams, workers
+from trainer.data import streams, workers
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, inactive_params, peak_flops
-from trainer.storage import resume, run_tokenizer
+from trainer.storage import resume
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.local_tier import LocalTier
-from trainer.storage.metrics import MetricsWriter, check_fresh_start
-from trainer.training import batch_ramp, clock, stability
+from trainer.storage.metrics import MetricsWriter
+from trainer.training import batch_ramp, clock, preflight, stability
 from trainer.training.goodput import Goodput, duration
 from trainer.training.hang import HangWatch
 from trainer.training.preemption import watch_for_sigterm
 from trainer.training.profiling import StepProfiler
 from trainer.training.rollback import roll_back
-from trainer.training.setup import Setup, build
+from trainer.training.setup import Setup
 from trainer.training.state import state_from_params
 from trainer.training.step import abstract_batch, memory_per_device
-from trainer.validation import unread_settings
-
-
-def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
-    """Every check that can fail, before anything is compiled; the workdir is created last.
-
-    Returns the setup (whose config reads the run's copy of its tokenizer, trainer/storage/run_tokenizer.py)
-    and, for a new run with `checkpoint.init_from`, the weights to start from.
-    """
-    setup = build(cfg)
-    primary = jax.process_index() == 0
-    say = print if primary else _quiet
-    for line in unread_settings(cfg):
-        say(f"warning: {line}", flush=True)
-    wd.wait_for_storage(workdir, cfg.checkpoint.retry_seconds, say)
-    cfg = run_tokenizer.settle(cfg, workdir)
-    if primary:  # the other hosts may not hold the tokenizer yet: they read the run's copy, made below
-        corpora.check_vocab(cfg)
-        if cfg.train.sample_prompts:
-            samples.check_prompts(cfg, load_tokenizer(cfg.data))
-    if cfg.train.harness_tasks:  # the harness installed, its tasks known and their data in reach (every host)
-        harness.load().check(cfg)
-    if cfg.data.source != "synthetic":
-        wd.wait_for_storage(corpora.data_dir(cfg.data), cfg.checkpoint.retry_seconds, say, "data.data_dir")
-        if primary:
-            corpora.prepare(cfg.data)
-        barrier("dataset prepared")
-        splits = [cfg.data.train_split] + ([cfg.data.eval_split] if cfg.train.eval_every else [])
-        corpora.check_every_host_reads_it(cfg.data, splits)
-    init = None
-    if wd.saved_steps(workdir):
-        resume.check_resume(workdir, cfg, setup)
-    else:
-        check_fresh_start(workdir, cfg)
-        if cfg.checkpoint.init_from:
-            init = resume.load_init_params(cfg, setup)
-    wd.check_writable(workdir)
-    devices = setup.mesh.devices.size
-    if setup.mesh.devices.flat[0].platform == "cpu":  # said once: the plugins' own words are held back
-        say(f"running on the CPU ({devices} device{'s' * (devices > 1)}): no GPU or TPU is in use")
-    if primary:
-        run_tokenizer.store(cfg, workdir)
-    barrier("tokenizer stored")
-    return dataclasses.replace(setup, cfg=run_tokenizer.use_copy(cfg, workdir)), init
 
 
 def train(cfg, workdir: str) -> dict:
     """Train, or resume from the newest readable checkpoint in `workdir`; returns the last logged values."""
     account = Goodput()  # the launch's clock starts here: its checks and start-up are timed too
     compile_cache.use(compile_cache.place(cfg.train.compile_cache, workdir))
-    setup, init = prepare_run(cfg, workdir)
+    setup, init = preflight.prepare_run(cfg, workdir)
     run = Run(setup.cfg, workdir, setup, init, account)
     try:
         if run.finished():
@@ -459,10 +414,6 @@ class Run:
             self.files.close()
         if self.hang is not None:  # last: the final checkpoint's commit and the files' upload are watched too
             self.hang.close()
-
-
-def _quiet(*_args, **_kwargs) -> None:
-    pass
 
 
 def _floats(values: dict) -> dict[str, float]:

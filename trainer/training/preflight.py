@@ -1,0 +1,67 @@
+"""Before a run compiles anything: every check that can refuse it, then the workdir made and the run's
+tokenizer stored. A refusal here leaves the workdir as it was (trainer/training/loop.py trains)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from parallelism.distributed import barrier
+from trainer import harness, samples
+from trainer.data import corpora
+from trainer.data.tokenizers import load_tokenizer
+from trainer.storage import local_tier, resume, run_tokenizer
+from trainer.storage import workdir as wd
+from trainer.storage.metrics import check_fresh_start
+from trainer.training.setup import Setup, build
+from trainer.validation import unread_settings
+
+
+def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
+    """Every check that can fail, before anything is compiled; the workdir is created last.
+
+    Returns the setup (whose config reads the run's copy of its tokenizer, trainer/storage/run_tokenizer.py)
+    and, for a new run with `checkpoint.init_from`, the weights to start from.
+    """
+    setup = build(cfg)
+    primary = jax.process_index() == 0
+    say = print if primary else _quiet
+    for line in unread_settings(cfg):
+        say(f"warning: {line}", flush=True)
+    wd.wait_for_storage(workdir, cfg.checkpoint.retry_seconds, say)
+    cfg = run_tokenizer.settle(cfg, workdir)
+    if primary:  # the other hosts may not hold the tokenizer yet: they read the run's copy, made below
+        corpora.check_vocab(cfg)
+        if cfg.train.sample_prompts:
+            samples.check_prompts(cfg, load_tokenizer(cfg.data))
+    if cfg.train.harness_tasks:  # the harness installed, its tasks known and their data in reach (every host)
+        harness.load().check(cfg)
+    if cfg.data.source != "synthetic":
+        wd.wait_for_storage(corpora.data_dir(cfg.data), cfg.checkpoint.retry_seconds, say, "data.data_dir")
+        if primary:
+            corpora.prepare(cfg.data)
+        barrier("dataset prepared")
+        splits = [cfg.data.train_split] + ([cfg.data.eval_split] if cfg.train.eval_every else [])
+        corpora.check_every_host_reads_it(cfg.data, splits)
+    init = None
+    if wd.saved_steps(workdir):
+        resume.check_resume(workdir, cfg, setup)
+    else:
+        check_fresh_start(workdir, cfg)
+        if cfg.checkpoint.init_from:
+            init = resume.load_init_params(cfg, setup)
+    if cfg.checkpoint.local_dir:  # before the workdir is made: a refusal leaves it as it was
+        local_tier.check_writable(cfg.checkpoint.local_dir, workdir)
+    wd.check_writable(workdir)
+    devices = setup.mesh.devices.size
+    if setup.mesh.devices.flat[0].platform == "cpu":  # said once: the plugins' own words are held back
+        say(f"running on the CPU ({devices} device{'s' * (devices > 1)}): no GPU or TPU is in use")
+    if primary:
+        run_tokenizer.store(cfg, workdir)
+    barrier("tokenizer stored")
+    return dataclasses.replace(setup, cfg=run_tokenizer.use_copy(cfg, workdir)), init
+
+
+def _quiet(*_args, **_kwargs) -> None:
+    pass
