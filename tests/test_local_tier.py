@@ -159,3 +159,21 @@ def test_a_rollback_moves_the_local_steps_past_it_out_of_the_way(tmp_path):
     abandoned = sorted(int(n) for n in os.listdir(folder(local) / "rolled_back"))
     assert abandoned and all(s > event["to_step"] for s in abandoned), (abandoned, event)
     assert committed(local) and all(s % 2 == 0 and s % 5 != 0 for s in committed(local))
+
+
+def test_a_local_save_that_cannot_be_written_is_said_once_and_training_goes_on(tmp_path, capsys):
+    """The write fails for real (a file stands where the step's folder must be made): one warning, the run
+    ends as it would have, and the other local steps are written."""
+    from trainer.storage.local_tier import directory_of
+    from trainer.training.loop import train
+
+    local, workdir = tmp_path / "local", str(tmp_path / "run")
+    cfg = micro_config(train=dict(steps=8, log_every=4),
+                       checkpoint={"every_steps": 50, "local_dir": str(local), "local_every_steps": 2})  # fmt: skip
+    folder = directory_of(str(local), workdir)
+    os.makedirs(folder)
+    open(os.path.join(folder, "4.partial"), "w").close()
+    result = train(cfg, workdir)
+    out = capsys.readouterr().out
+    assert out.count("warning: writing the local checkpoint tier in") == 1, out
+    assert result["step"] == 8 and committed(local) == [2, 6]

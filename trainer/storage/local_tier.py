@@ -88,6 +88,7 @@ class LocalTier:
         self._writing: threading.Thread | None = None
         self._pending: int | None = None  # the step being written: kept, as far as the run's account goes
         self._failed: BaseException | None = None
+        self._failing = False  # said already, until a save succeeds
         os.makedirs(self.directory, exist_ok=True)
         for name in os.listdir(self.directory):  # a save a kill cut short: never complete, never read
             if name.endswith(_PARTIAL):
@@ -138,14 +139,20 @@ class LocalTier:
             self._failed = e
 
     def wait(self) -> None:
+        """Until the save in flight is written. A failed one is said (once until a save succeeds again) and
+        training goes on: the workdir's checkpoints are unaffected, and a relaunch uses what the tier holds."""
         if self._writing is not None:
             self._writing.join()
             self._writing = self._pending = None
+            if self._failed is None:
+                self._failing = False
         if self._failed is not None:
             error, self._failed = self._failed, None
-            raise StorageError(f"writing the local checkpoint tier in {self.directory} failed "
-                               f"({faults.summary(error)}); free space there, or set checkpoint.local_dir "
-                               "elsewhere (or to \"\" for none), and rerun to resume") from error  # fmt: skip
+            if not self._failing:
+                print(f"process {self.me}: warning: writing the local checkpoint tier in {self.directory} failed "
+                      f"({faults.summary(error)}); training goes on, the workdir's checkpoints are unaffected",
+                      flush=True)  # fmt: skip
+            self._failing = True
 
     def close(self) -> None:
         self.wait()
@@ -174,7 +181,7 @@ class LocalTier:
         step existed) to use the persistent tier."""
         while True:
             held = _gathered_steps(self.usable_steps())
-            choice, why = _choose(held, after, abstract, self.mesh)
+            choice, why = _choose(held, after, abstract)
             if choice is None:
                 if why:
                     say(why)
@@ -292,18 +299,17 @@ def _broadcast_json(value):
     raise AssertionError("no process gave a value")
 
 
-def _choose(held: list[set[int]], after: int, abstract: TrainState, mesh):
+def _choose(held: list[set[int]], after: int, abstract: TrainState):
     """((step, its holders) or None, why not the newest local step): the same on every process."""
     everyone = set(range(len(held)))
     newer = sorted({s for steps in held for s in steps if s > after}, reverse=True)
     for step in newer:
         holders = {p for p in everyone if step in held[p]}
-        if holders == everyone or _replicated_for(holders, abstract, mesh):
+        if holders == everyone or _replicated_for(holders, abstract):
             return (step, holders), None
     if not newer:
         return None, None
-    step = newer[0]
-    lacking = sorted(everyone - {p for p in everyone if step in held[p]})
+    lacking = sorted(p for p in everyone if newer[0] not in held[p])
     return None, (
         f"the local checkpoint at step {newer[0]} is missing on process{'es' * (len(lacking) > 1)} "
         f"{', '.join(map(str, lacking))}, and no other process holds a replica of "
@@ -313,7 +319,7 @@ def _choose(held: list[set[int]], after: int, abstract: TrainState, mesh):
     )
 
 
-def _replicated_for(holders: set[int], abstract: TrainState, mesh) -> bool:
+def _replicated_for(holders: set[int], abstract: TrainState) -> bool:
     """Whether, for every array, each shard a non-holder's device needs is on some holder's device."""
     for leaf in jax.tree.leaves(_fields(abstract)):
         indices = leaf.sharding.devices_indices_map(leaf.shape)
