@@ -7,14 +7,21 @@ Temperature 0 (the default) is greedy, and refuses --top_k or --top_p (they
 only shape sampling). Generation uses a KV cache and runs
 sharded on the config's mesh. With --json the output ends with one line
 {"prompt", "completion"}.
+
+With --chat it talks through the run's chat template (trainer/data/chat.py): --prompt is one user message
+and gets one reply; without --prompt each line read from standard input is the user's next message, and
+the conversation goes on until the input ends. A reply ends at the template's end of turn. When the
+conversation outgrows model.max_seq_len its oldest exchanges are left out.
 """
 
 import json
+import sys
 
 import numpy as np
 from absl import flags
 
 from trainer import cli
+from trainer.data import chat
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
 from trainer.model.sampling import make_generate
@@ -32,6 +39,7 @@ _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample among the most likely tokens holding this probability mass.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _JSON = flags.DEFINE_bool("json", False, "End with a JSON line {prompt, completion}.")
+_CHAT = flags.DEFINE_bool("chat", False, "Talk through the chat template: --prompt, or lines of standard input.")
 
 
 def main():
@@ -41,6 +49,8 @@ def main():
     workdir = _WORKDIR.value or cli.default_workdir()
     cfg = run_tokenizer.settle(cfg, workdir)  # the run's own copy of its tokenizer
     tokenizer = load_tokenizer(cfg.data)
+    if _CHAT.value:
+        return talk(cfg, workdir, tokenizer)
     names = dict(new_tokens="--max_new_tokens", top_k="--top_k", top_p="--top_p", temperature="--temperature")
     check_request(cfg, tokenizer, _PROMPT.value, _MAX_NEW.value, names, _TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
     setup, step, params = load_params(cfg, workdir, _STEP.value)
@@ -53,6 +63,37 @@ def main():
     print(_PROMPT.value + text)
     if _JSON.value:
         print(json.dumps({"prompt": _PROMPT.value, "completion": text, "step": step}))
+
+
+def talk(cfg, workdir: str, tokenizer) -> None:
+    """--chat: one reply to --prompt, or a conversation over standard input."""
+    template = chat.template_for(cfg.data, tokenizer)
+    names = dict(new_tokens="--max_new_tokens", top_k="--top_k", top_p="--top_p", temperature="--temperature")
+    check_request(cfg, tokenizer, "", _MAX_NEW.value, names, _TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+    setup, _, params = load_params(cfg, workdir, _STEP.value)
+    generate = make_generate(setup.spec, setup.shard, max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
+                             top_k=_TOP_K.value, top_p=_TOP_P.value)  # fmt: skip
+    ends = chat.end_of_turn_ids(tokenizer, template)
+    history: list[dict] = []
+    lines = [_PROMPT.value] if _PROMPT.value else (line.rstrip("\n") for line in sys.stdin)
+    for turn, message in enumerate(lines):
+        history.append({"role": "user", "content": message})
+        ids = chat.prompt_ids(tokenizer, template, history)
+        while len(ids) + _MAX_NEW.value > cfg.model.max_seq_len and len(history) > 1:
+            history = history[2:]  # the oldest exchange
+            ids = chat.prompt_ids(tokenizer, template, history)
+        if len(ids) + _MAX_NEW.value > cfg.model.max_seq_len:
+            raise ConfigError(
+                f"the message and --max_new_tokens={_MAX_NEW.value} take {len(ids) + _MAX_NEW.value} tokens, more "
+                f"than model.max_seq_len={cfg.model.max_seq_len}; shorten it, or ask for fewer new tokens."
+            )
+        out = [int(i) for i in np.asarray(generate(params, ids[None], _SEED.value + turn))[0]]
+        cut = min((out.index(i) for i in ends if i in out), default=len(out))
+        reply = tokenizer.decode(out[:cut])
+        history.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+        if _JSON.value:
+            print(json.dumps({"prompt": message, "completion": reply}), flush=True)
 
 
 if __name__ == "__main__":

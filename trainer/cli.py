@@ -56,16 +56,20 @@ def _next_commands(result: dict, cfg, workdir_flag: str | None, argv: list[str])
     config_flags_given = [a for a in config_args(argv) if not a.startswith("--config.train.steps=")]
     where = [f"--workdir={shlex.quote(workdir_flag)}"] if workdir_flag else []
     reached = f"loss {result['loss']:.4f}" if "loss" in result else "nothing logged"
-    if "eval_loss" in result:
+    if "unigram_loss" in result:
         reached = (f"validation loss {result['eval_loss']:.4f} (the unigram's {result['unigram_loss']:.4f}; "
                    f"{result['eval_covers']}), " + reached)  # fmt: skip
+    elif "eval_loss" in result:
+        reached = (f"held-out DPO loss {result['eval_loss']:.4f}, reward accuracy {result['eval_dpo/accuracy']:.3f}"
+                   f", " + reached)  # fmt: skip
     prompt = cfg.train.sample_prompts[0] if cfg.train.sample_prompts else ""
     new_tokens = min(128, cfg.model.max_seq_len // 2)  # within the model's context beside a short prompt
     sample = "--temperature=0.6"  # sampled: a small model's greedy text soon repeats itself
     commands = [
         *((what, "train.py", extra) for what, extra in train_on(cfg)),
-        ("evaluate the newest checkpoint", "eval.py", []),
-        ("write from it", "generate.py", [f"--prompt={shlex.quote(prompt)}", f"--max_new_tokens={new_tokens}", sample]),
+        *([("evaluate the newest checkpoint", "eval.py", [])] if cfg.data.format != "preference" else []),
+        ("write from it", "generate.py", [f"--prompt={shlex.quote(prompt)}", f"--max_new_tokens={new_tokens}", sample])
+        if cfg.data.format == "text" else ("talk to it", "generate.py", ["--chat", f"--max_new_tokens={new_tokens}"]),
     ]
     lines = [f"done: {workdir_flag or default_workdir()} is at step {result['step']}; {reached}", "next:"]
     for what, script, extra in commands:

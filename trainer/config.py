@@ -35,6 +35,9 @@ TOKENIZERS = ("byte", "sentencepiece", "hf")
 TRACKERS = ("tensorboard", "wandb")
 MIXTURE_UNITS = ("tokens", "documents")
 MOE_IMPLS = ("dropless", "capacity")
+FORMATS = ("text", "chat", "preference")  # data.format (trainer/data/chat.py)
+LOSS_ON = ("all", "assistant", "last_turn")  # data.loss_on
+DPO_LOSSES = ("sigmoid", "ipo")
 GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")  # model.moe.grouped_matmul (trainer/model/moe.py)
 
 
@@ -139,6 +142,12 @@ def _declared() -> dict[str, dict]:
         workers=Num(
             0, "[0, inf)"
         ),  # processes that read and tokenise the batch rows; 0 = a thread of the training process
+        # Post-training (trainer/data/chat.py): one of FORMATS. `chat` rows hold `messages` (or a prompt and a
+        # completion) and train on the tokens `loss_on` picks (one of LOSS_ON); `preference` rows hold a prompt
+        # and the chosen and rejected replies, and train by DPO (the `dpo` section).
+        format="text",
+        loss_on="assistant",
+        chat_template="",  # a .jinja file; "" = the hf tokenizer's own, or the built-in one for ours
     )
     c.optim = dict(
         name="adamw",  # one of OPTIMIZERS; muon uses AdamW for embeddings, norms and the head
@@ -156,6 +165,12 @@ def _declared() -> dict[str, dict]:
         clip_norm=Num(1.0, "[0, inf)"),  # 0 disables clipping
         momentum=Num(0.9, "[0, 1)"),  # sgd
         z_loss=Num(0.0, "[0, inf)"),  # weight of log(Z)^2, which keeps the logits' normaliser near 1
+    )
+    # Direct preference optimisation (data.format=preference), against the frozen checkpoint.init_from weights.
+    c.dpo = dict(
+        beta=Num(0.1, "(0, inf)"),  # the strength of the pull back to the reference
+        loss="sigmoid",  # one of DPO_LOSSES: DPO's -log sigmoid, or IPO's squared distance to 1/(2 beta)
+        label_smoothing=Num(0.0, "[0, 0.5)"),  # sigmoid: the share of pairs taken to be labelled the wrong way
     )
     c.precision = dict(
         param_dtype="float32",
@@ -289,6 +304,11 @@ READ_ONLY_UNDER = {
     "data.token_dtype": ("data.source", ("dolma",)),
     "data.eos_id": ("data.source", ("dolma",)),
     "model.moe.capacity_factor": ("model.moe.impl", ("capacity",)),
+    "data.loss_on": ("data.format", ("chat",)),
+    "data.chat_template": ("data.format", ("chat", "preference")),
+    "dpo.beta": ("data.format", ("preference",)),
+    "dpo.loss": ("data.format", ("preference",)),
+    "dpo.label_smoothing": ("dpo.loss", ("sigmoid",)),
     "model.moe.grouped_matmul": ("model.moe.impl", ("dropless",)),
 }
 # Keys read only when another is not 0 (named first, and alone, when it is): the experts' own with experts.

@@ -37,19 +37,34 @@ from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.resume import load_params
 from trainer.storage.workdir import path, write_file
+from trainer.training import dpo
 from trainer.training.setup import Setup
-from trainer.training.step import abstract_batch, jit_eval_step, make_eval_step
+from trainer.training.step import BATCH_NAMES, batch_keys, jit_eval_step, make_eval_step
 
 
 def eval_step(setup: Setup):
     """The jitted (params, global batch) -> (loss sum, token count), in the training step's microbatches."""
     step = make_eval_step(setup.inference_model, setup.shard, setup.cfg.train.grad_accum_steps)
-    return jit_eval_step(step, setup.state_shardings, setup.shard)
+    return jit_eval_step(step, setup.state_shardings, setup.shard, batch_keys(setup.cfg))
+
+
+def _dpo_step(setup: Setup):
+    """The jitted (params, global batch, reference) -> (DPO loss sum, pairs, {metric: sum}) of held-out pairs."""
+    shard = setup.shard
+
+    def step(params, batch, reference):
+        _, (loss, pairs, _, _, sums) = dpo.sums(setup.inference_model, params, reference, batch, setup.cfg.dpo)
+        return loss, pairs, sums
+
+    batch = {k: shard.named(BATCH_NAMES) for k in batch_keys(setup.cfg)}
+    params = setup.state_shardings.params
+    return jax.jit(step, in_shardings=(params, batch, params), out_shardings=shard.replicated())
 
 
 def _targets(local: dict[str, np.ndarray]) -> np.ndarray:
     """The ids this process's rows of a batch are trained to predict."""
-    targets, weights = (np.asarray(a) for a in target_weights(local["tokens"], local["segment_ids"]))
+    targets, weights = (np.asarray(a) for a in target_weights(local["tokens"], local["segment_ids"],
+                                                               local.get("loss_mask")))  # fmt: skip
     return targets[weights > 0]
 
 
@@ -98,8 +113,11 @@ class Evaluator:
     weights as they were given (shares of documents).
     """
 
-    def __init__(self, setup: Setup, rows: list[int]):
+    def __init__(self, setup: Setup, rows: list[int], inputs: tuple = ()):
+        """`inputs`: the train step's after the batch (DPO's reference weights: its held-out pairs are scored
+        by the DPO loss, reward accuracy and margins)."""
         cfg, stream = setup.cfg, streams.Stream.from_config(setup.cfg)
+        self._inputs = inputs
         self._sources, begun = {}, 0
         bos = None if cfg.data.source == "synthetic" else load_tokenizer(cfg.data).bos_id
         for name, source in stream.sources().items():
@@ -112,8 +130,8 @@ class Evaluator:
         self._weights = {name: w / total for name, w in stream.mixture} or {"": 1.0}
         self._setup = setup
         # Compiled now, with the train step: not in the middle of the run, where a hang watch would wait on it.
-        batch = abstract_batch(cfg.train.global_batch_size, cfg.data.seq_len, setup.batch_sharding)
-        self._step = eval_step(setup).lower(setup.abstract_state().params, batch).compile()
+        step = _dpo_step(setup) if setup.preference else eval_step(setup)
+        self._step = step.lower(setup.abstract_state().params, setup.abstract_batch(), *setup.step_inputs()).compile()
 
     def covers(self, result: dict) -> str:
         """What the loss of a `result` was measured on, and where the whole split's is: the console says it
@@ -124,6 +142,8 @@ class Evaluator:
 
     def __call__(self, params, progress: Callable[[], None] | None = None) -> dict[str, float]:
         """`progress()` is called after every batch (the loop's hang watch)."""
+        if self._inputs:
+            return self._preference(params, progress)
         out = {"eval_loss": 0.0, "eval_tokens": 0.0, "unigram_loss": 0.0}
         for name, (batches, unigram) in self._sources.items():
             on_batch = None if progress is None else lambda _sums: progress()
@@ -135,6 +155,19 @@ class Evaluator:
             if name:
                 out[f"eval_loss/{name}"], out[f"unigram_loss/{name}"] = loss, unigram
         return out
+
+    def _preference(self, params, progress) -> dict[str, float]:
+        totals = {}
+        for batch in self._sources[""][0]:
+            glob = streams.to_global(batch, self._setup.batch_sharding, self._setup.cfg.train.global_batch_size)
+            loss, pairs, sums = fetch(self._step(params, glob, *self._inputs))
+            for name, value in {"eval_loss": loss, "eval_pairs": pairs, **sums}.items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+            if progress is not None:
+                progress()
+        pairs = max(totals["eval_pairs"], 1.0)
+        return {"eval_loss": totals["eval_loss"] / pairs, "eval_pairs": totals["eval_pairs"],
+                **{f"eval_dpo/{m}": totals[m] / pairs for m in dpo.METRICS}}  # fmt: skip
 
     @staticmethod
     def _unigram_loss(setup: Setup, batches) -> float:

@@ -20,8 +20,11 @@ from parallelism.rules import check_rules, parse_rules
 from trainer.config import (
     ATTENTION_IMPLS,
     CONTEXT_ATTENTION,
+    DPO_LOSSES,
     DTYPES,
+    FORMATS,
     GROUPED_MATMULS,
+    LOSS_ON,
     LOSS_SCALING,
     MIXTURE_UNITS,
     MOE_IMPLS,
@@ -82,6 +85,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("data.packing", d.packing, ("concat",))
     _choice("data.mixture_unit", d.mixture_unit, MIXTURE_UNITS)
     _choice("data.token_dtype", d.token_dtype, TOKEN_DTYPES)
+    _choice("data.format", d.format, FORMATS)
+    _choice("data.loss_on", d.loss_on, LOSS_ON)
+    _choice("dpo.loss", cfg.dpo.loss, DPO_LOSSES)
+    _check_post_training(cfg)
     if d.source in ("megatron", "dolma") and not d.paths:
         what = "the datasets' prefixes (without .bin or .idx)" if d.source == "megatron" else "globs of its .npy files"
         raise ConfigError(f"data.source={d.source} reads token files where they are: give data.paths, {what}.")
@@ -212,6 +219,25 @@ def _check_watching(cfg: ml_collections.ConfigDict) -> None:
 
         if importlib.util.find_spec("wandb") is None:
             raise ConfigError('train.trackers has wandb, which is not installed: pip install -e ".[wandb]".')
+
+
+def _check_post_training(cfg) -> None:
+    """Conversations are prepared from files, one corpus; DPO needs its reference weights."""
+    d = cfg.data
+    if d.format == "text":
+        return
+    if d.source != "text_files" or d.mixture:
+        raise ConfigError(
+            f"data.format={d.format} reads one corpus of .jsonl or .parquet rows prepared here: set "
+            "data.source=text_files and give data.paths (no data.mixture)."
+        )
+    if d.format == "preference" and not cfg.checkpoint.init_from:
+        raise ConfigError(
+            "DPO (data.format=preference) measures the policy against the weights it starts from: give them with "
+            "--config.checkpoint.init_from=DIR[@STEP] (a trained or imported run)."
+        )
+    if d.format == "preference" and cfg.mesh.stage > 1:
+        raise ConfigError("DPO runs without pipeline stages: set mesh.stage=1.")
 
 
 def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:

@@ -35,23 +35,30 @@ def one_pass(stream: Stream, split: str, rows: Sequence[int]) -> Iterator[dict[s
     process (trainer/evaluate.py), which every process reaches together."""
     if stream.source == "synthetic":
         raise ConfigError("a synthetic source has no end; evaluate a fixed number of batches instead.")
+    if stream.format == "preference":
+        raise ConfigError(
+            "eval.py scores a language model's loss on text or conversations; a DPO run's held-out pairs are "
+            "scored during training (eval_loss, eval_dpo/* in metrics.jsonl at each train.eval_every)."
+        )
     docs = documents(stream, split, shuffle=False, endless=False)
-    windows = [_windows((d["tokens"] for d in docs[r :: stream.rows].to_iter_dataset()), stream.seq_len)
-               for r in rows]  # fmt: skip
-    yield from _packed(_across(windows), len(rows), stream.seq_len)
+    fields = ("tokens", "loss_mask") if stream.format == "chat" else ("tokens",)
+    windows = [_windows(({f: d[f] for f in fields} for d in docs[r :: stream.rows].to_iter_dataset()),
+                        stream.seq_len) for r in rows]  # fmt: skip
+    yield from _packed(_across(windows), len(rows), stream.seq_len, fields)
     while True:
-        yield _Batch(len(rows), stream.seq_len).arrays()
+        yield _Batch(len(rows), stream.seq_len, fields).arrays()
 
 
-def _windows(documents: Iterator[np.ndarray], length: int) -> Iterator[list[tuple[np.ndarray, bool]]]:
-    """A row's documents one after another, cut into windows of `length`: each window as its pieces, (tokens,
-    whether the piece opens its document); the last window may be short."""
+def _windows(documents: Iterator[dict], length: int) -> Iterator[list[tuple[dict, bool]]]:
+    """A row's documents ({"tokens"}, and a conversation's "loss_mask") one after another, cut into windows of
+    `length`: each window as its pieces, (the piece's arrays, whether it opens its document); the last window
+    may be short."""
     window, used = [], 0
-    for tokens in documents:
-        start = 0
-        while start < len(tokens):
-            take = min(len(tokens) - start, length - used)
-            window.append((tokens[start : start + take], start == 0))
+    for doc in documents:
+        start, size = 0, len(doc["tokens"])
+        while start < size:
+            take = min(size - start, length - used)
+            window.append(({f: a[start : start + take] for f, a in doc.items()}, start == 0))
             used, start = used + take, start + take
             if used == length:
                 yield window
@@ -77,35 +84,40 @@ def _across(rows: list[Iterator[list]]) -> Iterator[tuple[np.ndarray, bool]]:
 class _Batch:
     """One process's rows of a batch, filled piece by piece."""
 
-    def __init__(self, rows: int, length: int):
-        self.tokens, self.segment_ids, self.positions = (np.zeros((rows, length), np.int32) for _ in range(3))
+    def __init__(self, rows: int, length: int, fields: tuple[str, ...] = ("tokens",)):
+        self.fields = {f: np.zeros((rows, length), np.int32) for f in fields}
+        self.segment_ids, self.positions = (np.zeros((rows, length), np.int32) for _ in range(2))
         self.used, self.segments, self.documents = np.zeros(rows, int), np.zeros(rows, int), np.zeros(rows, np.int32)
         self.length = length
 
-    def place(self, tokens: np.ndarray, opens: bool) -> bool:
+    def place(self, piece: dict, opens: bool) -> bool:
         """Put a piece in the first row with room for all of it; False if none has."""
-        room = np.flatnonzero(self.used + len(tokens) <= self.length)
+        size = len(piece["tokens"])
+        room = np.flatnonzero(self.used + size <= self.length)
         if not len(room):
             return False
         row, start = room[0], self.used[room[0]]
-        end = start + len(tokens)
+        end = start + size
         self.segments[row] += 1
-        self.tokens[row, start:end], self.segment_ids[row, start:end] = tokens, self.segments[row]
-        self.positions[row, start:end] = np.arange(len(tokens))
+        for f, values in piece.items():
+            self.fields[f][row, start:end] = values
+        self.segment_ids[row, start:end] = self.segments[row]
+        self.positions[row, start:end] = np.arange(size)
         self.used[row], self.documents[row] = end, self.documents[row] + opens
         return True
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {"tokens": self.tokens, "segment_ids": self.segment_ids, "positions": self.positions,
+        return {**self.fields, "segment_ids": self.segment_ids, "positions": self.positions,
                 "documents": self.documents}  # fmt: skip
 
 
-def _packed(pieces: Iterator[tuple[np.ndarray, bool]], rows: int, length: int) -> Iterator[dict[str, np.ndarray]]:
-    batch = _Batch(rows, length)
-    for tokens, opens in pieces:
-        if not batch.place(tokens, opens):
+def _packed(pieces: Iterator[tuple[dict, bool]], rows: int, length: int,
+            fields: tuple[str, ...]) -> Iterator[dict[str, np.ndarray]]:  # fmt: skip
+    batch = _Batch(rows, length, fields)
+    for piece, opens in pieces:
+        if not batch.place(piece, opens):
             yield batch.arrays()
-            batch = _Batch(rows, length)
-            batch.place(tokens, opens)
+            batch = _Batch(rows, length, fields)
+            batch.place(piece, opens)
     if batch.used.any():
         yield batch.arrays()

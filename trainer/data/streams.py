@@ -41,7 +41,7 @@ import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchDatasetIterator
 from jax.sharding import NamedSharding
 
-from trainer.data import readers
+from trainer.data import chat, readers
 from trainer.data.corpora import text_feature
 from trainer.data.mixture import parse_mixture
 from trainer.data.tokenizers import load_tokenizer
@@ -74,6 +74,11 @@ class Stream:
     validation_fraction: float = 0.02
     token_dtype: str = "uint16"
     eos_id: int = -1
+    # Post-training (trainer/data/chat.py): conversations rendered through `chat_template` ("" = the
+    # tokenizer's own), trained on the tokens `loss_on` picks; preference pairs packed whole (_PairWindows).
+    format: str = "text"
+    loss_on: str = "all"
+    chat_template: str = ""
 
     @classmethod
     def from_config(cls, cfg) -> Stream:
@@ -84,6 +89,7 @@ class Stream:
             seed=cfg.train.seed, rows=cfg.train.global_batch_size, vocab_size=cfg.model.vocab_size,
             mixture=parse_mixture(d.mixture), mixture_unit=d.mixture_unit, tokenized=d.tokenized,
             data_dir=d.data_dir, validation_fraction=d.validation_fraction, token_dtype=d.token_dtype, eos_id=d.eos_id,
+            format=d.format, loss_on=d.loss_on if d.format == "chat" else "all", chat_template=d.chat_template,
         )  # fmt: skip
 
     def sources(self) -> dict[str, Stream]:
@@ -98,7 +104,8 @@ class Stream:
         what it was made from and refuses a config that selects anything else (trainer/data/preparation/), so
         a glob spelt otherwise over the same files resumes; the tokenizer's file is held to the run's copy
         (trainer/storage/run_tokenizer.py). The mixture's unit only where there is a mixture."""
-        ignored = {"data_dir", "tokenized", "paths", "tokenizer_path"}
+        ignored = {"data_dir", "tokenized", "paths", "tokenizer_path", "chat_template"}
+        ignored |= {"format", "loss_on"} if self.format == "text" else set()  # runs from before they existed
         ignored |= {"text_key"} if self.source == "text_files" else set()
         ignored |= set() if self.mixture else {"mixture_unit"}
         kinds = {readers.kind(self, c) for c in ([n for n, _ in self.mixture] or [self.name])}
@@ -126,6 +133,8 @@ def documents(stream: Stream, split: str, shuffle: bool, endless: bool = True, t
         docs = docs.shuffle(seed=seed)
     if endless:
         docs = docs.repeat()  # repeat() reshuffles each epoch
+    if stream.format != "text":
+        return docs.map(_conversations(stream))
     if readers.holds_tokens(stream, stream.name):
         return docs.map(lambda example: _tagged(np.asarray(example["tokens"], np.int32), tag))
     tokenizer, key = load_tokenizer(stream), text_feature(stream)
@@ -135,6 +144,25 @@ def documents(stream: Stream, split: str, shuffle: bool, endless: bool = True, t
         return _tagged(np.concatenate([[tokenizer.bos_id], ids, [tokenizer.eos_id]]).astype(np.int32), tag)
 
     return docs.map(tokenize)
+
+
+def _conversations(stream: Stream):
+    """A prepared row -> its tokens and `loss_mask` (a conversation), or a preference pair's two sequences
+    and the masks of their replies."""
+    tokenizer = load_tokenizer(stream)
+    template = chat.template_for(stream, tokenizer) if not stream.tokenized else None
+
+    def encoded(example):
+        row = example if stream.tokenized else chat.encode(tokenizer, template, example["text"])
+        out = {"tokens": np.asarray(row["tokens"], np.int32),
+               "loss_mask": chat.loss_mask(np.asarray(row["turns"]), stream.loss_on)}  # fmt: skip
+        if stream.format == "preference":  # DPO scores the replies alone
+            out["loss_mask"] = chat.loss_mask(np.asarray(row["turns"]), "last_turn")
+            out["rejected"] = np.asarray(row["rejected"], np.int32)
+            out["rejected_mask"] = chat.loss_mask(np.asarray(row["rejected_turns"]), "last_turn")
+        return out
+
+    return encoded
 
 
 def _tagged(tokens: np.ndarray, tag: int | None) -> dict[str, np.ndarray]:
@@ -147,8 +175,9 @@ def _stack(rows) -> dict[str, np.ndarray]:
         "segment_ids": np.stack([r["tokens_segment_ids"] for r in rows]).astype(np.int32),
         "positions": np.stack([r["tokens_positions"] for r in rows]).astype(np.int32),
     }
-    if "source" in rows[0]:
-        batch["source"] = np.stack([r["source"] for r in rows])
+    for key in ("source", "loss_mask"):
+        if key in rows[0]:
+            batch[key] = np.stack([r[key] for r in rows]).astype(np.int32)
     return batch
 
 
@@ -159,6 +188,11 @@ def batches(stream: Stream, split: str, rows: Sequence[int], *, shuffle: bool) -
     A mixture's batches also hold `source` (the corpus of each token: its index in data.mixture).
     """
     length = {"tokens": stream.seq_len}
+    if stream.format == "preference":
+        docs = documents(stream, split, shuffle)
+        return _RowBatches({r: _PairWindows(docs[r :: stream.rows], stream.seq_len) for r in rows})
+    if stream.format == "chat":
+        length["loss_mask"] = stream.seq_len
     if not stream.mixture:
         docs = documents(stream, split, shuffle)
         row_docs = lambda r: docs[r :: stream.rows].to_iter_dataset()
@@ -235,6 +269,58 @@ def document_starts(local: dict[str, np.ndarray], bos_id: int | None) -> np.ndar
     if begins.shape[1] > 1:
         first &= local["segment_ids"][:, 1] == local["segment_ids"][:, 0]
     return np.concatenate([first[:, None], begins[:, 1:]], axis=1)
+
+
+class _PairWindows(grain.IterDataset):
+    """A row's preference pairs, whole, in windows of `seq_len`: each pair's prompt with the chosen reply is
+    segment 2k+1 and with the rejected one 2k+2, as many pairs as fit, in order; the rest is padding. A pair
+    longer than a window alone is cut to fit (each sequence keeps its start, the shorter whole if it fits
+    in half). The state is the next pair's index."""
+
+    def __init__(self, pairs: grain.MapDataset, seq_len: int):
+        super().__init__()
+        self._pairs, self._len = pairs, seq_len
+
+    def __iter__(self) -> _PairWindowsIterator:
+        return _PairWindowsIterator(self._pairs, self._len)
+
+
+class _PairWindowsIterator(grain.DatasetIterator):
+    def __init__(self, pairs: grain.MapDataset, seq_len: int):
+        super().__init__()
+        self._pairs, self._len, self._next = pairs, seq_len, 0
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        n = self._len
+        out = {k: np.zeros(n, np.int32) for k in ("tokens", "tokens_segment_ids", "tokens_positions", "loss_mask")}
+        at = segment = 0
+        while True:
+            pair = self._pairs[self._next]
+            sides = [(pair["tokens"], pair["loss_mask"]), (pair["rejected"], pair["rejected_mask"])]
+            lengths = [len(t) for t, _ in sides]
+            if sum(lengths) > n:  # alone in its window, cut
+                if segment:
+                    break
+                first = min(lengths[0], max(n // 2, n - lengths[1]))
+                lengths = [first, min(lengths[1], n - first)]
+            elif at + sum(lengths) > n:
+                break
+            for (tokens, mask), size in zip(sides, lengths, strict=True):
+                segment += 1
+                place = slice(at, at + size)
+                out["tokens"][place], out["loss_mask"][place] = tokens[:size], mask[:size]
+                out["tokens_segment_ids"][place], out["tokens_positions"][place] = segment, np.arange(size)
+                at += size
+            self._next += 1
+            if at == n:
+                break
+        return out
+
+    def get_state(self) -> dict:
+        return {"next": self._next}
+
+    def set_state(self, state: dict) -> None:
+        self._next = int(state["next"])
 
 
 class _RowBatches(grain.IterDataset):

@@ -39,6 +39,10 @@ class Tokenizer(Protocol):
     def token_bytes(self) -> np.ndarray:
         """UTF-8 bytes of text each id stands for (0 for special ids): the denominator of bits per byte."""
 
+    def encode_marked(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, the character offset each begins at) of a chat template's rendering, where the special
+        tokens spelt in the text are those tokens (trainer/data/chat.py)."""
+
 
 class ByteTokenizer:
     """UTF-8 bytes shifted past the three special ids: zero set-up, 259 symbols."""
@@ -57,6 +61,13 @@ class ByteTokenizer:
 
     def token_bytes(self) -> np.ndarray:
         return np.array([0] * self.offset + [1] * 256)
+
+    def encode_marked(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        return _marked(text, self._with_offsets)
+
+    def _with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        widths = [len(c.encode("utf-8")) for c in text]
+        return self.encode(text), np.repeat(np.arange(len(text)), widths)
 
 
 class SentencePieceTokenizer:
@@ -86,6 +97,15 @@ class SentencePieceTokenizer:
             else:
                 sizes.append(len(piece.replace("\u2581", " ").encode("utf-8")))
         return np.array(sizes)
+
+    def encode_marked(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        return _marked(text, self._with_offsets)
+
+    def _with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        pieces = self._sp.encode(text, out_type="immutable_proto").pieces
+        char_of_byte = np.repeat(np.arange(len(text) + 1), [len(c.encode("utf-8")) for c in text] + [1])
+        ids = np.asarray([p.id for p in pieces], np.int32)
+        return ids, char_of_byte[np.minimum([p.begin for p in pieces], len(char_of_byte) - 1)].astype(np.int64)
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, path: str) -> None:
@@ -178,8 +198,35 @@ class HuggingFaceTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
+    def encode_marked(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        found = self._tok.encode(text, add_special_tokens=False)
+        return np.asarray(found.ids, np.int32), np.asarray([start for start, _ in found.offsets], np.int64)
+
+    def piece(self, i: int) -> str:
+        return self._tok.id_to_token(i)
+
     def token_bytes(self) -> np.ndarray:
         return self._bytes
+
+
+def _marked(text: str, encode) -> tuple[np.ndarray, np.ndarray]:
+    """Ours: the text between the marks encoded piece by piece (as transformers encodes the export's), each
+    mark its id (chat.MARKS)."""
+    from trainer.data.chat import MARKS
+
+    ids, starts, at = [], [], 0
+    for part in re.split(f"({'|'.join(map(re.escape, MARKS))})", text):
+        if part in MARKS:
+            ids.append(np.array([MARKS[part]], np.int32))
+            starts.append(np.array([at]))
+        elif part:
+            piece_ids, piece_starts = encode(part)
+            ids.append(piece_ids.astype(np.int32))
+            starts.append(np.asarray(piece_starts, np.int64) + at)
+        at += len(part)
+    if not ids:
+        return np.zeros(0, np.int32), np.zeros(0, np.int64)
+    return np.concatenate(ids), np.concatenate(starts)
 
 
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # byte fallback pieces (Llama 2, Mistral)
@@ -244,11 +291,23 @@ def digest(data_cfg) -> str:
 
 
 def made_with(data_cfg) -> dict:
-    """What a tokenised cache records of its tokenizer: its kind, where it was read from, its digest."""
+    """What a tokenised cache records of its tokenizer: its kind, where it was read from, its digest; for
+    conversations also their data.format and the digest of the chat template they were rendered with."""
     path = "" if data_cfg.tokenizer == "byte" else str(_path(data_cfg.tokenizer_path))
-    return {"tokenizer": data_cfg.tokenizer, "tokenizer_path": path, "sha256": digest(data_cfg)}
+    record = {"tokenizer": data_cfg.tokenizer, "tokenizer_path": path, "sha256": digest(data_cfg)}
+    format = getattr(data_cfg, "format", "text")
+    if format != "text":
+        import hashlib
+
+        from trainer.data.chat import template_for
+
+        source = template_for(data_cfg, load_tokenizer(data_cfg)).source
+        record.update(format=format, chat_template=hashlib.sha256(source.encode()).hexdigest())
+    return record
 
 
 def same_tokenizer(a: dict, b: dict) -> bool:
-    """Whether two made_with records name the same tokenizer: the path is where it was, not what it is."""
-    return (a["tokenizer"], a["sha256"]) == (b["tokenizer"], b["sha256"])
+    """Whether two made_with records name the same tokenizer (and, for conversations, template): the path is
+    where it was, not what it is."""
+    keys = ("tokenizer", "sha256", "format", "chat_template")
+    return [a.get(k) for k in keys] == [b.get(k) for k in keys]

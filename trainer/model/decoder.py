@@ -27,7 +27,7 @@ from parallelism import pipeline
 from parallelism.rules import LogicalSharding
 from trainer.model.context import ways, zigzag
 from trainer.model.layers import RESIDUAL, Block, RMSNorm, param, rope_tables
-from trainer.model.loss import chunked_loss_sums, target_weights
+from trainer.model.loss import chunked_loss_sums, chunked_target_logprobs, target_weights
 from trainer.model.spec import LAYERS, REMAT, Architecture, ModelSpec
 
 NO_SHARDING = LogicalSharding.create(None)
@@ -65,15 +65,27 @@ class Decoder(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         return self.logits(self.features(tokens, positions, segment_ids))
 
-    def loss_sums(self, tokens, positions, segment_ids):
+    def loss_sums(self, tokens, positions, segment_ids, loss_mask=None):
         """Next-token (cross-entropy sum, token count, log(Z)^2 sum, largest |logit|; see loss.py), and the MoE
-        layers' statistics ({} without experts; each (moe layers, ...), see moe.py)."""
-        targets, weights = target_weights(tokens, segment_ids)
+        layers' statistics ({} without experts; each (moe layers, ...), see moe.py). `loss_mask`: the tokens
+        trained on (post-training), all where None."""
+        targets, weights = target_weights(tokens, segment_ids, loss_mask)
         order = self._order(tokens.shape[1])
         if order is not None:  # each position's loss is its own: taken in the layers' order, nothing moves back
             targets, weights = targets[:, order], weights[:, order]
         features, stats = self._through_layers(tokens, positions, segment_ids)
         return (*chunked_loss_sums(self.logits, features, targets, weights, self.execution.loss_chunk), stats)
+
+    def target_logprobs(self, tokens, positions, segment_ids):
+        """(each position's log-probability of the next token, (batch, seq) fp32, in the sequence's order; the
+        MoE layers' statistics)."""
+        targets = target_weights(tokens, segment_ids)[0]
+        order = self._order(tokens.shape[1])
+        features, stats = self._through_layers(tokens, positions, segment_ids)
+        if order is not None:
+            targets = targets[:, order]
+        out = chunked_target_logprobs(self.logits, features, targets, self.execution.loss_chunk)
+        return (out if order is None else out[:, np.argsort(order)]), stats
 
     def features(self, tokens, positions, segment_ids) -> jax.Array:
         """The final-normed residual stream (batch, seq, d_model), through the layers as the execution says."""

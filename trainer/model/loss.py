@@ -6,18 +6,21 @@ import jax
 import jax.numpy as jnp
 
 
-def target_weights(tokens: jax.Array, segment_ids: jax.Array | None):
+def target_weights(tokens: jax.Array, segment_ids: jax.Array | None, loss_mask: jax.Array | None = None):
     """Targets (the next token) and 0/1 weights, both (batch, seq).
 
     Position t predicts token t+1 only when both sit in the same document
-    (segment id > 0, 0 being padding); the last position has no target.
-    Shapes stay (batch, seq) so the sequence axis can be sharded like any other.
+    (segment id > 0, 0 being padding) and, given a `loss_mask` (post-training:
+    1 on the tokens trained on), when token t+1 is one; the last position has no
+    target. Shapes stay (batch, seq) so the sequence axis can be sharded like any other.
     """
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     if segment_ids is None:
         valid = jnp.ones_like(tokens, bool)
     else:
         valid = jnp.pad((segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0), ((0, 0), (0, 1)))
+    if loss_mask is not None:
+        valid &= jnp.pad(loss_mask[:, 1:] > 0, ((0, 0), (0, 1)))
     valid = valid.at[:, -1].set(False)
     return targets, valid.astype(jnp.float32)
 
@@ -67,3 +70,23 @@ def chunked_loss_sums(logits_fn, features: jax.Array, targets: jax.Array, weight
         body, (zero, zero, zero), (split(features), split(targets), split(weights))
     )
     return ce, jnp.sum(weights), log_z_sq, largest
+
+
+def chunked_target_logprobs(logits_fn, features: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
+    """Each position's fp32 log-probability of its target, (batch, seq): what DPO sums over a reply. With
+    0 < `chunk` < seq made `chunk` positions at a time, each chunk's logits recomputed in the backward pass
+    (see chunked_loss_sums)."""
+
+    def logprobs(x, t):
+        logits = logits_fn(x).astype(jnp.float32)
+        return jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(logits, axis=-1)
+
+    seq = targets.shape[1]
+    if not 0 < chunk < seq:
+        return logprobs(features, targets)
+
+    def split(a):
+        return a.reshape(a.shape[0], seq // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)
+
+    out = jax.lax.map(lambda inputs: jax.checkpoint(logprobs)(*inputs), (split(features), split(targets)))
+    return out.swapaxes(0, 1).reshape(targets.shape)

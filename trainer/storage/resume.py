@@ -227,6 +227,22 @@ def load_init_params(cfg, setup) -> tuple[dict, str, int]:
         ckpt.close()
 
 
+def load_reference(cfg, setup, workdir: str, init: tuple | None) -> tuple[dict, str]:
+    """DPO's reference: (the weights it started from, placed as the parameters are, as 'DIR@STEP').
+
+    A new run's are a copy of its starting weights (`init`, which training then changes); a resumed run's
+    are read again from the checkpoint its config.json pinned at its start, whatever init_from says now,
+    so the reference never moves."""
+    if init is not None:
+        params, path, step = init
+        return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params), f"{path}@{step}"
+    saved = saved_config(workdir)
+    pinned = saved.checkpoint.init_from if saved is not None and saved.checkpoint.init_from else None
+    params, path, step = load_init_params(with_changes(cfg, {"checkpoint.init_from": pinned}) if pinned else cfg,
+                                          setup)  # fmt: skip
+    return params, f"{path}@{step}"
+
+
 def load_params(cfg, workdir: str, step: int | None = None, devices=None) -> tuple[Setup, int, dict]:
     """(setup, step, params) of the newest checkpoint in `workdir`, or the one at `step`, for evaluation,
     generation and export: parameters only, straight into the shardings of the mesh the config asks for,

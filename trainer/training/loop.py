@@ -44,15 +44,15 @@ from trainer.training.profiling import StepProfiler
 from trainer.training.rollback import roll_back
 from trainer.training.setup import Setup
 from trainer.training.state import state_from_params
-from trainer.training.step import abstract_batch, memory_per_device
+from trainer.training.step import memory_per_device
 
 
 def train(cfg, workdir: str) -> dict:
     """Train, or resume from the newest readable checkpoint in `workdir`; returns the last logged values."""
     account = Goodput()  # the launch's clock starts here: its checks and start-up are timed too
     compile_cache.use(compile_cache.place(cfg.train.compile_cache, workdir))
-    setup, init = preflight.prepare_run(cfg, workdir)
-    run = Run(setup.cfg, workdir, setup, init, account)
+    setup, init, inputs = preflight.prepare_run(cfg, workdir)
+    run = Run(setup.cfg, workdir, setup, init, account, inputs)
     try:
         if run.finished():
             run.say(f"already trained to step {run.step}; raise train.steps to go on")
@@ -91,13 +91,15 @@ def train(cfg, workdir: str) -> dict:
 class Run:
     """One training run's moving parts, so that train() reads as the loop it is."""
 
-    def __init__(self, cfg, workdir: str, setup: Setup, init: tuple | None = None, account: Goodput | None = None):
+    def __init__(self, cfg, workdir: str, setup: Setup, init: tuple | None = None, account: Goodput | None = None,
+                 inputs: tuple = ()):  # fmt: skip
         """Everything it opens (threads, worker processes, the checkpoint manager, the bucket copier) is
         closed again if a later part of the start-up fails: a long-lived process (the scaling sweep trains
         many runs in one) keeps nothing of a run that did not start."""
         self.ckpt = self.local = self.data = self.row_batches = self.workers = None
         self.files = self.writer = self.profiler = self.hang = None
         self.goodput = account or Goodput()
+        self.inputs = inputs  # the step's inputs after the batch (DPO's reference weights)
         try:
             self._open(cfg, workdir, setup, init)
         except BaseException:
@@ -136,7 +138,7 @@ class Run:
         self.reset_optimizer, self.reset_label = False, resume.reset_label(cfg.checkpoint.reset_optimizer)
         if found:
             self.state, self.reset_optimizer, self.reset_label, data = found[1]
-            if cfg.checkpoint.init_from:
+            if cfg.checkpoint.init_from and not setup.preference:  # DPO's reference stays its starting weights
                 self.say(f"checkpoint.init_from ignored: {workdir} holds checkpoints of its own; resuming them")
         elif init is not None:
             params, source, step = init
@@ -165,7 +167,7 @@ class Run:
         self.profiler = StepProfiler(t.profile_steps, self.files, workdir)
         self.flops_per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len)
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
-        self.evaluator = Evaluator(setup, self.rows) if t.eval_every else None
+        self.evaluator = Evaluator(setup, self.rows, self.inputs) if t.eval_every else None
         self.samples = samples.Samples(setup, load_tokenizer(cfg.data)) if t.sample_prompts else None
         tokens = load_tokenizer(cfg.data) if t.harness_tasks else None
         self.harness = harness.load().InLoop(setup, tokens, workdir, self.hang) if t.harness_tasks else None
@@ -233,12 +235,13 @@ class Run:
     def _step_fn(self, size: int):
         """The train step compiled ahead of time for a batch of `size` sequences (a ramp uses a few sizes)."""
         if size not in self.compiled:
-            s, batch = self.setup, abstract_batch(size, self.cfg.data.seq_len, self.setup.batch_sharding)
+            s, batch = self.setup, self.setup.abstract_batch(size)
             cache = compile_cache.in_use()
             hits = cache.hits if cache else 0
             with self.hang.suspended(), self.goodput.phase("compile"):  # no hang: a batch-size ramp's new size
                 start = time.perf_counter()
-                self.compiled[size] = s.train_step(size // self.micro).lower(self.abstract, batch).compile()
+                lowered = s.train_step(size // self.micro).lower(self.abstract, batch, *s.step_inputs())
+                self.compiled[size] = lowered.compile()
                 seconds = time.perf_counter() - start
             used = memory_per_device(self.compiled[size], s.mesh.devices.flat[0].platform)["total"]
             kept = " (loaded from the compile cache)" if cache and cache.hits > hits else ""
@@ -259,7 +262,7 @@ class Run:
                                                          self.bos_id)  # fmt: skip
         batch = streams.to_global(local, self.setup.batch_sharding, size)
         self.profiler.before(self.step + 1)
-        self.state, metrics = self._step_fn(size)(self.state, batch)
+        self.state, metrics = self._step_fn(size)(self.state, batch, *self.inputs)
         self.step, self.trained, self.data_read = self.step + 1, self.trained + size, self.data_read + size
         traced = self.profiler.after(self.step, metrics)
         if traced:
@@ -352,9 +355,12 @@ class Run:
         if evaluate:
             self.goodput.enter("eval")
             result = self.evaluator(self.state.params, self.hang.progress)
-            self.last.update(result, eval_covers=self.evaluator.covers(result))
+            self.last.update(result, eval_covers=self.evaluator.covers(result) if "eval_tokens" in result else "")
             line = (f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f}; "
-                    f"{self.evaluator.covers(result)})")  # fmt: skip
+                    f"{self.evaluator.covers(result)})") if "unigram_loss" in result else (
+                    f"step {step:>6}  eval DPO loss {result['eval_loss']:.4f}  reward accuracy "
+                    f"{result['eval_dpo/accuracy']:.3f}  margin {result['eval_dpo/margins']:.3f} "
+                    f"({int(result['eval_pairs'])} held-out pairs)")  # fmt: skip
             self.writer.write(step, result, console=line)
             if self.samples is not None:
                 with self.hang.suspended() if not self.sampled else contextlib.nullcontext():  # the first compiles

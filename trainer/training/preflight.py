@@ -9,6 +9,7 @@ import jax
 
 from parallelism.distributed import barrier
 from trainer import harness, samples
+from trainer.config import with_changes
 from trainer.data import corpora
 from trainer.data.tokenizers import load_tokenizer
 from trainer.storage import local_tier, resume, run_tokenizer
@@ -18,11 +19,12 @@ from trainer.training.setup import Setup, build
 from trainer.validation import unread_settings
 
 
-def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
+def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple]:
     """Every check that can fail, before anything is compiled; the workdir is created last.
 
-    Returns the setup (whose config reads the run's copy of its tokenizer, trainer/storage/run_tokenizer.py)
-    and, for a new run with `checkpoint.init_from`, the weights to start from.
+    Returns the setup (whose config reads the run's copy of its tokenizer, trainer/storage/run_tokenizer.py),
+    for a new run with `checkpoint.init_from` the weights to start from, and the train step's inputs after
+    the batch (DPO's reference weights; its config then pins init_from to DIR@STEP).
     """
     setup = build(cfg)
     primary = jax.process_index() == 0
@@ -44,13 +46,16 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
         barrier("dataset prepared")
         splits = [cfg.data.train_split] + ([cfg.data.eval_split] if cfg.train.eval_every else [])
         corpora.check_every_host_reads_it(cfg.data, splits)
-    init = None
+    init, inputs = None, ()
     if wd.saved_steps(workdir):
         resume.check_resume(workdir, cfg, setup)
     else:
         check_fresh_start(workdir, cfg)
         if cfg.checkpoint.init_from:
             init = resume.load_init_params(cfg, setup)
+    if setup.preference:
+        reference, pinned = resume.load_reference(cfg, setup, workdir, init)
+        inputs, cfg = (reference,), with_changes(cfg, {"checkpoint.init_from": pinned})
     if cfg.checkpoint.local_dir:  # before the workdir is made: a refusal leaves it as it was
         local_tier.check_writable(cfg.checkpoint.local_dir, workdir)
     wd.check_writable(workdir)
@@ -60,7 +65,7 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None]:
     if primary:
         run_tokenizer.store(cfg, workdir)
     barrier("tokenizer stored")
-    return dataclasses.replace(setup, cfg=run_tokenizer.use_copy(cfg, workdir)), init
+    return dataclasses.replace(setup, cfg=run_tokenizer.use_copy(cfg, workdir)), init, inputs
 
 
 def _quiet(*_args, **_kwargs) -> None:

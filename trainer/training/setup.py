@@ -22,12 +22,14 @@ from trainer.model.spec import ModelSpec, for_inference
 from trainer.optim.optimizer import make_optimizer
 from trainer.training.state import (
     TrainState,
+    abstract_params,
     abstract_train_state,
     create_train_state,
     initial_counters,
+    param_shardings,
     state_shardings,
 )
-from trainer.training.step import BATCH_NAMES, jit_train_step, make_train_step
+from trainer.training.step import BATCH_NAMES, abstract_batch, batch_keys, jit_train_step, make_train_step
 from trainer.validation import check_mesh_fit, check_weights_fit, validate
 
 
@@ -56,10 +58,26 @@ class Setup:
         return abstract_train_state(self.model, self.tx, self.shard, self.counters)
 
     def train_step(self, microbatches: int | None = None):
-        """The jitted step over `microbatches` (default train.grad_accum_steps) microbatches."""
+        """The jitted step over `microbatches` (default train.grad_accum_steps) microbatches; it takes the
+        state, the batch and `step_inputs()`."""
         k = microbatches or self.cfg.train.grad_accum_steps
+        reference = param_shardings(self.model, self.shard) if self.preference else None
         return jit_train_step(make_train_step(self.model, self.tx, self.shard, self.cfg, k), self.state_shardings,
-                              self.shard)  # fmt: skip
+                              self.shard, batch_keys(self.cfg), reference)  # fmt: skip
+
+    @property
+    def preference(self) -> bool:
+        return self.cfg.data.format == "preference"
+
+    def step_inputs(self) -> tuple:
+        """The train step's inputs after the batch, as shapes and shardings: DPO's reference parameters, or
+        none."""
+        return (abstract_params(self.model, self.shard),) if self.preference else ()
+
+    def abstract_batch(self, size: int | None = None) -> dict:
+        """A batch of `size` (default train.global_batch_size) sequences, as shapes and shardings."""
+        size = size or self.cfg.train.global_batch_size
+        return abstract_batch(size, self.cfg.data.seq_len, self.batch_sharding, batch_keys(self.cfg))
 
 
 def build(cfg, devices: list[jax.Device] | None = None) -> Setup:

@@ -35,7 +35,7 @@ from trainer.model.decoder import ModelDef
 from trainer.model.moe import empty_statistics
 from trainer.optim.optimizer import applied_learning_rate, with_hyperparams
 from trainer.optim.schedules import make_schedule
-from trainer.training import clock, stability
+from trainer.training import clock, dpo, stability
 from trainer.training.precision import LossScaling
 from trainer.training.state import TrainState, param_shardings
 
@@ -43,20 +43,27 @@ BATCH_KEYS = ("tokens", "segment_ids", "positions")
 BATCH_NAMES = ("batch", "seq")
 
 
+def batch_keys(cfg) -> tuple[str, ...]:
+    """What a batch holds: post-training's also say which tokens are trained on (trainer/data/chat.py)."""
+    return BATCH_KEYS + ("loss_mask",) * (cfg.data.format != "text")
+
+
 def _sums(model: ModelDef, params, batch, z_loss: float, moe=None):
-    """(objective sum, (cross-entropy sum, target token count, largest |logit|, MoE statistics)) over the batch.
+    """(objective sum, (cross-entropy sum, target token count, largest |logit|, MoE statistics, {})) over the
+    batch (the empty dict: DPO's metric sums, trainer/training/dpo.py).
 
     The MoE layers' auxiliary losses (means over the batch's positions, summed over layers) enter the sum
     times the batch's positions, so that the step's division by them leaves `aux_loss` x balance and
     `z_loss` x the router's log(Z)^2 beside the mean cross-entropy."""
     ce, count, log_z_sq, largest, stats = model.apply(
-        params, batch["tokens"], batch["positions"], batch["segment_ids"], method="loss_sums"
-    )
+        params, batch["tokens"], batch["positions"], batch["segment_ids"], batch.get("loss_mask"),
+        method="loss_sums",
+    )  # fmt: skip
     objective = ce + z_loss * log_z_sq
     if stats and moe is not None:
         aux = moe.aux_loss * jnp.sum(stats["balance_loss"]) + moe.z_loss * jnp.sum(stats["router_z"])
         objective = objective + batch["tokens"].size * aux
-    return objective, (ce, count, largest, stats)
+    return objective, (ce, count, largest, stats, {})
 
 
 def split_microbatches(batch: dict, k: int, shard: LogicalSharding) -> dict:
@@ -112,22 +119,30 @@ def _balance_router(params: dict, load: jax.Array, rate: float) -> dict:
 
 def make_train_step(
     model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, cfg, microbatches: int
-) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+) -> Callable[..., tuple[TrainState, dict]]:
+    """(state, batch) -> (state, metrics); under DPO (data.format=preference) (state, batch, reference
+    parameters) -> (state, metrics)."""
     k = microbatches
     scaling = LossScaling.from_config(cfg)
     schedule = make_schedule(cfg.optim, cfg.train.steps)
     batch_size = cfg.train.global_batch_size  # sequences in one full batch: the schedule's unit
     z_loss, weight_decay, moe = cfg.optim.z_loss, cfg.optim.weight_decay, cfg.model.moe
     no_stats = empty_statistics(model.arch)
+    preference = cfg.data.format == "preference"
+    no_extra = {f"dpo/{m}": 0.0 for m in dpo.METRICS} if preference else {}
 
-    def scaled(params, batch, factor):
-        objective, aux = _sums(model, params, batch, z_loss, moe)
+    def scaled(params, batch, factor, reference):
+        if preference:
+            objective, aux = dpo.sums(model, params, reference, batch, cfg.dpo)
+            aux = (*aux[:4], {f"dpo/{m}": v for m, v in aux[4].items()})
+        else:
+            objective, aux = _sums(model, params, batch, z_loss, moe)
         return objective * factor, aux
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
     grad_shardings = param_shardings(model, shard) if shard.mesh is not None else None
 
-    def train_step(state: TrainState, batch: dict):
+    def train_step(state: TrainState, batch: dict, reference: dict | None = None):
         stats, counts = state.stability, state.clock
         rows, positions = batch["tokens"].shape[0], batch["tokens"].size
         loss_multiplier, lr_multiplier = stability.drill_multipliers(cfg, counts["data_read"], rows)
@@ -139,18 +154,18 @@ def make_train_step(
         factor = scale * loss_multiplier / positions
 
         def micro_step(micro):
-            (_, (ce, count, largest, moe_stats)), grads = grad_fn(state.params, micro, factor)
-            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), ce, count, largest, moe_stats
+            (_, (ce, count, largest, moe_stats, extra)), grads = grad_fn(state.params, micro, factor, reference)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), ce, count, largest, moe_stats, extra
 
         def combine(total, new):
             return (_add(total[0], new[0]), total[1] + new[1], total[2] + new[2], jnp.maximum(total[3], new[3]),
-                    _add(total[4], new[4]))  # fmt: skip
+                    _add(total[4], new[4]), _add(total[5], new[5]))  # fmt: skip
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
         if grad_shardings is not None:
             zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
-        grads, ce, count, max_logit, moe_stats = _over_microbatches(
-            micro_step, batch, k, shard, (zeros, 0.0, 0.0, 0.0, no_stats), combine
+        grads, ce, count, max_logit, moe_stats, extra = _over_microbatches(
+            micro_step, batch, k, shard, (zeros, 0.0, 0.0, 0.0, no_stats, no_extra), combine
         )
         moe_stats = jax.tree.map(lambda s: s / k, moe_stats)  # each microbatch's are means over its positions
         count = jnp.maximum(count, 1.0)
@@ -194,7 +209,8 @@ def make_train_step(
             "sequences_batches": counts["sequences"]["batches"],
             "sequences_rows": counts["sequences"]["rows"],
             "loss_scale": loss_scale["scale"],
-            "target_tokens": count,
+            "target_tokens": count,  # the tokens trained on (post-training: those loss_mask keeps); DPO: pairs
+            **{name: total / count for name, total in extra.items()},  # DPO's figures, means over the pairs
         }
         metrics.update(_moe_metrics(moe_stats))
         if cfg.train.layer_grad_norms:
@@ -207,7 +223,8 @@ def make_train_step(
 
 
 def make_eval_step(model: ModelDef, shard: LogicalSharding, microbatches: int) -> Callable[[dict, dict], tuple]:
-    """(params, batch) -> (sum of token losses, token count), over the batch's microbatches."""
+    """(params, batch) -> (sum of token losses, token count), over the batch's microbatches (the tokens
+    trained on, where the batch says which)."""
 
     def eval_step(params, batch):
         def micro_sums(micro):
@@ -218,25 +235,26 @@ def make_eval_step(model: ModelDef, shard: LogicalSharding, microbatches: int) -
     return eval_step
 
 
-def jit_train_step(step_fn, state_shardings: TrainState, shard: LogicalSharding):
-    """Explicit in/out shardings; the old state is donated so its buffers are reused."""
-    batch = {k: shard.named(BATCH_NAMES) for k in BATCH_KEYS}
+def jit_train_step(step_fn, state_shardings: TrainState, shard: LogicalSharding, keys=BATCH_KEYS, reference=None):
+    """Explicit in/out shardings; the old state is donated so its buffers are reused. `reference`: DPO's
+    reference parameters' shardings (a third argument, never donated)."""
+    batch = {k: shard.named(BATCH_NAMES) for k in keys}
     return jax.jit(
         step_fn,
-        in_shardings=(state_shardings, batch),
+        in_shardings=(state_shardings, batch) + ((reference,) if reference is not None else ()),
         out_shardings=(state_shardings, shard.replicated()),
         donate_argnums=0,
     )
 
 
-def jit_eval_step(eval_fn, state_shardings: TrainState, shard: LogicalSharding):
-    batch = {k: shard.named(BATCH_NAMES) for k in BATCH_KEYS}
+def jit_eval_step(eval_fn, state_shardings: TrainState, shard: LogicalSharding, keys=BATCH_KEYS):
+    batch = {k: shard.named(BATCH_NAMES) for k in keys}
     return jax.jit(eval_fn, in_shardings=(state_shardings.params, batch), out_shardings=shard.replicated())
 
 
-def abstract_batch(global_batch: int, seq_len: int, sharding) -> dict:
+def abstract_batch(global_batch: int, seq_len: int, sharding, keys=BATCH_KEYS) -> dict:
     """The batch's shapes and placement, for compiling ahead of the first real batch."""
-    return {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sharding) for k in BATCH_KEYS}
+    return {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sharding) for k in keys}
 
 
 def memory_per_device(compiled, platform: str, heap: int | None = None) -> dict[str, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from trainer.data import chat
 from trainer.data.preparation import inputs, pipeline, publishing, shards, split
 from trainer.data.preparation.progress import Progress
 from trainer.data.tokenizers import load_tokenizer, made_with
@@ -38,7 +39,7 @@ def prepare(data_cfg, data_dir: str, *, workers: int = 1, beam_options: str = ""
         raise ConfigError(f"data.paths={d.paths!r} matches no files; give globs such as 'corpus/**/*.txt'.")
     dirs = {name: shards.version_dir(data_dir, name) for name in (d.name, d.name + shards.TOKENS_SUFFIX)}
     rule = split.settled_rule(list(dirs.values()), d.validation_fraction)
-    record = split.made_from(files, d.text_key, rule)
+    record = split.made_from(files, d.text_key if d.format == "text" else chat.fields(d.format), rule)
     tokenizer = (load_tokenizer(d), made_with(d)) if d.tokenized else None
     arguments = None if workers <= 1 and not beam_options else pipeline.beam_arguments(workers, beam_options)
     with publishing.one_builder(data_dir, d.name, say):
@@ -51,7 +52,7 @@ def prepare(data_cfg, data_dir: str, *, workers: int = 1, beam_options: str = ""
         if not missing:
             return
         for f in files:
-            inputs.check_text_key(f.path, d.text_key)
+            inputs.check_text_key(f.path, d.text_key, d.format)
         runner = pipeline.runner_name(arguments) if arguments is not None else "this process"
         if arguments is not None:
             pipeline.check_runner(runner)
@@ -77,9 +78,11 @@ def _build(d, data_dir, files, rule, record, tokenizer, missing, dirs, arguments
     units = pipeline.units_of(files)
     with publishing.staging(data_dir, d.name, remote_runner) as staging:
         tokenizing = any(name.endswith(shards.TOKENS_SUFFIX) for name in missing)
-        plan = pipeline.Plan(text_key=d.text_key, rule=rule, tokenizer=(d.tokenizer, d.tokenizer_path) if tokenizing
-                             else None, targets=tuple((name, f"{staging}/{name}") for name in missing),
-                             units=len(units), reports=f"{staging}/reports")  # fmt: skip
+        # Conversations are rendered as they are prepared, so a row the template cannot render is named now.
+        rendering = tokenizing or d.format != "text"
+        plan = pipeline.Plan(text_key=d.text_key, rule=rule, targets=tuple((name, f"{staging}/{name}") for name in missing),
+                             tokenizer=(d.tokenizer, d.tokenizer_path, d.chat_template) if rendering else None,
+                             units=len(units), reports=f"{staging}/reports", format=d.format, loss_on=d.loss_on)  # fmt: skip
         total = sum(u.size for u in units)
         what = " and its tokenised store" if len(missing) > 1 else " (its tokenised store)" * tokenizing
         say(

@@ -20,6 +20,7 @@ import os
 import sysconfig
 from collections.abc import Iterator
 
+from trainer.data.chat import row_text
 from trainer.errors import ConfigError
 
 JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
@@ -71,11 +72,18 @@ def list_files(patterns: list[str]) -> list[InputFile]:
     return [InputFile(p, os.path.relpath(p, root_of[p]), os.path.relpath(p, common), os.path.getsize(p)) for p in paths]
 
 
-def documents(file: InputFile, text_key: str) -> Iterator[tuple[int | None, str, int]]:
+def documents(file: InputFile, text_key: str, format: str = "text",
+              loss_on: str = "all") -> Iterator[tuple[int | None, str, int]]:  # fmt: skip
     """(index, text, input bytes read so far) of each document of `file`, in order: its row or line (None
-    for a file that is one document); blank JSON lines are skipped and keep their index."""
+    for a file that is one document); blank JSON lines are skipped and keep their index. A row of a chat or
+    preference corpus (data.format) is its canonical JSON (trainer/data/chat.py), checked."""
     path = file.path
-    if path.endswith(".parquet"):
+    if format != "text":
+        rows = _rows(file)
+        for i, row, read in rows:
+            yield i, row_text(row, format, loss_on, f"row {i + 1} of {path}" if path.endswith(".parquet")
+                              else f"line {i + 1} of {path}"), read  # fmt: skip
+    elif path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
         table = pq.ParquetFile(path)
@@ -93,6 +101,31 @@ def documents(file: InputFile, text_key: str) -> Iterator[tuple[int | None, str,
     else:
         with open(path, "rb") as f:
             yield None, f.read().decode("utf-8", errors="replace"), file.size
+
+
+def _rows(file: InputFile) -> Iterator[tuple[int, object, int]]:
+    """(index, the row as Python objects, input bytes read so far) of each row of a .parquet or JSON-lines
+    file; a line that is not JSON is named."""
+    path = file.path
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        table = pq.ParquetFile(path)
+        count, i = max(table.metadata.num_rows, 1), 0
+        for batch in table.iter_batches(batch_size=PARQUET_ROWS):
+            for row in batch.to_pylist():
+                yield i, row, file.size * (i + 1) // count
+                i += 1
+        return
+    raw, lines = _opened(path)
+    with raw, lines:
+        for i, line in enumerate(lines):
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"line {i + 1} of {path} is not JSON ({e}); fix or remove that line.") from e
+                yield i, row, raw.tell()
 
 
 def _opened(path: str):
@@ -123,9 +156,15 @@ def _field(line: str, key: str, path: str, number: int) -> str:
         ) from e
 
 
-def check_text_key(path: str, key: str) -> None:
+def check_text_key(path: str, key: str, format: str = "text") -> None:
     """Refuse a file that lacks the text field (by its schema, or its first JSON line), before anything is
-    written."""
+    written; a chat or preference corpus is made of rows."""
+    if format != "text":
+        if not path.endswith((".parquet", *JSON_LINES)):
+            raise ConfigError(
+                f"{path} is not .jsonl or .parquet; a {format} corpus (data.format) is made of rows of those."
+            )
+        return
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 

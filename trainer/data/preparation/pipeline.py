@@ -27,6 +27,7 @@ import types
 import numpy as np
 
 from trainer.accelerators import stderr_held_back
+from trainer.data import chat
 from trainer.data.preparation.inputs import InputFile, documents
 from trainer.data.preparation.shards import SPLITS, TOKENS_SUFFIX, ShardWriter
 from trainer.data.preparation.split import is_validation, relative
@@ -55,9 +56,11 @@ class Plan:
     text_key: str
     rule: dict
     targets: tuple[tuple[str, str], ...]  # (dataset config name, the directory its shards are written to)
-    tokenizer: tuple[str, str] | None
+    tokenizer: tuple[str, str, str] | None  # (kind, path, data.chat_template)
     units: int
     reports: str
+    format: str = "text"  # data.format: rows of conversations are checked, and rendered for the store
+    loss_on: str = "all"
 
 
 def units_of(files: list[InputFile], unit_bytes: int | None = None) -> list[Unit]:
@@ -80,25 +83,35 @@ def units_of(files: list[InputFile], unit_bytes: int | None = None) -> list[Unit
 
 
 @functools.cache
-def _tokenizer(kind: str, path: str):
+def _tokenizer(kind: str, path: str, chat_template: str, format: str):
+    """(tokenizer, chat template or None for plain text) of the store, loaded once per process."""
+    from trainer.data.chat import template_for
     from trainer.data.tokenizers import load_tokenizer
 
-    return load_tokenizer(types.SimpleNamespace(tokenizer=kind, tokenizer_path=path))
+    cfg = types.SimpleNamespace(tokenizer=kind, tokenizer_path=path, chat_template=chat_template)
+    tokenizer = load_tokenizer(cfg)
+    return tokenizer, template_for(cfg, tokenizer) if format != "text" else None
 
 
 def prepare_unit(unit: Unit, plan: Plan) -> None:
     """Write `unit`'s shards of every split of every target, and its report."""
-    tokenizer = _tokenizer(*plan.tokenizer) if plan.tokenizer else None
-    writers = {(name, split): ShardWriter(name, directory, split, unit.index, plan.units)
+    tokenizer, template = _tokenizer(*plan.tokenizer, plan.format) if plan.tokenizer else (None, None)
+    writers = {(name, split): ShardWriter(name, directory, split, unit.index, plan.units, plan.format)
                for name, directory in plan.targets for split in SPLITS}  # fmt: skip
     report = _Report(plan.reports, unit.index)
     try:
         for f in unit.files:
             rel = relative(plan.rule, f)
-            for index, text, read in documents(f, plan.text_key):
+            for index, text, read in documents(f, plan.text_key, plan.format, plan.loss_on):
                 split = "validation" if is_validation(plan.rule, rel, index) else "train"
+                if plan.format != "text":  # rendered now, whichever targets are written: a bad row is named here
+                    where = f"{'row' if f.path.endswith('.parquet') else 'line'} {index + 1} of {f.path}"
+                    example = chat.encode(tokenizer, template, text, where)
                 for name, _ in plan.targets:
-                    if name.endswith(TOKENS_SUFFIX):
+                    if name.endswith(TOKENS_SUFFIX) and plan.format != "text":
+                        writers[name, split].write({**example, "source": rel})
+                        report.tokens += sum(len(v) for k, v in example.items() if not k.endswith("turns"))
+                    elif name.endswith(TOKENS_SUFFIX):
                         ids = np.concatenate([[tokenizer.bos_id], tokenizer.encode(text), [tokenizer.eos_id]])
                         writers[name, split].write({"tokens": ids.astype(np.int32), "source": rel})
                         report.tokens += len(ids)

@@ -109,7 +109,8 @@ def publish(staged: str, target: str, name: str, lengths: dict[str, list[int]], 
     _write_json(f"{staged}/{split.MADE_FROM_FILE}", made_from)
     if made_with is not None:
         _write_json(f"{staged}/{split.TOKENIZER_FILE}", made_with)
-    shards.write_info(name, staged, lengths, sizes)  # the shards' names are relative: the info travels with them
+    # The shards' names are relative: the info travels with them. A store's features follow its data.format.
+    shards.write_info(name, staged, lengths, sizes, (made_with or {}).get("format", "text"))
     if not is_remote(target):
         os.makedirs(os.path.dirname(target), exist_ok=True)
         try:

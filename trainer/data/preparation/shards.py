@@ -14,6 +14,7 @@ bucket, copied) to its place.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -30,6 +31,17 @@ SPLITS = ("train", "validation")
 FORMAT = "array_record"
 
 
+# A store's token features by the corpus's data.format: a conversation's tokens carry their codes
+# (trainer/data/chat.py), a preference row's also the prompt with the rejected reply and its codes.
+TOKEN_FEATURES = {"text": ("tokens",), "chat": ("tokens", "turns"),
+                  "preference": ("tokens", "turns", "rejected", "rejected_turns")}  # fmt: skip
+
+
+@dataclasses.dataclass(eq=False)
+class CorpusConfig(tfds.core.BuilderConfig):
+    format: str = "text"  # data.format: which token features a tokenised store has
+
+
 class TextFiles(tfds.core.GeneratorBasedBuilder):
     """Local text files as a TFDS dataset; the builder config name is the corpus name. Its examples are
     written by the preparation pipeline, never by TFDS: the builder gives the dataset its name, place and
@@ -39,8 +51,9 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
 
     def _info(self) -> tfds.core.DatasetInfo:
         if self.builder_config.name.endswith(TOKENS_SUFFIX):
-            content = tfds.features.Tensor(shape=(None,), dtype=np.int32, encoding=tfds.features.Encoding.ZLIB)
-            features = tfds.features.FeaturesDict({"tokens": content, "source": tfds.features.Text()})
+            fields = TOKEN_FEATURES[getattr(self.builder_config, "format", "text")]
+            ids = lambda: tfds.features.Tensor(shape=(None,), dtype=np.int32, encoding=tfds.features.Encoding.ZLIB)
+            features = tfds.features.FeaturesDict({**{f: ids() for f in fields}, "source": tfds.features.Text()})
         else:
             features = tfds.features.FeaturesDict({"text": tfds.features.Text(), "source": tfds.features.Text()})
         return tfds.core.DatasetInfo(builder=self, features=features)
@@ -52,14 +65,14 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
         raise NotImplementedError("prepared by trainer/data/preparation/pipeline.py")
 
 
-def builder(config_name: str, data_dir: str) -> TextFiles:
-    return TextFiles(config=tfds.core.BuilderConfig(name=config_name, description="text files"), data_dir=data_dir,
-                     file_format=FORMAT)  # fmt: skip
+def builder(config_name: str, data_dir: str, format: str = "text") -> TextFiles:
+    config = CorpusConfig(name=config_name, description="text files", format=format)
+    return TextFiles(config=config, data_dir=data_dir, file_format=FORMAT)
 
 
 @functools.cache
-def _features(tokens: bool) -> tfds.features.FeaturesDict:
-    return builder("features" + TOKENS_SUFFIX * tokens, tempfile.gettempdir()).info.features
+def _features(tokens: bool, format: str) -> tfds.features.FeaturesDict:
+    return builder("features" + TOKENS_SUFFIX * tokens, tempfile.gettempdir(), format).info.features
 
 
 def version_dir(data_dir: str, config_name: str) -> epath.Path:
@@ -74,11 +87,11 @@ def _template(directory: str, split: str) -> tfds.core.ShardedFileTemplate:
 class ShardWriter:
     """One unit's shard of one split of one dataset: examples appended, then `close()` puts it in place."""
 
-    def __init__(self, config_name: str, directory: str, split: str, unit: int, units: int):
+    def __init__(self, config_name: str, directory: str, split: str, unit: int, units: int, format: str = "text"):
         from array_record.python.array_record_module import ArrayRecordWriter
         from tensorflow_datasets.core import example_serializer
 
-        self.features = _features(config_name.endswith(TOKENS_SUFFIX))
+        self.features = _features(config_name.endswith(TOKENS_SUFFIX), format)
         self._serializer = example_serializer.ExampleSerializer(self.features.get_serialized_info())
         self.target = os.fspath(_template(directory, split).sharded_filepath(shard_index=unit, num_shards=units))
         self._local = tempfile.NamedTemporaryFile(prefix="trainer-shard-", delete=False)  # noqa: SIM115
@@ -107,10 +120,11 @@ class ShardWriter:
         os.remove(self._local.name)
 
 
-def write_info(config_name: str, directory: str, lengths: dict[str, list[int]], sizes: dict[str, int]) -> None:
+def write_info(config_name: str, directory: str, lengths: dict[str, list[int]], sizes: dict[str, int],
+               format: str = "text") -> None:  # fmt: skip
     """dataset_info.json (and features.json) for the shards written to `directory`: what makes it a prepared
     dataset, so it is written last."""
-    info = builder(config_name, tempfile.gettempdir()).info
+    info = builder(config_name, tempfile.gettempdir(), format).info
     splits = [tfds.core.SplitInfo(name=split, shard_lengths=lengths[split], num_bytes=sizes[split],
                                   filename_template=_template(directory, split)) for split in SPLITS]  # fmt: skip
     info.set_splits(tfds.core.SplitDict(splits))

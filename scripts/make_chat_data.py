@@ -1,0 +1,52 @@
+"""Write the small conversation corpora configs/sft_tiny.py and configs/dpo_tiny.py train on (no download):
+
+    python scripts/make_chat_data.py [--out runs/chat_data] [--rows 4000] [--seed 0]
+
+The task is a format a base model does not follow: the user asks for a word reversed and the assistant
+answers `ANSWER: <the word reversed>`. <out>/sft/rows.jsonl holds conversations (`messages`; a quarter of
+them with a system message, a quarter with two exchanges); <out>/dpo/rows.jsonl holds preference pairs
+whose chosen reply reverses the word and whose rejected reply repeats it unreversed, in the same format.
+"""
+
+import json
+import os
+import string
+
+import numpy as np
+from absl import flags
+
+from trainer import cli
+
+_OUT = flags.DEFINE_string("out", "runs/chat_data", "Folder to write sft/rows.jsonl and dpo/rows.jsonl into.")
+_ROWS = flags.DEFINE_integer("rows", 4000, "Rows of each corpus.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the words drawn.")
+
+
+def word(rng) -> str:
+    return "".join(rng.choice(list(string.ascii_lowercase), rng.integers(3, 9)))
+
+
+def exchange(rng) -> list[dict]:
+    w = word(rng)
+    return [{"role": "user", "content": f"Reverse: {w}"}, {"role": "assistant", "content": f"ANSWER: {w[::-1]}"}]
+
+
+def main():
+    rng = np.random.default_rng(_SEED.value)
+    for name in ("sft", "dpo"):
+        os.makedirs(os.path.join(_OUT.value, name), exist_ok=True)
+    with open(os.path.join(_OUT.value, "sft", "rows.jsonl"), "w") as f:
+        for i in range(_ROWS.value):
+            messages = [{"role": "system", "content": "Answer briefly."}] if i % 4 == 1 else []
+            messages += exchange(rng) + (exchange(rng) if i % 4 == 2 else [])
+            f.write(json.dumps({"messages": messages}) + "\n")
+    with open(os.path.join(_OUT.value, "dpo", "rows.jsonl"), "w") as f:
+        for _ in range(_ROWS.value):
+            w = word(rng)
+            f.write(json.dumps({"prompt": f"Reverse: {w}", "chosen": f"ANSWER: {w[::-1]}",
+                                "rejected": f"ANSWER: {w}"}) + "\n")  # fmt: skip
+    print(f"wrote {_ROWS.value} conversations to {_OUT.value}/sft and {_ROWS.value} pairs to {_OUT.value}/dpo")
+
+
+if __name__ == "__main__":
+    cli.run(main)
