@@ -69,7 +69,8 @@ def _next_commands(result: dict, cfg, workdir_flag: str | None, argv: list[str])
         *((what, "train.py", extra) for what, extra in train_on(cfg)),
         *([("evaluate the newest checkpoint", "eval.py", [])] if cfg.data.format != "preference" else []),
         ("write from it", "generate.py", [f"--prompt={shlex.quote(prompt)}", f"--max_new_tokens={new_tokens}", sample])
-        if cfg.data.format == "text" else ("talk to it", "generate.py", ["--chat", f"--max_new_tokens={new_tokens}"]),
+        if cfg.data.format == "text"
+        else ("talk to it", "generate.py", ["--chat", f"--max_new_tokens={new_tokens}"]),
     ]
     lines = [f"done: {workdir_flag or default_workdir()} is at step {result['step']}; {reached}", "next:"]
     for what, script, extra in commands:

@@ -80,9 +80,11 @@ def _build(d, data_dir, files, rule, record, tokenizer, missing, dirs, arguments
         tokenizing = any(name.endswith(shards.TOKENS_SUFFIX) for name in missing)
         # Conversations are rendered as they are prepared, so a row the template cannot render is named now.
         rendering = tokenizing or d.format != "text"
-        plan = pipeline.Plan(text_key=d.text_key, rule=rule, targets=tuple((name, f"{staging}/{name}") for name in missing),
-                             tokenizer=(d.tokenizer, d.tokenizer_path, d.chat_template) if rendering else None,
-                             units=len(units), reports=f"{staging}/reports", format=d.format, loss_on=d.loss_on)  # fmt: skip
+        plan = pipeline.Plan(
+            text_key=d.text_key, rule=rule, targets=tuple((name, f"{staging}/{name}") for name in missing),
+            tokenizer=(d.tokenizer, d.tokenizer_path, d.chat_template) if rendering else None,
+            units=len(units), reports=f"{staging}/reports", format=d.format, loss_on=d.loss_on,
+        )  # fmt: skip
         total = sum(u.size for u in units)
         what = " and its tokenised store" if len(missing) > 1 else " (its tokenised store)" * tokenizing
         say(
