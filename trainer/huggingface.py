@@ -16,6 +16,7 @@ import numpy as np
 from etils import epath
 
 from trainer.config import flatten
+from trainer.data.chat import template_for
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer
 from trainer.errors import ConfigError
 from trainer.hf_tensors import from_hf_tensors, hf_config, model_keys_from_hf, to_hf_tensors
@@ -84,12 +85,17 @@ def hf_tokenizer(data_cfg):
         else:
             tok = _sentencepiece_tokenizer(data_cfg.tokenizer_path, Tokenizer, models, decoders, normalizers)
         bos, eos, pad = "<s>", "</s>", "<pad>"
-        # Ours encode a text's "<s>" as its bytes or pieces, never as the mark: so does the export.
-        split_marks = True
+        # Ours encode a text's "<s>" as its bytes or pieces, never as the mark: so does the export. A chat
+        # template's rendering spells its marks (trainer/data/chat.py), so a conversational run's export reads
+        # them as marks.
+        split_marks = getattr(data_cfg, "format", "text") == "text"
     bos_id = tok.token_to_id(bos)
     tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bos_id)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
-                                   split_special_tokens=split_marks)  # fmt: skip
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+                                  split_special_tokens=split_marks)  # fmt: skip
+    if getattr(data_cfg, "format", "text") != "text":  # the exported model chats through the template it learnt
+        out.chat_template = template_for(data_cfg, load_tokenizer(data_cfg)).source
+    return out
 
 
 def _byte_level_tokenizer(Tokenizer, models, decoders):

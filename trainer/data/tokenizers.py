@@ -102,7 +102,7 @@ class SentencePieceTokenizer:
         return _marked(text, self._with_offsets)
 
     def _with_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        pieces = self._sp.encode(text, out_type="immutable_proto").pieces
+        pieces = self._sp.encode(text, out_type="proto").pieces
         char_of_byte = np.repeat(np.arange(len(text) + 1), [len(c.encode("utf-8")) for c in text] + [1])
         ids = np.asarray([p.id for p in pieces], np.int32)
         return ids, char_of_byte[np.minimum([p.begin for p in pieces], len(char_of_byte) - 1)].astype(np.int64)
