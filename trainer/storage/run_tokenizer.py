@@ -19,6 +19,7 @@ import json
 
 from etils import epath
 
+from trainer.data.chat import TEMPLATE_FILE
 from trainer.data.tokenizers import HF_CONFIG, digest, tokenizer_file
 from trainer.errors import ConfigError
 from trainer.storage import workdir as wd
@@ -80,8 +81,9 @@ def store(cfg, workdir: str) -> None:
     source = epath.Path(tokenizer_file(cfg.data.tokenizer, cfg.data.tokenizer_path))
     target = wd.path(workdir) / COPY_DIR
     files = [source]
-    if cfg.data.tokenizer == "hf" and (source.parent / HF_CONFIG).exists():
-        files.append(source.parent / HF_CONFIG)
+    for beside in (HF_CONFIG, TEMPLATE_FILE):  # a Hugging Face tokenizer's marks and chat template
+        if cfg.data.tokenizer == "hf" and (source.parent / beside).exists():
+            files.append(source.parent / beside)
     for file in files:
         wd.write_file(target / file.name, file.read_bytes())
     # A Hugging Face tokenizer is read from its directory (its config beside it); SentencePiece from its file.
