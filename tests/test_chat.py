@@ -121,8 +121,8 @@ def test_bad_rows_are_refused_in_one_sentence_naming_them(tmp_path):
     data = micro_config(data=dict(format="chat", chat_template=str(failing))).data
     template = chat.template_for(data, ByteTokenizer())
     with pytest.raises(ConfigError, match="fails to render line 3 of x.jsonl .*a system turn first"):
-        chat.encode(ByteTokenizer(), template, chat.row_text(CONVERSATIONS[0] and {"messages": CONVERSATIONS[0]},
-                                                             "chat", "assistant", "x"), "line 3 of x.jsonl")  # fmt: skip
+        row = chat.row_text({"messages": CONVERSATIONS[0]}, "chat", "assistant", "x")
+        chat.encode(ByteTokenizer(), template, row, "line 3 of x.jsonl")
     # Through preparation: the row is named and nothing is published.
     rows = tmp_path / "rows"
     rows.mkdir()

@@ -47,7 +47,8 @@ def rows(tmp_path_factory):
 def config(rows, tmp_path, format, **sections):
     glob = "chat.jsonl" if format == "chat" else "pairs.jsonl"
     data = dict(source="text_files", format=format, name=f"post_{format}", paths=str(rows / glob),
-                data_dir=str(tmp_path / "tfds"), validation_fraction=0.1, seq_len=64 if format == "chat" else 128)  # fmt: skip
+                data_dir=str(tmp_path / "tfds"), validation_fraction=0.1,
+                seq_len=64 if format == "chat" else 128)  # fmt: skip
     cfg = micro_config(data=data, model=dict(max_seq_len=128), optim=dict(clip_norm=0.0, weight_decay=0.0))
     for name, values in sections.items():
         cfg[name].update(values)
@@ -228,7 +229,8 @@ def test_sft_teaches_a_format_the_base_model_does_not_follow_and_its_export_chat
                             model=dict(max_seq_len=128), train=dict(steps=30, global_batch_size=16),
                             optim=dict(lr=3e-3), checkpoint={"every_steps": 30})  # fmt: skip
     train(pretrain, str(tmp_path / "base"))
-    sft = config(rows, tmp_path, "chat", optim=dict(lr=3e-3, warmup_steps=5), train=dict(steps=60, global_batch_size=16),
+    sft = config(rows, tmp_path, "chat", optim=dict(lr=3e-3, warmup_steps=5),
+                 train=dict(steps=60, global_batch_size=16),
                  checkpoint={"every_steps": 60, "init_from": str(tmp_path / "base")})  # fmt: skip
     words = [word(np.random.default_rng(100 + i), 5) for i in range(8)]
     setup, _, params = load_params(sft, str(tmp_path / "base"))
