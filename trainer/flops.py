@@ -66,9 +66,11 @@ def attention_forward_flops(arch: Architecture, seq_len: int) -> float:
     return 4.0 * arch.n_layers * arch.n_heads * arch.head_dim * seq_len
 
 
-def flops_per_token(arch: Architecture, abstract_params: dict, seq_len: int) -> float:
-    """Training FLOPs per token: FORMULA."""
-    return 6.0 * matmul_params(arch, abstract_params) + 3 * attention_forward_flops(arch, seq_len)
+def flops_per_token(arch: Architecture, abstract_params: dict, seq_len: int, reference: bool = False) -> float:
+    """Training FLOPs per token: FORMULA; with `reference` (DPO), also a forward pass of the reference weights
+    (2 * N_matmul + the attention's forward), a third more."""
+    forward = 2.0 * matmul_params(arch, abstract_params) + attention_forward_flops(arch, seq_len)
+    return forward * (4 if reference else 3)
 
 
 @functools.cache

@@ -17,6 +17,8 @@ shows, and tests/test_memory_calibration.py holds this file to it):
   freed the activations, so it counts only by what it exceeds them: the peak
   is the larger of the two phases (XLA:TPU's live ranges at small's peak hold
   the gradients and no update).
+- `reference`: DPO's frozen reference weights, stored as the parameters are (fp32), so that at the start
+  the policy and its reference score every pair alike.
 - `gathered`: what FSDP all-gathers beyond the device's own shard (gathered_bytes).
 - `activations`: what the backward pass keeps for one microbatch under the remat
   policy, the fp32 logits, and under remat the larger of the logits (less the
@@ -230,6 +232,7 @@ def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None)
         "master_weights": fp32 if compute != 4 else 0,
         "grads": fp32 * (2 if cfg.train.grad_accum_steps > 1 else 1),
         "optimizer": state["optimizer"],
+        **({"reference": fp32} if cfg.data.format == "preference" else {}),
         "update": max(0, fp32 - activations),
         "gathered": gathered_bytes(spec, shape, compute),
         "activations": activations,

@@ -32,7 +32,7 @@ from trainer.planning import memory, scaling
 from trainer.planning.targets import Target, parse_target, target_devices
 from trainer.training.setup import build
 from trainer.training.state import param_shardings
-from trainer.training.step import OutOfHbm, abstract_batch, compile_with_heap
+from trainer.training.step import OutOfHbm, compile_with_heap
 
 
 def moe_volumes(cfg, abstract_params: dict, mesh_shape: dict[str, int]) -> dict:
@@ -75,14 +75,14 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     setup = build(cfg, devices)
     t, seq = cfg.train, cfg.data.seq_len
     counts = count_params(setup.model.abstract_params)
-    fpt = flops_per_token(setup.spec.arch, setup.model.abstract_params, seq)
+    fpt = flops_per_token(setup.spec.arch, setup.model.abstract_params, seq, setup.preference)
     result = {
         "n_params": counts["total"],
         "n_params_non_embedding": counts["non_embedding"],
         "n_params_embedding": counts["embedding"],
         "n_params_active": counts["total"] - inactive_params(setup.spec.arch, setup.model.abstract_params),
         "flops_per_token": fpt,
-        "flops_formula": FORMULA,
+        "flops_formula": FORMULA + " + DPO's reference forward, a third of it" * setup.preference,
         "tokens_per_step": t.global_batch_size * seq,
         "flops_per_step": fpt * t.global_batch_size * seq,
         "mesh": dict(setup.mesh.shape),
@@ -116,8 +116,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     if not compile_step:
         return result
     start = time.perf_counter()
-    lowered = setup.train_step().lower(setup.abstract_state(),
-                                       abstract_batch(t.global_batch_size, seq, setup.batch_sharding))  # fmt: skip
+    lowered = setup.train_step().lower(setup.abstract_state(), setup.abstract_batch(), *setup.step_inputs())
     platform = setup.mesh.devices.flat[0].platform
     if hardware is None:
         compiled = _compiled(lowered, platform)

@@ -165,7 +165,8 @@ class Run:
         fresh = not self.resumed
         self.writer = MetricsWriter(self.files, resume_step=self.step, cfg=cfg, workdir=workdir, fresh=fresh)
         self.profiler = StepProfiler(t.profile_steps, self.files, workdir)
-        self.flops_per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len)
+        self.flops_per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len,
+                                               setup.preference)  # fmt: skip
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
         self.evaluator = Evaluator(setup, self.rows, self.inputs) if t.eval_every else None
         self.samples = samples.Samples(setup, load_tokenizer(cfg.data)) if t.sample_prompts else None
