@@ -145,6 +145,15 @@ CASES = {
         lambda: micro_config(model=dict(context_attention="ulysses")),
         "model.context_attention='ulysses' is not one of ring, all_gather",
     ),
+    "DPO without the weights it starts from": (
+        lambda: micro_config(data=dict(source="text_files", format="preference", paths="/x/*.jsonl")),
+        r"DPO \(data.format=preference\) measures the policy against the weights it starts from: give them with "
+        r"--config.checkpoint.init_from",
+    ),
+    "conversations from a source that is not prepared here": (
+        lambda: micro_config(data=dict(format="chat")),
+        "data.format=chat reads one corpus of .jsonl or .parquet rows prepared here: set data.source=text_files",
+    ),
     "dataset that is not prepared": (
         lambda: micro_config(data=dict(source="tfds", name="no_such_dataset", data_dir="/nonexistent")),
         "not prepared",
