@@ -44,6 +44,7 @@ def quick(corpus_dir, out):
             "moe",
         ),
         ("overhead.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "overhead"),
+        ("post_training.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "post_training"),
         ("prepare.py", ["--mb=2", "--small_mb=1", "--batches=2", f"--dir={prepared}"], "prepare"),
         (
             "pipeline_bubble.py",

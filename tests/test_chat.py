@@ -141,10 +141,14 @@ def test_a_conversation_corpus_prepares_into_a_tokenised_store_equal_to_renderin
     rows = tmp_path / "rows"
     rows.mkdir()
     (rows / "a.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS * 20))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"messages": c} for c in CONVERSATIONS * 10]), rows / "b.parquet")
     pairs = [{"prompt": "Reverse: ab", "chosen": "ANSWER: ba", "rejected": "ANSWER: ab"}] * 40
     (rows / "p.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
-    for format, glob in (("chat", "a.jsonl"), ("preference", "p.jsonl")):
-        base = micro_config(data=dict(source="text_files", format=format, paths=str(rows / glob), name=format,
+    for format, globs in (("chat", f"{rows}/a.jsonl,{rows}/b.parquet"), ("preference", f"{rows}/p.jsonl")):
+        base = micro_config(data=dict(source="text_files", format=format, paths=globs, name=format,
                                       data_dir=str(tmp_path / "tfds"), validation_fraction=0.1))  # fmt: skip
         docs = {}
         for tokenized in (False, True):
@@ -156,3 +160,7 @@ def test_a_conversation_corpus_prepares_into_a_tokenised_store_equal_to_renderin
             assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
         text = ByteTokenizer().decode(docs[True][0]["tokens"][docs[True][0]["loss_mask"] > 0])
         assert text in ("ANSWER: cba", "Hello.\n\nHow can I help?ANSWER: yx", "ANSWER: ba")
+        # Read as another format than it was prepared as: one sentence.
+        base.data.format = "text"
+        with pytest.raises(ConfigError, match=f"prepared with data.format={format} and this config reads it with"):
+            corpora.check_prepared(base.data, "train")

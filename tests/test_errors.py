@@ -152,7 +152,7 @@ CASES = {
     ),
     "conversations from a source that is not prepared here": (
         lambda: micro_config(data=dict(format="chat")),
-        "data.format=chat reads one corpus of .jsonl or .parquet rows prepared here: set data.source=text_files",
+        "data.format=chat reads .jsonl or .parquet rows prepared here: set data.source=text_files",
     ),
     "dataset that is not prepared": (
         lambda: micro_config(data=dict(source="tfds", name="no_such_dataset", data_dir="/nonexistent")),

@@ -4,12 +4,14 @@ a tiny SFT run learning a format the base model does not follow, and its export 
 transformers."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import micro_config
+from conftest import REPO, cli_args, micro_config
 
 from trainer.data import chat, corpora, streams
 from trainer.data.tokenizers import ByteTokenizer
@@ -239,6 +241,14 @@ def test_sft_teaches_a_format_the_base_model_does_not_follow_and_its_export_chat
     setup, _, params = load_params(sft, str(tmp_path / "sft"))
     after, ours = format_rate(setup, params, words)
     assert before == 0.0 and after >= 0.75, (before, after)
+    # generate.py --chat: the first message's reply is that greedy reply; the conversation goes on over stdin.
+    talk = subprocess.run([sys.executable, "scripts/generate.py", *cli_args(sft), f"--workdir={tmp_path / 'sft'}",
+                           "--chat", "--max_new_tokens=12"], input=f"Reverse: {words[0]}\nReverse: {words[1]}\n",
+                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert talk.returncode == 0, talk.stderr[-2000:]
+    first = ours[0].tolist()
+    replies = talk.stdout.strip().split("\n")
+    assert len(replies) == 2 and replies[0] == ByteTokenizer().decode(first[: first.index(2)] if 2 in first else first)
     # The export chats through the same template, to the same greedy reply.
     export_checkpoint(sft, str(tmp_path / "sft"), None, str(tmp_path / "hf"))
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))

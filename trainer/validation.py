@@ -226,10 +226,10 @@ def _check_post_training(cfg) -> None:
     d = cfg.data
     if d.format == "text":
         return
-    if d.source != "text_files" or d.mixture:
+    if d.source != "text_files" or (d.mixture and d.format == "preference"):
         raise ConfigError(
-            f"data.format={d.format} reads one corpus of .jsonl or .parquet rows prepared here: set "
-            "data.source=text_files and give data.paths (no data.mixture)."
+            f"data.format={d.format} reads .jsonl or .parquet rows prepared here: set data.source=text_files and "
+            f"give data.paths{' (one corpus: no data.mixture)' * (d.format == 'preference')}."
         )
     if d.format == "preference" and not cfg.checkpoint.init_from:
         raise ConfigError(

@@ -46,8 +46,12 @@ BUILT_IN = (
 MARKS = {"<pad>": 0, "<s>": 1, "</s>": 2}
 
 
+ROW_FIELDS = {"chat": "messages|prompt,completion", "preference": "prompt,chosen,rejected"}
+
+
 def fields(format: str) -> str:
-    return "prompt,chosen,rejected" if format == "preference" else "messages|prompt,completion"
+    """What a corpus of `format` records as its text field (trainer/data/preparation/split.py made_from)."""
+    return ROW_FIELDS[format]
 
 
 # ---- rows ----

@@ -134,7 +134,7 @@ def documents(stream: Stream, split: str, shuffle: bool, endless: bool = True, t
     if endless:
         docs = docs.repeat()  # repeat() reshuffles each epoch
     if stream.format != "text":
-        return docs.map(_conversations(stream))
+        return docs.map(_conversations(stream, tag))
     if readers.holds_tokens(stream, stream.name):
         return docs.map(lambda example: _tagged(np.asarray(example["tokens"], np.int32), tag))
     tokenizer, key = load_tokenizer(stream), text_feature(stream)
@@ -146,9 +146,9 @@ def documents(stream: Stream, split: str, shuffle: bool, endless: bool = True, t
     return docs.map(tokenize)
 
 
-def _conversations(stream: Stream):
-    """A prepared row -> its tokens and `loss_mask` (a conversation), or a preference pair's two sequences
-    and the masks of their replies."""
+def _conversations(stream: Stream, tag: int | None = None):
+    """A prepared row -> its tokens and `loss_mask` (a conversation, tagged with its corpus in a mixture), or
+    a preference pair's two sequences and the masks of their replies."""
     tokenizer = load_tokenizer(stream)
     template = chat.template_for(stream, tokenizer) if not stream.tokenized else None
 
@@ -160,7 +160,7 @@ def _conversations(stream: Stream):
             out["loss_mask"] = chat.loss_mask(np.asarray(row["turns"]), "last_turn")
             out["rejected"] = np.asarray(row["rejected"], np.int32)
             out["rejected_mask"] = chat.loss_mask(np.asarray(row["rejected_turns"]), "last_turn")
-        return out
+        return out if tag is None else {**out, "source": np.full_like(out["tokens"], tag)}
 
     return encoded
 
