@@ -89,7 +89,8 @@ def _check_format(data_cfg) -> None:
             continue
         record = readers.directory(data_cfg, readers.tfds_name(data_cfg, corpus)) / MADE_FROM_FILE
         made = json.loads(record.read_text())["text_key"] if record.exists() else data_cfg.text_key
-        if (made in ROW_FIELDS.values()) != (data_cfg.format != "text") or (data_cfg.format != "text" and made != wanted):
+        rows = made in ROW_FIELDS.values()  # prepared as conversations or pairs
+        if rows != (data_cfg.format != "text") or (rows and made != wanted):
             what = {v: f"data.format={k}" for k, v in ROW_FIELDS.items()}.get(made, "data.format=text")
             raise ConfigError(
                 f"the corpus {corpus!r} was prepared with {what} and this config reads it with data.format="
