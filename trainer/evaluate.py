@@ -250,6 +250,7 @@ def what_was_evaluated(cfg, workdir: str, step: int, max_batches: int) -> dict:
         "data_dir": d.data_dir, "split": d.eval_split, "tokenizer": d.tokenizer, "tokenizer_path": d.tokenizer_path,
         "seq_len": d.seq_len, "global_batch_size": cfg.train.global_batch_size, "batches": max_batches or "all",
         **({"processes": jax.process_count()} if max_batches else {}),  # which pieces fill the first K batches
+        **({"format": d.format, "loss_on": d.loss_on} if d.format != "text" else {}),  # which tokens are scored
         "step": step, "checkpoint": f"{wd.checkpoint_dir(workdir)}/{step}", "committed_ns": committed,
     }  # fmt: skip
 
