@@ -5,7 +5,8 @@
 The task is a format a base model does not follow: the user asks for a word reversed and the assistant
 answers `ANSWER: <the word reversed>`. <out>/sft/rows.jsonl holds conversations (`messages`; a quarter of
 them with a system message, a quarter with two exchanges); <out>/dpo/rows.jsonl holds preference pairs
-whose chosen reply reverses the word and whose rejected reply repeats it unreversed, in the same format.
+whose chosen reply is the answer in that format and whose rejected reply repeats the word, unreversed and
+without the format.
 """
 
 import json
@@ -44,7 +45,7 @@ def main():
         for _ in range(_ROWS.value):
             w = word(rng)
             f.write(json.dumps({"prompt": f"Reverse: {w}", "chosen": f"ANSWER: {w[::-1]}",
-                                "rejected": f"ANSWER: {w}"}) + "\n")  # fmt: skip
+                                "rejected": w}) + "\n")  # fmt: skip
     print(f"wrote {_ROWS.value} conversations to {_OUT.value}/sft and {_ROWS.value} pairs to {_OUT.value}/dpo")
 
 
