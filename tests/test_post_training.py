@@ -164,7 +164,7 @@ def test_dpo_loss_and_metrics_equal_the_closed_form_on_a_mesh_and_one_device(row
     table = np.stack([e for e in sums.values() if (e[4] > 0).all()])
     assert len(table) >= cfg.train.global_batch_size  # whole pairs, several a row where they fit
     args = (table[:, 0, 0], table[:, 0, 1], table[:, 2, 0], table[:, 2, 1], table[:, 4])
-    for devices, accumulation, loss, eps in ((1, 1, "sigmoid", 0.0), (8, 2, "sigmoid", 0.2), (8, 1, "ipo", 0.0)):
+    for devices, accumulation, loss, eps in ((1, 1, "ipo", 0.0), (8, 2, "sigmoid", 0.2)):
         c = micro_config(**{k: dict(v) for k, v in cfg.items()})
         c.train.grad_accum_steps = accumulation
         c.mesh.update(data=2, fsdp=2, tensor=2) if devices > 1 else c.mesh.update(data=1, fsdp=1, tensor=1)
