@@ -164,3 +164,21 @@ def test_a_conversation_corpus_prepares_into_a_tokenised_store_equal_to_renderin
         base.data.format = "text"
         with pytest.raises(ConfigError, match=f"prepared with data.format={format} and this config reads it with"):
             corpora.check_prepared(base.data, "train")
+
+
+def test_a_chat_template_file_is_kept_with_the_run_and_another_is_refused(tmp_path):
+    from trainer.storage import run_tokenizer
+    from trainer.storage import workdir as wd
+
+    given = tmp_path / "mine.jinja"
+    given.write_text("{# mine #}" + chat.BUILT_IN)
+    cfg = micro_config(data=dict(format="chat", source="text_files", chat_template=str(given)))
+    workdir = str(tmp_path / "run")
+    run_tokenizer.store(cfg, workdir)
+    wd.write_config(workdir, run_tokenizer.use_copy(cfg, workdir))
+    given.unlink()  # another machine, or a file since moved: the run still renders as it trained
+    settled = run_tokenizer.settle(cfg, workdir)
+    assert chat.template_for(settled.data, ByteTokenizer()).source.startswith("{# mine #}")
+    given.write_text(chat.BUILT_IN)
+    with pytest.raises(ConfigError, match="is another template than the one .* was trained with"):
+        run_tokenizer.settle(cfg, workdir)

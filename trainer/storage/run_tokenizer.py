@@ -11,6 +11,9 @@ run's weights mean nothing under other ids. The byte tokenizer has no file.
 
 A run started before copies were kept gets its copy at its next start, from the
 path its config.json names (another path is refused, as it always was).
+
+A `data.chat_template` file (trainer/data/chat.py) is kept there too, and read
+from there after the run's start: another template is refused the same way.
 """
 
 from __future__ import annotations
@@ -40,8 +43,32 @@ def _with_path(cfg, location: str):
 
 
 def settle(cfg, workdir: str):
-    """`cfg` reading the run's copy of its tokenizer, where the run has started and has one; else `cfg` as
-    it is. Refuses a file at data.tokenizer_path (where this process has one) that is not that copy."""
+    """`cfg` reading the run's copy of its tokenizer (and of a data.chat_template file), where the run has
+    started and has one; else `cfg` as it is. Refuses a file at data.tokenizer_path (where this process has
+    one) that is not that copy."""
+    return _settle_tokenizer(_settle_template(cfg, workdir), workdir)
+
+
+# A data.chat_template file, kept beside the tokenizer's copy: the run's conversations were rendered with it.
+TEMPLATE_COPY = "data_chat_template.jinja"
+
+
+def _settle_template(cfg, workdir: str):
+    given = cfg.data.chat_template
+    copy = wd.path(workdir) / COPY_DIR / TEMPLATE_COPY
+    if not given or wd.saved_config(workdir) is None or not copy.exists():
+        return cfg
+    if epath.Path(given).expanduser().exists() and epath.Path(given).expanduser().read_text() != copy.read_text():
+        raise ConfigError(
+            f"data.chat_template={given!r} is another template than the one {workdir} was trained with (copied to "
+            f"{copy}); point data.chat_template at that copy, or train another run (another --workdir)."
+        )
+    out = cfg.copy_and_resolve_references()
+    out.data.chat_template = str(copy)
+    return out
+
+
+def _settle_tokenizer(cfg, workdir: str):
     saved_cfg = wd.saved_config(workdir) if cfg.data.tokenizer != "byte" else None
     if saved_cfg is None:
         return cfg
@@ -74,6 +101,9 @@ def store(cfg, workdir: str) -> None:
     """Copy the config's tokenizer into the run directory, unless the run has started with a copy already
     (process 0, once every check has passed). Nothing is stored for a file this machine does not have:
     a run that reads no text (a synthetic source) may name one it never opens."""
+    template = epath.Path(cfg.data.chat_template).expanduser() if cfg.data.chat_template else None
+    if template is not None and template.exists() and template != wd.path(workdir) / COPY_DIR / TEMPLATE_COPY:
+        wd.write_file(wd.path(workdir) / COPY_DIR / TEMPLATE_COPY, template.read_bytes())
     if cfg.data.tokenizer == "byte" or not _exists(cfg):
         return
     if wd.saved_config(workdir) is not None and _record(workdir) is not None:
@@ -94,6 +124,10 @@ def store(cfg, workdir: str) -> None:
 
 def use_copy(cfg, workdir: str):
     """`cfg` reading the run's copy, once process 0 has stored it (every process, after a barrier)."""
+    copy = wd.path(workdir) / COPY_DIR / TEMPLATE_COPY
+    if cfg.data.chat_template and copy.exists():
+        cfg = cfg.copy_and_resolve_references()
+        cfg.data.chat_template = str(copy)
     record = _record(workdir) if cfg.data.tokenizer != "byte" else None
     return cfg if record is None else _with_path(cfg, _location(workdir, record))
 
