@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from parallelism.distributed import barrier
 from trainer.errors import ConfigError
 from trainer.planning import scaling_fit, scaling_sweep
 from trainer.planning.scaling import Law
@@ -56,6 +57,8 @@ def run_points(points: list[scaling_sweep.Point], say=print) -> list[float]:
         if loss is None:
             start = time.perf_counter()
             train(p.cfg, p.workdir)
+            # Process 0 writes the run's records (into a bucket, at its close); the others read them only then.
+            barrier(f"point {i} trained")
             seconds += time.perf_counter() - start
             done_flops += p.flops
             loss = scaling_sweep.final_loss(p.workdir)
