@@ -188,6 +188,11 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     The result is also written to <workdir>/eval/, under a name that differs for every evaluation that
     differs in what was evaluated (record_name); where is said, and is the result's "file".
     """
+    if cfg.data.format == "preference":
+        raise ConfigError(
+            "eval.py scores a language model's loss on text or conversations; a DPO run's held-out pairs are "
+            "scored during training (eval_loss, eval_dpo/* in metrics.jsonl at each train.eval_every)."
+        )
     cfg = run_tokenizer.settle(cfg, workdir)
     corpora.check_vocab(cfg)
     if cfg.data.source != "synthetic":

@@ -35,11 +35,6 @@ def one_pass(stream: Stream, split: str, rows: Sequence[int]) -> Iterator[dict[s
     process (trainer/evaluate.py), which every process reaches together."""
     if stream.source == "synthetic":
         raise ConfigError("a synthetic source has no end; evaluate a fixed number of batches instead.")
-    if stream.format == "preference":
-        raise ConfigError(
-            "eval.py scores a language model's loss on text or conversations; a DPO run's held-out pairs are "
-            "scored during training (eval_loss, eval_dpo/* in metrics.jsonl at each train.eval_every)."
-        )
     docs = documents(stream, split, shuffle=False, endless=False)
     fields = ("tokens", "loss_mask") if stream.format == "chat" else ("tokens",)
     windows = [_windows(({f: d[f] for f in fields} for d in docs[r :: stream.rows].to_iter_dataset()),
