@@ -15,6 +15,8 @@ from conftest import REPO, cli_args, micro_config
 
 from trainer.data import chat, corpora, streams
 from trainer.data.tokenizers import ByteTokenizer
+from trainer.errors import ConfigError
+from trainer.evaluate import evaluate_checkpoint
 from trainer.storage import workdir as wd
 from trainer.training.loop import train
 from trainer.training.setup import build
@@ -208,6 +210,8 @@ def test_dpo_resumes_exactly_against_the_reference_it_pinned_at_its_start(rows, 
     for name in ("loss", "grad_norm", "dpo/margins", "dpo/chosen_logps"):
         assert resumed[name] == pytest.approx(straight[name], rel=1e-6), name
     assert 0 < straight["loss"] < np.log(2)  # learning to prefer: below where it starts
+    with pytest.raises(ConfigError, match="a DPO run's held-out pairs are scored during training"):
+        evaluate_checkpoint(dpo, str(tmp_path / "straight"))  # before anything is read or compiled
 
 
 def format_rate(setup, params, prompts_words) -> float:
