@@ -152,12 +152,13 @@ def _conversations(stream: Stream, tag: int | None = None):
     tokenizer = load_tokenizer(stream)
     template = chat.template_for(stream, tokenizer) if not stream.tokenized else None
 
+    loss_on = "last_turn" if stream.format == "preference" else stream.loss_on  # DPO scores the replies alone
+
     def encoded(example):
         row = example if stream.tokenized else chat.encode(tokenizer, template, example["text"])
         out = {"tokens": np.asarray(row["tokens"], np.int32),
-               "loss_mask": chat.loss_mask(np.asarray(row["turns"]), stream.loss_on)}  # fmt: skip
-        if stream.format == "preference":  # DPO scores the replies alone
-            out["loss_mask"] = chat.loss_mask(np.asarray(row["turns"]), "last_turn")
+               "loss_mask": chat.loss_mask(np.asarray(row["turns"]), loss_on)}  # fmt: skip
+        if stream.format == "preference":
             out["rejected"] = np.asarray(row["rejected"], np.int32)
             out["rejected_mask"] = chat.loss_mask(np.asarray(row["rejected_turns"]), "last_turn")
         return out if tag is None else {**out, "source": np.full_like(out["tokens"], tag)}

@@ -42,9 +42,10 @@ def sums(model, params, reference, batch: dict, dpo) -> tuple[jax.Array, tuple]:
     tokens, positions, segments = batch["tokens"], batch["positions"], batch["segment_ids"]
     weights = target_weights(tokens, segments, batch["loss_mask"])[1]
     policy, stats = model.apply(params, tokens, positions, segments, method="target_logprobs")
+    # The reference is an input the step never differentiates: no gradient reaches it, and none is computed.
     frozen = model.apply(jax.lax.stop_gradient(reference), tokens, positions, segments, method="target_logprobs")[0]
     logps, counts = pair_sums(policy, weights, segments)
-    ref_logps = pair_sums(jax.lax.stop_gradient(frozen), weights, segments)[0]
+    ref_logps = pair_sums(frozen, weights, segments)[0]
     valid = ((counts[..., 0] > 0) & (counts[..., 1] > 0)).astype(jnp.float32)
     ratios = logps - ref_logps  # (batch, pairs, 2)
     if dpo.loss == "ipo":
