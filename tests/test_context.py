@@ -35,9 +35,9 @@ def packed_batch(seed=0, rows=BATCH, seq=SEQ, starts=0.15) -> dict:
     return dict(tokens=tokens, segment_ids=segments, positions=positions)
 
 
-def loss_grads_logits(mode: str, mesh: dict, batch: dict, params=None, attention="xla"):
+def loss_grads_logits(mode: str, mesh: dict, batch: dict, params=None, attention="xla", model=None):
     seq = batch["tokens"].shape[1]
-    model = dict(context_attention=mode, attention=attention, max_seq_len=max(64, seq))
+    model = dict(context_attention=mode, attention=attention, max_seq_len=max(64, seq), **(model or {}))
     train = dict(global_batch_size=len(batch["tokens"]))
     setup = build(micro_config(mesh={"fsdp": 1, "data": -1, **mesh}, model=model, data=dict(seq_len=seq), train=train))
     params = setup.new_state().params if params is None else jax.device_put(params, setup.state_shardings.params)

@@ -314,3 +314,49 @@ def test_an_export_with_no_hugging_face_form_writes_nothing(tmp_path):
     with pytest.raises(ConfigError, match="every=2: every Mixtral layer has experts") as info:
         export_checkpoint(cfg, workdir, None, str(out))
     assert "\n" not in str(info.value) and not out.exists()
+
+
+def test_gemma3_imports_from_transformers_decodes_as_it_does_and_exports_back(tmp_path):
+    """Gemma 3 (text), built small and random by transformers: 5 layers, local ones over a window of 6 with
+    every third global (layers 2 and 5 of 1..5 global, so the pattern repeats and a local layer follows
+    it), local and global RoPE bases apart, query_pre_attn_scalar unlike head_dim, tied embeddings scaled by
+    sqrt(width), Gemma's four norms a layer, GeGLU and query/key norms. Prompts of 24 tokens and a continuation
+    of 10 run well past the window, so the local layers' ring caches wrap: our logits are theirs, our greedy
+    continuation theirs (one row's prompt padded, to check a ring never takes in padding), and the exported
+    directory loads back into transformers with the same logits."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           query_pre_attn_scalar=24, sliding_window=6, sliding_window_pattern=3,
+                                           max_position_embeddings=64, rms_norm_eps=1e-6, initializer_range=0.2,
+                                           rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                            "sliding_attention": {"rope_type": "default",
+                                                                                  "rope_theta": 1e4}})  # fmt: skip
+    model = transformers.Gemma3ForCausalLM(config)
+    with torch.no_grad():  # Gemma's norm weights start at zero (a scale of one): make them matter
+        for name, w in model.named_parameters():
+            if "norm" in name:
+                w.normal_(0, 0.3)
+    model.save_pretrained(str(tmp_path / "hf"))
+    cfg = micro_config(model=dict(n_layers=5, d_ff=96, head_dim=16, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+                                  tie_embeddings=True, sliding_window=6, global_every=3, local_rope_theta=1e4,
+                                  embed_scale=True, post_norms=True, mlp_activation="gelu_tanh", attn_scale_dim=24))  # fmt: skip
+    workdir = str(tmp_path / "run")
+    import_checkpoint(str(tmp_path / "hf"), cfg, workdir)
+    logits = our_logits(cfg, workdir)
+    np.testing.assert_allclose(logits, hf_logits(model), rtol=1e-4, atol=1e-4)
+    setup, _, params = load_params(cfg, workdir)
+    generate = make_generate(setup.spec, setup.shard, max_new_tokens=10)
+    ours_greedy = np.asarray(generate(params, TOKENS, 0))
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(TOKENS), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)  # fmt: skip
+    np.testing.assert_array_equal(ours_greedy, theirs[:, 24:].numpy())
+    # Row 1's prompt is its first 17 tokens, then padding: it goes on as that prompt alone does.
+    padded = np.asarray(generate(params, TOKENS, 0, np.array([24, 17])))
+    with torch.no_grad():
+        alone = model.generate(torch.tensor(TOKENS[1:, :17]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[:, 17:].numpy()  # fmt: skip
+    np.testing.assert_array_equal(padded[1:], alone)
+    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
+    np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), logits, rtol=1e-4, atol=1e-4)

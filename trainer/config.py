@@ -38,6 +38,7 @@ MOE_IMPLS = ("dropless", "capacity")
 FORMATS = ("text", "chat", "preference")  # data.format (trainer/data/chat.py)
 LOSS_ON = ("all", "assistant", "last_turn")  # data.loss_on
 DPO_LOSSES = ("sigmoid", "ipo")
+ACTIVATIONS = ("silu", "gelu_tanh")  # model.mlp_activation: SwiGLU's gate, or GeGLU's (Gemma)
 GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")  # model.moe.grouped_matmul (trainer/model/moe.py)
 
 
@@ -75,6 +76,17 @@ def _declared() -> dict[str, dict]:
         norm_eps=Num(1e-5, "(0, inf)"),
         qk_norm=False,  # RMSNorm each query and key head before RoPE (Qwen3's attention)
         tie_embeddings=False,
+        # Sliding-window attention (trainer/model/attention.py): a local layer's query sees itself and the
+        # sliding_window - 1 tokens before it; 0 = every layer global.
+        sliding_window=Num(0, "[0, inf)"),
+        global_every=Num(0, "[0, inf)"),  # with a window: every this-many-th layer global (Gemma 3: 6); 0 = none
+        local_rope_theta=Num(0.0, "0 or (1, inf)"),  # the local layers' RoPE base (Gemma 3: 10000); 0 = rope_theta
+        # Gemma's details: embeddings x sqrt(d_model); a norm on each sublayer's output before the residual add;
+        # the MLP's gate activation (one of ACTIVATIONS); attention scores x attn_scale_dim^-0.5 (0 = head_dim).
+        embed_scale=False,
+        post_norms=False,
+        mlp_activation="silu",
+        attn_scale_dim=Num(0, "[0, inf)"),
         remat="none",  # one of REMAT_POLICIES
         scan_layers=True,
         attention="xla",  # one of ATTENTION_IMPLS
@@ -316,6 +328,7 @@ READ_ONLY_WITH = {f"model.moe.{k}": "model.moe.num_experts"
                   for k in ("experts_per_token", "shared_experts", "d_ff", "dense_layers", "every", "impl",
                             "capacity_factor", "grouped_matmul", "aux_loss", "z_loss", "router_bias")}  # fmt: skip
 READ_ONLY_WITH |= {f"checkpoint.{k}": "checkpoint.local_dir" for k in ("local_every_steps", "local_keep")}
+READ_ONLY_WITH |= {f"model.{k}": "model.sliding_window" for k in ("global_every", "local_rope_theta")}
 
 # Keys that were renamed: refused with their new name, and read from an older run's config.json.
 RENAMED = {"train.microbatches": "train.pipeline_microbatches"}

@@ -11,7 +11,8 @@ parameters: of each MoE layer's experts only the experts_per_token a token goes
 to (the router and any shared experts are counted whole), as MaxText and
 DeepSeek count them. The attention term is the QK^T and AV matmuls
 at full length: the causal half that a kernel may skip is NOT subtracted, so
-MFU figures compare directly with PaLM's and MaxText's.
+MFU figures compare directly with PaLM's and MaxText's. A local layer
+(model.sliding_window) counts the window's keys instead of seq_len.
 
 MFU = FLOPs per token * tokens per second / peak FLOP/s of all devices. The
 peak is the chip's dense bf16 figure from trainer/chips.py; on a CPU it is measured
@@ -61,9 +62,11 @@ def matmul_params(arch: Architecture, abstract_params: dict) -> int:
 
 
 def attention_forward_flops(arch: Architecture, seq_len: int) -> float:
-    """Forward FLOPs per token of the QK^T and AV matmuls at full length (2 matmuls x 2 FLOPs a multiply-add);
+    """Forward FLOPs per token of the QK^T and AV matmuls at full length (2 matmuls x 2 FLOPs a multiply-add),
+    a local layer's over the keys its window holds (min(seq_len, sliding_window), as MaxText counts Gemma 3's);
     training runs them three times (forward, and two in the backward pass)."""
-    return 4.0 * arch.n_layers * arch.n_heads * arch.head_dim * seq_len
+    keys = sum(min(seq_len, arch.sliding_window) if arch.is_local(i) else seq_len for i in range(arch.n_layers))
+    return 4.0 * arch.n_heads * arch.head_dim * keys
 
 
 def flops_per_token(arch: Architecture, abstract_params: dict, seq_len: int, reference: bool = False) -> float:

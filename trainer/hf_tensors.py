@@ -1,7 +1,11 @@
-"""Our model as a Hugging Face config and tensors, and back: Llama, Qwen3, Mixtral and Qwen3-MoE.
+"""Our model as a Hugging Face config and tensors, and back: Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE and
+Gemma 3 (text).
 
-Which family a model is follows from its architecture: query/key norms make it Qwen3's, experts make it
-a mixture (Mixtral without query/key norms, Qwen3-MoE with them), neither a Llama. Our weights map one
+Which family a model is follows from its architecture: Gemma's details (sandwich norms, scaled
+embeddings, GeGLU) make it Gemma 3's, with any pattern of local and global layers; query/key norms make
+it Qwen3's, experts make it a mixture (Mixtral without query/key norms, Qwen3-MoE with them), a sliding
+window on every layer Mistral's, none of these a Llama. Gemma's norms scale by 1 + weight where ours
+scale by the weight, so its norm weights are ours minus one. Our weights map one
 to one onto theirs: kernels are stored (in, out) here and (out, in) there, heads are folded into the
 projection width, and RoPE already uses Hugging Face's half-split layout, so nothing is permuted. An MoE
 layer's router is their `gate`; each expert's gate, up and down projections are Mixtral's w1, w3 and w2,
@@ -20,10 +24,36 @@ from trainer.errors import ConfigError
 from trainer.model.spec import Architecture
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM"}  # fmt: skip
+            "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM"}  # fmt: skip
+# Our norm (in a block's params) under each family's name for it
+NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
+GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_out_norm",
+               "pre_feedforward_layernorm": "mlp_norm", "post_feedforward_layernorm": "mlp_out_norm"}  # fmt: skip
 
 
 def family(spec: Architecture) -> str:
+    """The Hugging Face family of this architecture; refuses one that no family here has."""
+    gemma = {"post_norms": spec.post_norms, "embed_scale": spec.embed_scale,
+             "mlp_activation": spec.mlp_activation == "gelu_tanh"}  # fmt: skip
+    if any(gemma.values()):
+        missing = [k for k, v in {**gemma, "qk_norm": spec.qk_norm}.items() if not v]
+        if missing or spec.moe.num_experts:
+            why = f"lacks {', '.join(missing)}" if missing else "has experts"
+            raise ConfigError(f"this model has Gemma's details but {why}: Gemma 3 is the only family here with "
+                              "them, so it has no Hugging Face form.")  # fmt: skip
+        return "gemma3_text"
+    other = {"local_rope_theta": spec.local_rope_theta and spec.local_rope_theta != spec.rope_theta,
+             "attn_scale_dim": spec.attn_scale_dim and spec.attn_scale_dim != spec.head_dim,
+             "global_every": spec.sliding_window and spec.global_every,
+             "sliding_window": spec.sliding_window and (spec.qk_norm or spec.moe.num_experts)}  # fmt: skip
+    if any(other.values()):
+        bad = ", ".join(f"model.{k}={getattr(spec, k)}" for k, v in other.items() if v)
+        raise ConfigError(f"{bad}: of the Hugging Face families here only Gemma 3 has local and global layers "
+                          "(Mistral a window on every layer, without query/key norms); this model has no Hugging "
+                          "Face form.")  # fmt: skip
+    if spec.sliding_window:
+        return "mistral"
     if not spec.moe.num_experts:
         return "qwen3" if spec.qk_norm else "llama"
     return "qwen3_moe" if spec.qk_norm else "mixtral"
@@ -68,7 +98,11 @@ def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int
         "dtype": "float32",
         "torch_dtype": "float32",
     }
-    if kind == "mixtral":
+    if kind == "gemma3_text":
+        return _gemma3_config(spec, config)
+    if kind == "mistral":
+        config.update(sliding_window=spec.sliding_window)
+    elif kind == "mixtral":
         config.update(num_local_experts=m.num_experts, num_experts_per_tok=m.experts_per_token,
                       intermediate_size=spec.expert_d_ff, sliding_window=None, router_jitter_noise=0.0)  # fmt: skip
     elif kind == "qwen3_moe":
@@ -77,6 +111,31 @@ def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int
                       moe_intermediate_size=spec.expert_d_ff, decoder_sparse_step=m.every,
                       mlp_only_layers=list(range(m.dense_layers)), use_sliding_window=False)  # fmt: skip
     return config
+
+
+def _gemma3_config(spec: Architecture, common: dict) -> dict:
+    """Gemma3TextConfig's keys (it refuses others'): each layer's type, each type's RoPE base."""
+    if spec.rope_scaling.factor != 1:
+        raise ConfigError("model.rope_scaling: Gemma 3's form here has no Llama 3 RoPE scaling; use factor=1.")
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+            "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id", "dtype", "torch_dtype")  # fmt: skip
+    local_theta = spec.local_rope_theta or spec.rope_theta
+    return {
+        **{k: common[k] for k in keep},
+        "architectures": [FAMILIES["gemma3_text"]],
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": spec.attn_scale_dim or spec.head_dim,
+        # Without a window every layer is global; the window's value is then never read.
+        "sliding_window": spec.sliding_window or common["max_position_embeddings"],
+        "layer_types": ["sliding_attention" if spec.is_local(i) else "full_attention" for i in range(spec.n_layers)],
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": spec.rope_theta},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    }  # fmt: skip
 
 
 def _llama3(spec: Architecture) -> dict:
@@ -88,19 +147,30 @@ def _llama3(spec: Architecture) -> dict:
 def model_keys_from_hf(config: dict) -> dict:
     """Our model.* values for a Hugging Face config of one of the FAMILIES; refuses what our model does not
     implement."""
-    # RoPE: transformers 5.x writes rope_parameters, 4.x rope_scaling (None or a dict) beside rope_theta.
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
     kind = config.get("model_type")
+    # RoPE: transformers 5.x writes rope_parameters (Gemma 3: one per layer type), 4.x rope_scaling (None or
+    # a dict) beside rope_theta.
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    local_rope = {}
+    if kind == "gemma3_text":
+        rope, local_rope = rope.get("full_attention", {}), rope.get("sliding_attention", {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    window = _window(config)
     layers = config["num_hidden_layers"]
     dense = sorted(config.get("mlp_only_layers") or [])
     step = config.get("decoder_sparse_step", 1)
     unsupported = {
         "model_type": kind not in FAMILIES,
-        "hidden_act": config.get("hidden_act", "silu") != "silu",
+        "hidden_act": kind != "gemma3_text" and config.get("hidden_act", "silu") != "silu",
+        "hidden_activation": kind == "gemma3_text" and config.get("hidden_activation") != "gelu_pytorch_tanh",
+        "final_logit_softcapping": config.get("final_logit_softcapping") is not None,
+        "attn_logit_softcapping": config.get("attn_logit_softcapping") is not None,
+        "use_bidirectional_attention": bool(config.get("use_bidirectional_attention")),
+        "layer_types": window is None,
         "attention_bias": bool(config.get("attention_bias")),
         "mlp_bias": bool(config.get("mlp_bias")),
-        "rope_scaling": rope_type not in ("default", "llama3"),
+        "rope_scaling": rope_type not in ("default", "llama3") or (kind == "gemma3_text" and rope_type != "default")
+        or local_rope.get("rope_type", "default") != "default",
         "sliding_window": kind in ("mixtral", "qwen3_moe", "qwen3") and bool(
             config.get("sliding_window") if kind == "mixtral" else config.get("use_sliding_window")),
         "norm_topk_prob": kind == "qwen3_moe" and not config.get("norm_topk_prob"),
@@ -131,9 +201,20 @@ def model_keys_from_hf(config: dict) -> dict:
         experts.update({"moe.experts_per_token": config["num_experts_per_tok"], "moe.shared_experts": 0})
     else:
         experts = {"moe.num_experts": 0}
+    gemma = {}
+    if kind == "gemma3_text":
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        scale = config.get("query_pre_attn_scalar", head_dim)
+        local_theta = float(local_rope.get("rope_theta", theta))
+        gemma = {"embed_scale": True, "post_norms": True, "mlp_activation": "gelu_tanh",
+                 "attn_scale_dim": 0 if scale == head_dim else int(scale),
+                 "local_rope_theta": 0.0 if local_theta == float(theta) else local_theta}  # fmt: skip
     return {
         **scaling,
         **experts,
+        **gemma,
+        "sliding_window": window[0],
+        "global_every": window[1],
         "vocab_size": config["vocab_size"],
         "d_model": config["hidden_size"],
         "n_layers": layers,
@@ -143,9 +224,25 @@ def model_keys_from_hf(config: dict) -> dict:
         "head_dim": config.get("head_dim") or config["hidden_size"] // heads,
         "rope_theta": float(theta),
         "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "qk_norm": kind in ("qwen3", "qwen3_moe"),
+        "qk_norm": kind in ("qwen3", "qwen3_moe", "gemma3_text"),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
     }
+
+
+def _window(config: dict) -> tuple[int, int] | None:
+    """(model.sliding_window, model.global_every) for a config's layers; None if its pattern of local and
+    global layers (Gemma 3's layer_types) is not every-n-th-global."""
+    window = config.get("sliding_window") or 0
+    if config.get("model_type") == "mistral":
+        return window, 0
+    if config.get("model_type") != "gemma3_text":
+        return 0, 0
+    local = [t == "sliding_attention" for t in config["layer_types"]]
+    if not any(local) or not window:
+        return 0, 0
+    every = 0 if all(local) else local.index(False) + 1
+    same = all(loc == bool(not every or (i + 1) % every) for i, loc in enumerate(local))
+    return (window, every) if same else None
 
 
 def _expert_names(kind: str, i: int, j: int) -> tuple[str, str, str]:
@@ -162,14 +259,15 @@ def _router_name(kind: str, i: int) -> str:
 def _stacks(spec: Architecture) -> dict[str, list[int]]:
     """Our stacks of layers and the layer numbers each holds, in order."""
     stacks = {}
-    for i, (stack, _) in enumerate(spec.moe.stacks(spec.n_layers)):
+    for i, (stack, _) in enumerate(spec.stacks()):
         stacks.setdefault(stack, []).append(i)
     return stacks
 
 
 def to_hf_tensors(params: dict, spec: Architecture) -> dict[str, np.ndarray]:
     kind = family(spec)
-    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]["scale"]}
+    norms, off = (GEMMA_NORMS, 1.0) if kind == "gemma3_text" else (NORMS, 0.0)
+    out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]["scale"] - off}
     if not spec.tie_embeddings:
         # muP divides our logits by m; Llama has no output multiplier, so the head carries it
         # (muP refuses tied embeddings, so the input table is untouched).
@@ -185,8 +283,8 @@ def to_hf_tensors(params: dict, spec: Architecture) -> dict[str, np.ndarray]:
             out[prefix + "self_attn.v_proj.weight"] = a["wv"][n].reshape(d, -1).T
             out[prefix + "self_attn.o_proj.weight"] = a["wo"][n].reshape(-1, d).T
             if spec.qk_norm:
-                out[prefix + "self_attn.q_norm.weight"] = a["q_norm"]["scale"][n]
-                out[prefix + "self_attn.k_norm.weight"] = a["k_norm"]["scale"][n]
+                out[prefix + "self_attn.q_norm.weight"] = a["q_norm"]["scale"][n] - off
+                out[prefix + "self_attn.k_norm.weight"] = a["k_norm"]["scale"][n] - off
             if "moe" in layers:
                 m = layers["moe"]
                 if np.any(m["router_bias"][n] != 0):
@@ -199,15 +297,16 @@ def to_hf_tensors(params: dict, spec: Architecture) -> dict[str, np.ndarray]:
             else:
                 for w, name in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
                     out[prefix + f"mlp.{name}.weight"] = layers["mlp"][w][n].T
-            out[prefix + "input_layernorm.weight"] = layers["attn_norm"]["scale"][n]
-            out[prefix + "post_attention_layernorm.weight"] = layers["mlp_norm"]["scale"][n]
+            for name, ours in norms.items():
+                out[prefix + f"{name}.weight"] = layers[ours]["scale"][n] - off
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
 def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture) -> dict:
     kind = family(spec)
+    norms, off = (GEMMA_NORMS, 1.0) if kind == "gemma3_text" else (NORMS, 0.0)
     d, n, k, h = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
-    params = {"embed": t["model.embed_tokens.weight"], "final_norm": {"scale": t["model.norm.weight"]}}
+    params = {"embed": t["model.embed_tokens.weight"], "final_norm": {"scale": t["model.norm.weight"] + off}}
     for stack, numbers in _stacks(spec).items():
 
         def each(name, fn, numbers=numbers):
@@ -220,12 +319,9 @@ def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture) -> dict:
             "wo": each("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d)),
         }
         if spec.qk_norm:
-            attn.update({f"{q}_norm": {"scale": each(f"self_attn.{q}_norm.weight", lambda w: w)} for q in "qk"})
-        layers = {
-            "attn": attn,
-            "attn_norm": {"scale": each("input_layernorm.weight", lambda w: w)},
-            "mlp_norm": {"scale": each("post_attention_layernorm.weight", lambda w: w)},
-        }
+            attn.update({f"{q}_norm": {"scale": each(f"self_attn.{q}_norm.weight", lambda w: w + off)} for q in "qk"})
+        layers = {"attn": attn, **{ours: {"scale": each(f"{name}.weight", lambda w: w + off)}
+                                   for name, ours in norms.items()}}  # fmt: skip
         if stack == "layers" and spec.moe.num_experts:
             experts = range(spec.moe.num_experts)
             names = {i: [_expert_names(kind, i, j) for j in experts] for i in numbers}

@@ -18,6 +18,7 @@ import ml_collections
 from parallelism.mesh import AXES
 from parallelism.rules import check_rules, parse_rules
 from trainer.config import (
+    ACTIVATIONS,
     ATTENTION_IMPLS,
     CONTEXT_ATTENTION,
     DPO_LOSSES,
@@ -122,6 +123,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         )
     _check_pipeline(cfg)
     _check_moe(cfg)
+    _check_window(cfg)
     if cfg.stability.max_bad_steps > cfg.stability.bad_window:
         raise ConfigError(
             f"stability.max_bad_steps={cfg.stability.max_bad_steps} bad steps can never occur within "
@@ -264,6 +266,31 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
             f"a batch of {micro} sequences (train.global_batch_size / train.grad_accum_steps) does not "
             f"split into train.pipeline_microbatches={m} pipeline microbatches; make it a multiple of {m}."
         )
+
+
+def _check_window(cfg: ml_collections.ConfigDict) -> None:
+    """What local layers and Gemma's MLP need (trainer/model/attention.py, layers.py)."""
+    m = cfg.model
+    _choice("model.mlp_activation", m.mlp_activation, ACTIVATIONS)
+    if m.moe.num_experts and m.mlp_activation != "silu":
+        raise ConfigError(f"model.mlp_activation={m.mlp_activation} with experts: the experts are SwiGLU MLPs; "
+                          "use silu, or a dense model.")  # fmt: skip
+    w = m.sliding_window
+    if not w:
+        return
+    if w >= m.max_seq_len:
+        raise ConfigError(f"model.sliding_window={w} is not shorter than model.max_seq_len={m.max_seq_len}, so "
+                          f"every local layer would attend as a global one does; use a window below "
+                          f"{m.max_seq_len}, or 0 for global attention everywhere.")  # fmt: skip
+    if m.global_every == 1:
+        raise ConfigError("model.global_every=1 makes every layer global; use model.sliding_window=0 for that, or "
+                          "a pattern such as 6 (five local layers, then a global one).")  # fmt: skip
+    if m.moe.num_experts:
+        raise ConfigError(f"model.sliding_window={w} with experts (model.moe.num_experts={m.moe.num_experts}) is "
+                          "not implemented here; use one or the other.")  # fmt: skip
+    if cfg.mesh.stage > 1:
+        raise ConfigError(f"model.sliding_window={w} with mesh.stage={cfg.mesh.stage}: local layers inside "
+                          "pipeline stages are not supported; use mesh.stage=1.")  # fmt: skip
 
 
 def _check_moe(cfg: ml_collections.ConfigDict) -> None:

@@ -2,7 +2,9 @@
 
 All take q (batch, seq, heads, head_dim), k and v (batch, seq, kv_heads, head_dim)
 and optional segment ids (batch, seq): a query attends to a key only if the key
-is not in its future and belongs to the same packed document.
+is not in its future and belongs to the same packed document; with a `window` (a
+local layer's model.sliding_window), only if it is also one of the window - 1 keys
+before the query or the query's own.
 
 - "xla": the reference, written out in einsums with the softmax in fp32.
 - "dot_product": `jax.nn.dot_product_attention`, letting JAX pick the kernel.
@@ -28,9 +30,13 @@ from trainer.model.splash import splash_attention
 AUTO = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn", "rocm": "cudnn"}
 
 
-def attention_mask(segment_ids: jax.Array | None, q_len: int, kv_len: int) -> jax.Array:
-    """Boolean (batch|1, 1, q, kv) mask: causal, and within one segment if ids are given."""
-    causal = jnp.tril(jnp.ones((q_len, kv_len), bool), k=kv_len - q_len)[None, None]
+def attention_mask(segment_ids: jax.Array | None, q_len: int, kv_len: int, window: int = 0) -> jax.Array:
+    """Boolean (batch|1, 1, q, kv) mask: causal (within the window, if any), and within one segment if ids
+    are given."""
+    causal = jnp.tril(jnp.ones((q_len, kv_len), bool), k=kv_len - q_len)
+    if window:
+        causal = causal & ~jnp.tril(jnp.ones((q_len, kv_len), bool), k=kv_len - q_len - window)
+    causal = causal[None, None]
     if segment_ids is None:
         return causal
     same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
@@ -51,8 +57,8 @@ def masked_attention(q, k, v, mask):
     return out.reshape(b, t, n, h)
 
 
-def xla_attention(q, k, v, segment_ids=None):
-    return masked_attention(q, k, v, attention_mask(segment_ids, q.shape[1], k.shape[1]))
+def xla_attention(q, k, v, segment_ids=None, window: int = 0):
+    return masked_attention(q, k, v, attention_mask(segment_ids, q.shape[1], k.shape[1], window))
 
 
 def cached_attention(q, k_cache, v_cache, q_positions):
@@ -65,11 +71,35 @@ def cached_attention(q, k_cache, v_cache, q_positions):
     return masked_attention(q, k_cache, v_cache, mask)
 
 
-def _jax_nn_attention(q, k, v, segment_ids, implementation):
+def ring_attention(q, k, v, k_ring, v_ring, ring_positions, q_positions, window: int):
+    """Decoding a local layer: its cache is a ring of `window` slots (fewer if the whole decode is shorter),
+    slot s holding the keys and values of position `ring_positions[:, s]` (-1: empty), the newest positions
+    written (at position mod slots). Queries at `q_positions` (batch, q) (-1: padding, which is never
+    written) attend over the ring and this call's own keys within the window, then the newest of those keys
+    take their slots. Returns (output, new ring)."""
+    keys, values = (
+        jnp.concatenate([k_ring, k.astype(k_ring.dtype)], 1),
+        jnp.concatenate([v_ring, v.astype(v_ring.dtype)], 1),
+    )
+    key_positions = jnp.concatenate([ring_positions, q_positions], 1)
+    kp, qp = key_positions[:, None, None, :], q_positions[:, None, :, None]
+    out = masked_attention(q, keys, values, (kp >= 0) & (kp <= qp) & (qp - kp < window))
+    # A prompt longer than the ring writes only its last tokens: no two writes share a slot.
+    size = k_ring.shape[1]
+    newest = q_positions > q_positions.max(axis=1, keepdims=True) - size
+    slots = jnp.where((q_positions >= 0) & newest, q_positions % size, size)  # slot `size`: dropped
+    rows = jnp.arange(q.shape[0])[:, None]
+    k_ring = k_ring.at[rows, slots].set(k.astype(k_ring.dtype), mode="drop")
+    v_ring = v_ring.at[rows, slots].set(v.astype(v_ring.dtype), mode="drop")
+    return out, (k_ring, v_ring, ring_positions.at[rows, slots].set(q_positions, mode="drop"))
+
+
+def _jax_nn_attention(q, k, v, segment_ids, implementation, window: int = 0):
     mask = None
     if segment_ids is not None:
         mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation)
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=implementation,
+                                        local_window_size=(window - 1, 0) if window else None)  # fmt: skip
 
 
 def resolve(kind: str, platform: str) -> str:
@@ -85,40 +115,41 @@ def context_kernel(kind: str, mode: str, platform: str) -> str:
     return fused if mode == "all_gather" and fused in ("splash", "cudnn") else "xla"
 
 
-def gathered_attention(q, k, v, segment_ids, shard, implementation: str | None = "cudnn"):
+def gathered_attention(q, k, v, segment_ids, shard, implementation: str | None = "cudnn", window: int = 0):
     """all_gather through `jax.nn.dot_product_attention` (cuDNN's fused kernel on a GPU): each device's
     queries, in zig-zag order, over the keys and values gathered from the context axis in the sequence's
     order, under the mask their original positions and documents give. The mask is an explicit
     (rows, 1, queries, keys) array: cuDNN takes it as a bias, so it costs queries x keys per row."""
     seq_len, context = q.shape[1], ways(shard)
-    body = lambda q, k, v, i: gathered_local(q, k, v, i, seq_len, context, implementation)  # noqa: E731
+    body = lambda q, k, v, i: gathered_local(q, k, v, i, seq_len, context, implementation, window)  # noqa: E731
     return over_context(body, q, k, v, segment_ids, shard)
 
 
-def gathered_local(q, k, v, ids, seq_len: int, context: int, implementation: str | None):
+def gathered_local(q, k, v, ids, seq_len: int, context: int, implementation: str | None, window: int = 0):
     """One device's part of `gathered_attention`, under an axis named context (shard_map's, or vmap's)."""
-    mask = (positions(seq_len, context)[:, None] >= jnp.arange(seq_len)[None, :])[None, None]
+    distance = positions(seq_len, context)[:, None] - jnp.arange(seq_len)[None, :]
+    mask = ((distance >= 0) & ((distance < window) if window else True))[None, None]
     if ids is not None:
         mask = mask & (ids[:, None, :, None] == gathered(ids, seq_len, context)[:, None, None, :])
     k, v = gathered(k, seq_len, context), gathered(v, seq_len, context)
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 
-def attend(kind: str, q, k, v, segment_ids=None, shard=None, context_mode: str = "ring"):
+def attend(kind: str, q, k, v, segment_ids=None, shard=None, context_mode: str = "ring", window: int = 0):
     """Dispatch on `model.attention` (and `model.context_attention` when the sequence is split over the
-    context axis); config validation has already checked both."""
+    context axis); config validation has already checked both. `window`: a local layer's (0: global)."""
     mesh = None if shard is None else shard.mesh
     platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
     if shard is not None and ways(shard) > 1:
         kernel = context_kernel(kind, context_mode, platform)
         if kernel == "splash":
-            return splash_attention(q, k, v, segment_ids, shard)
+            return splash_attention(q, k, v, segment_ids, shard, window=window)
         if kernel == "cudnn":
-            return gathered_attention(q, k, v, segment_ids, shard)
-        return context_attention(context_mode, q, k, v, segment_ids, shard)
+            return gathered_attention(q, k, v, segment_ids, shard, window=window)
+        return context_attention(context_mode, q, k, v, segment_ids, shard, window)
     kind = resolve(kind, platform)
     if kind == "xla":
-        return xla_attention(q, k, v, segment_ids)
+        return xla_attention(q, k, v, segment_ids, window)
     if kind == "splash":
-        return splash_attention(q, k, v, segment_ids, shard)
-    return _jax_nn_attention(q, k, v, segment_ids, "cudnn" if kind == "cudnn" else None)
+        return splash_attention(q, k, v, segment_ids, shard, window=window)
+    return _jax_nn_attention(q, k, v, segment_ids, "cudnn" if kind == "cudnn" else None, window)

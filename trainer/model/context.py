@@ -69,9 +69,11 @@ def positions(seq_len: int, context: int) -> jax.Array:
     return _slots(jax.lax.axis_index(AXIS), seq_len, context)
 
 
-def _mask(q_slots, k_slots, q_ids, k_ids):
-    """(batch|1, 1, 1, q, k): causal by original position, within one document; broadcast over groups."""
-    mask = (k_slots[None, :] <= q_slots[:, None])[None]
+def _mask(q_slots, k_slots, q_ids, k_ids, window: int = 0):
+    """(batch|1, 1, 1, q, k): causal by original position (within the window, if any), within one document;
+    broadcast over groups."""
+    distance = q_slots[:, None] - k_slots[None, :]
+    mask = ((distance >= 0) & ((distance < window) if window else True))[None]
     if q_ids is not None:
         mask = mask & (q_ids[:, :, None] == k_ids[:, None, :])
     return mask[:, None, None]
@@ -104,14 +106,14 @@ def _key_tiles(k, v, k_slots, k_ids):
     return _tiles(k, tile), _tiles(v, tile), k_slots.reshape(-1, tile), _tiles(ids, tile)
 
 
-def _block_forward(qg, q_slots, q_ids, k, v, k_slots, k_ids, state):
+def _block_forward(qg, q_slots, q_ids, k, v, k_slots, k_ids, state, window: int = 0):
     """The online softmax's (acc, peak, total) after the queries also see one block of keys, TILE keys at a
     time: a device never holds more than its queries x TILE scores per head."""
 
     def step(state, x):
         acc, peak, total = state
         bk, bv, slots, b_ids = x
-        mask = _mask(q_slots, slots, q_ids, None if k_ids is None else b_ids)
+        mask = _mask(q_slots, slots, q_ids, None if k_ids is None else b_ids, window)
         scores = _scores(qg, bk, mask)
         new_peak = jnp.maximum(peak, scores.max(-1))
         probs = jnp.where(mask, jnp.exp(scores - new_peak[..., None]), 0.0)
@@ -122,13 +124,13 @@ def _block_forward(qg, q_slots, q_ids, k, v, k_slots, k_ids, state):
     return jax.lax.scan(step, state, _key_tiles(k, v, k_slots, k_ids))[0]
 
 
-def _block_backward(qg, dog, lse, delta, q_slots, q_ids, k, v, k_slots, k_ids):
+def _block_backward(qg, dog, lse, delta, q_slots, q_ids, k, v, k_slots, k_ids, window: int = 0):
     """One block's part of (dq, dk, dv), in fp32, recomputing its probabilities from the log-sum-exp."""
     scale = qg.shape[-1] ** -0.5
 
     def step(dq, x):
         bk, bv, slots, b_ids = x
-        mask = _mask(q_slots, slots, q_ids, None if k_ids is None else b_ids)
+        mask = _mask(q_slots, slots, q_ids, None if k_ids is None else b_ids, window)
         probs = jnp.where(mask, jnp.exp(_scores(qg, bk, mask) - lse[..., None]), 0.0)
         dv = jnp.einsum("bkgts,btkgh->bskh", probs.astype(dog.dtype), dog, preferred_element_type=jnp.float32)
         d_probs = jnp.einsum("btkgh,bskh->bkgts", dog, bv, preferred_element_type=jnp.float32)
@@ -149,7 +151,7 @@ def _last(x, n: int, axis: int = 1):
     return None if x is None else jax.lax.slice_in_dim(x, x.shape[axis] - n, x.shape[axis], axis=axis)
 
 
-def _half_block_forward(early, qg, q_slots, q_ids, k, v, k_slots, k_ids, state):
+def _half_block_forward(early, qg, q_slots, q_ids, k, v, k_slots, k_ids, state, window: int = 0):
     """Another device's block, half of it computed. Device r holds chunks (r, 2C-1-r) and the block
     (s, 2C-1-s). If the block is from earlier on the ring (s < r: `early`), all our queries see its
     first chunk and none its second; otherwise only our second chunk sees it, all of it. Either way half
@@ -157,28 +159,29 @@ def _half_block_forward(early, qg, q_slots, q_ids, k, v, k_slots, k_ids, state):
     u = qg.shape[1] // 2
 
     def first_keys(state):
-        return _block_forward(qg, q_slots, q_ids, _first(k, u), _first(v, u), k_slots[:u], _first(k_ids, u), state)
+        return _block_forward(qg, q_slots, q_ids, _first(k, u), _first(v, u), k_slots[:u], _first(k_ids, u), state,
+                              window)  # fmt: skip
 
     def last_queries(state):
         kept = tuple(_last(x, u, axis=3) for x in state)
-        new = _block_forward(_last(qg, u), q_slots[u:], _last(q_ids, u), k, v, k_slots, k_ids, kept)
+        new = _block_forward(_last(qg, u), q_slots[u:], _last(q_ids, u), k, v, k_slots, k_ids, kept, window)
         return tuple(jnp.concatenate([_first(x, u, axis=3), n], axis=3) for x, n in zip(state, new, strict=True))
 
     return jax.lax.cond(early, first_keys, last_queries, state)
 
 
-def _half_block_backward(early, qg, dog, lse, delta, q_slots, q_ids, k, v, k_slots, k_ids):
+def _half_block_backward(early, qg, dog, lse, delta, q_slots, q_ids, k, v, k_slots, k_ids, window: int = 0):
     """The gradients of `_half_block_forward`'s half: (dq, dk, dv), zeros where the half was skipped."""
     u = qg.shape[1] // 2
 
     def first_keys():
         dq, dk, dv = _block_backward(qg, dog, lse, delta, q_slots, q_ids, _first(k, u), _first(v, u), k_slots[:u],
-                                     _first(k_ids, u))  # fmt: skip
+                                     _first(k_ids, u), window)  # fmt: skip
         return dq, *(jnp.concatenate([g, jnp.zeros_like(g)], axis=1) for g in (dk, dv))
 
     def last_queries():
         dq, dk, dv = _block_backward(_last(qg, u), _last(dog, u), _last(lse, u, 3), _last(delta, u, 3), q_slots[u:],
-                                     _last(q_ids, u), k, v, k_slots, k_ids)  # fmt: skip
+                                     _last(q_ids, u), k, v, k_slots, k_ids, window)  # fmt: skip
         return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
 
     return jax.lax.cond(early, first_keys, last_queries)
@@ -192,7 +195,7 @@ def _gather(x):
     return None if x is None else jax.lax.all_gather(x, AXIS, axis=1, tiled=True)
 
 
-def _forward(mode, q, k, v, ids, seq_len, context):
+def _forward(mode, q, k, v, ids, seq_len, context, window):
     """(output, log-sum-exp) of the local queries over the whole sequence's keys."""
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
@@ -203,7 +206,7 @@ def _forward(mode, q, k, v, ids, seq_len, context):
     state = (jnp.zeros((*peak.shape, h), jnp.float32), peak, jnp.zeros_like(peak))
     if mode == "all_gather":
         k_slots = jnp.asarray(zigzag(seq_len, context))
-        state = _block_forward(qg, q_slots, ids, _gather(k), _gather(v), k_slots, _gather(ids), state)
+        state = _block_forward(qg, q_slots, ids, _gather(k), _gather(v), k_slots, _gather(ids), state, window)
     else:
         block = (k, v, ids)
         for step in range(context):
@@ -211,9 +214,9 @@ def _forward(mode, q, k, v, ids, seq_len, context):
                 following = jax.lax.ppermute(block, AXIS, _ring_perm(context))
             k_slots = _slots((r - step) % context, seq_len, context)
             if step == 0:  # our own block: causal
-                state = _block_forward(qg, q_slots, ids, *block[:2], k_slots, block[2], state)
+                state = _block_forward(qg, q_slots, ids, *block[:2], k_slots, block[2], state, window)
             else:
-                state = _half_block_forward(r >= step, qg, q_slots, ids, *block[:2], k_slots, block[2], state)
+                state = _half_block_forward(r >= step, qg, q_slots, ids, *block[:2], k_slots, block[2], state, window)
             if step < context - 1:
                 block = following
     acc, peak, total = state  # every query sees at least itself, so total > 0
@@ -221,17 +224,17 @@ def _forward(mode, q, k, v, ids, seq_len, context):
     return out, peak + jnp.log(total)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6))
-def _attention(mode, q, k, v, ids, seq_len, context):
-    return _forward(mode, q, k, v, ids, seq_len, context)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5, 6, 7))
+def _attention(mode, q, k, v, ids, seq_len, context, window):
+    return _forward(mode, q, k, v, ids, seq_len, context, window)[0]
 
 
-def _attention_fwd(mode, q, k, v, ids, seq_len, context):
-    out, lse = _forward(mode, q, k, v, ids, seq_len, context)
+def _attention_fwd(mode, q, k, v, ids, seq_len, context, window):
+    out, lse = _forward(mode, q, k, v, ids, seq_len, context, window)
     return out, (q, k, v, ids, out, lse)
 
 
-def _attention_bwd(mode, seq_len, context, residuals, d_out):
+def _attention_bwd(mode, seq_len, context, window, residuals, d_out):
     """Flash attention's backward over the blocks: keys and values gathered again (all_gather, their
     gradients reduce-scattered back), or passed round the ring once more with their gradients."""
     q, k, v, ids, out, lse = residuals
@@ -245,7 +248,8 @@ def _attention_bwd(mode, seq_len, context, residuals, d_out):
     q_slots = _slots(r, seq_len, context)
     if mode == "all_gather":
         k_slots = jnp.asarray(zigzag(seq_len, context))
-        dq, dk, dv = _block_backward(qg, dog, lse, delta, q_slots, ids, _gather(k), _gather(v), k_slots, _gather(ids))
+        dq, dk, dv = _block_backward(qg, dog, lse, delta, q_slots, ids, _gather(k), _gather(v), k_slots, _gather(ids),
+                                     window)  # fmt: skip
         dk, dv = (jax.lax.psum_scatter(g, AXIS, scatter_dimension=1, tiled=True) for g in (dk, dv))
     else:
         dq = jnp.zeros(qg.shape, jnp.float32)
@@ -255,9 +259,9 @@ def _attention_bwd(mode, seq_len, context, residuals, d_out):
             k_slots = _slots((r - step) % context, seq_len, context)
             inputs = (qg, dog, lse, delta, q_slots, ids, bk, bv, k_slots, b_ids)
             if step == 0:
-                dq_part, dk_part, dv_part = _block_backward(*inputs)
+                dq_part, dk_part, dv_part = _block_backward(*inputs, window)
             else:
-                dq_part, dk_part, dv_part = _half_block_backward(r >= step, *inputs)
+                dq_part, dk_part, dv_part = _half_block_backward(r >= step, *inputs, window)
             dq, dk, dv = dq + dq_part, dk + dk_part, dv + dv_part
             # The gradients travel on with their block: after `context` passes they are back with its owner.
             # The block itself is not needed after the last step.
@@ -284,8 +288,10 @@ def over_context(body, q, k, v, segment_ids, shard: LogicalSharding):
     return mapped(q, k, v, segment_ids)
 
 
-def context_attention(mode: str, q, k, v, segment_ids, shard: LogicalSharding):
-    """Causal attention over a sequence split (zig-zag) over the context axis; q, k, v and the segment
-    ids are global arrays whose sequence axis the rules shard over it."""
+def context_attention(mode: str, q, k, v, segment_ids, shard: LogicalSharding, window: int = 0):
+    """Causal attention (over a sliding `window`, if any) over a sequence split (zig-zag) over the context
+    axis; q, k, v and the segment ids are global arrays whose sequence axis the rules shard over it. A window
+    masks more of each block; the blocks computed are the causal mask's."""
     context, seq_len = ways(shard), q.shape[1]
-    return over_context(lambda q, k, v, i: _attention(mode, q, k, v, i, seq_len, context), q, k, v, segment_ids, shard)
+    body = lambda q, k, v, i: _attention(mode, q, k, v, i, seq_len, context, window)  # noqa: E731
+    return over_context(body, q, k, v, segment_ids, shard)

@@ -4,7 +4,9 @@ tokens -> embedding -> n x [RMSNorm -> GQA attention with RoPE -> residual,
 RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm -> logits.
 
 Layers are created stacked (one array per weight with a leading 'layers' axis)
-and run by `jax.lax.scan`, so compile time does not grow with depth. Three
+and run by `jax.lax.scan`, so compile time does not grow with depth; layers of
+different kinds (dense and MoE, local and global) live in separate stacks, and
+a repeating pattern of them runs as one scan over its units (`layer_plan`). Three
 ways through them, one method each: `features` (training and evaluation:
 scan, unrolled loop or pipeline stages, under the remat policy), `decode` (a
 KV cache, for generation) and `hidden_states` (every layer's output, for
@@ -16,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 
 import chex
 import jax
@@ -31,7 +34,6 @@ from trainer.model.loss import chunked_loss_sums, chunked_target_logprobs, targe
 from trainer.model.spec import LAYERS, REMAT, Architecture, ModelSpec
 
 NO_SHARDING = LogicalSharding.create(None)
-STACKS = ("dense_layers", "dense_between", "layers")  # in the order their first layers run
 
 
 class Decoder(nnx.Module):
@@ -39,20 +41,20 @@ class Decoder(nnx.Module):
         a = spec.arch
         self.embed = param(rngs, (a.vocab_size, a.d_model), ("vocab", "embed"), spec.init_std)
 
-        def stacked_blocks(count: int, moe: bool):
+        def stacked_blocks(count: int, moe: bool, local: bool):
             @nnx.split_rngs(splits=count)
             @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
             def create(rngs):
-                return Block(spec, shard, rngs, moe)
+                return Block(spec, shard, rngs, moe, local)
 
             return create(rngs)
 
-        # Like blocks in one stack each (spec.Experts.stacks): a mixture's dense first layers, the dense ones
-        # between its MoE layers, and the MoE layers (a dense model's every layer).
-        counts = collections.Counter(stack for stack, _ in a.moe.stacks(a.n_layers))
-        for stack in STACKS:
-            if counts[stack]:
-                setattr(self, stack, stacked_blocks(counts[stack], moe=stack == "layers" and a.moe.num_experts > 0))
+        # Like blocks in one stack each (spec.Architecture.stacks): a mixture's dense first layers, the dense
+        # ones between its MoE layers, and the MoE layers (a dense model's every layer); or local and global.
+        counts = collections.Counter(stack for stack, _ in a.stacks())
+        for stack, count in counts.items():
+            moe = stack == "layers" and a.moe.num_experts > 0
+            setattr(self, stack, stacked_blocks(count, moe, stack == "local_layers"))
         self.final_norm = RMSNorm(a.d_model, a.norm_eps)
         if not a.tie_embeddings:
             self.lm_head = param(rngs, (a.d_model, a.vocab_size), ("embed", "vocab"), spec.init_std)
@@ -109,91 +111,114 @@ class Decoder(nnx.Module):
         return None if context == 1 else zigzag(seq_len, context)
 
     def _layers(self, tokens, positions, segment_ids):
-        a, run = self.arch, self.execution
+        run = self.execution
         x = self._embed(tokens)
-        if run.stages > 1:  # dense layers only (validation refuses experts in a pipeline)
+        if run.stages > 1:  # dense global layers only (validation refuses experts and windows in a pipeline)
             graphdef, stacked = nnx.split(self.layers)
             layer = _remat(lambda x, params, tables, ids: nnx.merge(graphdef, params)(x, tables, ids)[0], run)
             return self.final_norm(self._pipelined(layer, stacked, x, positions, segment_ids)), {}
-        tables = rope_tables(positions, a.head_dim, a.rope_theta, a.rope_scaling)
+        tables = self._tables(positions)
 
         def block(graphdef, params, x, _):
             x, _, stats = nnx.merge(graphdef, params)(x, tables, segment_ids)
             return x, stats
 
         x, outs = self._run(block, x, remat=True)
-        return self.final_norm(x), outs["layers"]  # the MoE layers' statistics ({} from dense blocks)
+        return self.final_norm(x), outs.get("layers", {})  # the MoE layers' statistics ({} from dense blocks)
 
-    def _run(self, block, x, inputs=(), remat: bool = False):
+    def _tables(self, positions) -> dict:
+        """RoPE tables for the global layers and the local ones (the same unless model.local_rope_theta)."""
+        a = self.arch
+        tables = {"global": rope_tables(positions, a.head_dim, a.rope_theta, a.rope_scaling)}
+        local = a.local_rope_theta and a.local_rope_theta != a.rope_theta
+        tables["local"] = (
+            rope_tables(positions, a.head_dim, a.local_rope_theta, a.rope_scaling) if local else tables["global"]
+        )
+        return tables
+
+    def _run(self, block, x, inputs: dict | None = None, remat: bool = False):
         """The layers in the model's order: `block(graphdef, params, x, its inputs) -> (x, output)` for each
-        (under the remat policy if `remat`), `inputs` a tree whose leaves lead with the layer axis (model
-        order). Returns (x, each stack's outputs, leading with its own layer axis). Each stack is one scan (a
-        loop without scan_layers); with MoE layers every `every`-th, one scan over units of the dense
-        layers before one and that one."""
-        order = self.arch.moe.stacks(self.arch.n_layers)
-        mine = {stack: np.array([i for i, (s, _) in enumerate(order) if s == stack]) for stack in STACKS}
-        split = {}
-        for stack, i in mine.items():
-            if len(i):
-                graphdef, params = nnx.split(getattr(self, stack))
-                layer = functools.partial(block, graphdef)
-                if remat:
-                    layer = _remat(layer, self.execution)
-                # (x, (params, inputs)) -> (x, output), as a scan's body takes them
-                split[stack] = (lambda x, p, layer=layer: layer(p[0], x, p[1]), params,
-                                jax.tree.map(lambda a, i=i: a[i], inputs))  # fmt: skip
+        (under the remat policy if `remat`), `inputs` {stack: a tree whose leaves lead with that stack's layer
+        axis} or None. Returns (x, {stack: its layers' outputs, leading with its layer axis}). The layers run
+        as `layer_plan` lays them out: scans over runs of one stack (a loop without scan_layers), and one scan
+        over the units of a repeating pattern (a mixture's dense layers and the MoE one after them, Gemma 3's
+        five local layers and a global one)."""
         scan = jax.lax.scan if self.execution.scan_layers else _loop
-        outs = {}
-        if "dense_layers" in split:
-            layer, params, ins = split["dense_layers"]
-            x, outs["dense_layers"] = scan(layer, x, (params, ins))
-        layer, params, ins = split["layers"]
-        if "dense_between" not in split:
-            x, outs["layers"] = scan(layer, x, (params, ins))
-            return x, outs
-        dense_layer, between, between_ins = split["dense_between"]
-        units = jax.tree.leaves(params)[0].shape[0]
+        layers, cursor, outs = {}, collections.Counter(), collections.defaultdict(list)
+        for stack in dict.fromkeys(s for s, _ in self.arch.stacks()):
+            graphdef, params = nnx.split(getattr(self, stack))
+            layer = functools.partial(block, graphdef)
+            if remat:
+                layer = _remat(layer, self.execution)
+            # (x, (params, inputs)) -> (x, output), as a scan's body takes them
+            layers[stack] = (lambda x, p, layer=layer: layer(p[0], x, p[1]), (params, (inputs or {}).get(stack)))
 
-        def unit(x, p):
-            dense, moe = p
-            x, dense_out = scan(dense_layer, x, dense)
-            x, moe_out = layer(x, moe)
-            return x, (dense_out, moe_out)
+        def take(stack: str, count: int):
+            start = cursor[stack]
+            cursor[stack] += count
+            return jax.tree.map(lambda a: a[start : start + count], layers[stack][1])
 
-        per_unit = jax.tree.map(lambda a: a.reshape(units, -1, *a.shape[1:]), (between, between_ins))
-        x, (dense_out, outs["layers"]) = scan(unit, x, (per_unit, (params, ins)))
-        outs["dense_between"] = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), dense_out)
-        return x, outs
+        def through(x, runs, xs):
+            """x through `runs` [(stack, count)], each stack's layers taken in turn from xs[stack]."""
+            used, out = collections.Counter(), collections.defaultdict(list)
+            for stack, count in runs:
+                part = jax.tree.map(lambda a, u=used[stack], n=count: a[u : u + n], xs[stack])
+                used[stack] += count
+                if count == 1:  # one layer: no loop around it
+                    x, o = layers[stack][0](x, jax.tree.map(lambda a: a[0], part))
+                    o = jax.tree.map(lambda a: a[None], o)
+                else:
+                    x, o = scan(layers[stack][0], x, part)
+                out[stack].append(o)
+            return x, {s: _joined(o) for s, o in out.items()}
+
+        for units, runs in layer_plan(tuple(s for s, _ in self.arch.stacks())):
+            counts = collections.Counter()
+            for stack, count in runs:
+                counts[stack] += count
+            if units == 1:
+                x, o = through(x, runs, {s: take(s, c) for s, c in counts.items()})
+            else:  # one scan over the units, each unit's layers of a stack as one leading axis
+                xs = {s: jax.tree.map(lambda a, c=c, u=units: a.reshape(u, c, *a.shape[1:]), take(s, units * c))
+                      for s, c in counts.items()}  # fmt: skip
+                x, o = scan(lambda x, xs, runs=runs: through(x, runs, xs), x, xs)
+                o = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), o)
+            for stack, out in o.items():
+                outs[stack].append(out)
+        return x, {stack: _joined(out) for stack, out in outs.items()}
 
     def _in_order(self, outs: dict):
         """Each stack's per-layer outputs put back in the model's layer order, as one tree."""
-        order = self.arch.moe.stacks(self.arch.n_layers)
-        offset = dict(zip(STACKS, np.cumsum([0, *(jax.tree.leaves(outs[s])[0].shape[0] if s in outs else 0
-                                                   for s in STACKS)]), strict=False))  # fmt: skip
+        order = self.arch.stacks()
+        stacks = list(dict.fromkeys(s for s, _ in order))
+        offset = dict(zip(stacks, np.cumsum([0, *(jax.tree.leaves(outs[s])[0].shape[0] for s in stacks)]),
+                          strict=False))  # fmt: skip
         index = np.array([offset[stack] + place for stack, place in order])
-        joined = jax.tree.map(lambda *a: jnp.concatenate(a), *(outs[s] for s in STACKS if s in outs))
+        joined = jax.tree.map(lambda *a: jnp.concatenate(a), *(outs[s] for s in stacks))
         return jax.tree.map(lambda a: a[index], joined)
 
-    def decode(self, tokens, positions, cache):
+    def decode(self, tokens, positions, cache: dict):
         """Logits for `tokens` at `positions` given a KV cache of earlier positions; returns (logits, cache).
 
-        `cache` is (k, v), each (layers, batch, max_len, kv_heads, head_dim); one
-        call can prefill a whole prompt or extend by a token.
+        `cache` is {stack: (k, v)} (trainer/model/sampling.py `empty_cache`), each (layers, batch, max_len,
+        kv_heads, head_dim); a local stack's (k, v, ring positions) rings of `sliding_window` slots. One call
+        can prefill a whole prompt or extend by a token; a position of -1 is padding, which a ring never
+        takes in.
         """
         chex.assert_equal_shape([tokens, positions])
-        tables = rope_tables(positions, self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
+        tables = self._tables(positions)
 
         def block(graphdef, params, x, kv):
             x, kv, _ = nnx.merge(graphdef, params)(x, tables, None, (*kv, positions))
             return x, kv
 
-        x, outs = self._run(block, self._embed(tokens), tuple(cache))
-        return self.logits(self.final_norm(x)), self._in_order(outs)
+        x, outs = self._run(block, self._embed(tokens), {stack: tuple(kv) for stack, kv in cache.items()})
+        return self.logits(self.final_norm(x)), outs
 
     def hidden_states(self, tokens) -> jax.Array:
         """The residual stream after each layer, (layers, batch, seq, d_model): for coordinate checks."""
         positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-        tables = rope_tables(positions, self.arch.head_dim, self.arch.rope_theta, self.arch.rope_scaling)
+        tables = self._tables(positions)
 
         def block(graphdef, params, x, _):
             x = nnx.merge(graphdef, params)(x, tables, None)[0]
@@ -215,14 +240,17 @@ class Decoder(nnx.Module):
         # use: a gather from a sharded table makes XLA fall back to replicating
         # and re-partitioning its output, which costs more.
         table = _gathered(self.shard, self.embed[...].astype(self.execution.compute_dtype))
-        return self.shard.constrain(table[tokens], RESIDUAL)
+        x = table[tokens]
+        if self.arch.embed_scale:  # Gemma: sqrt(d_model), rounded to the compute dtype as Gemma rounds it
+            x = x * jnp.asarray(self.arch.d_model**0.5, x.dtype)
+        return self.shard.constrain(x, RESIDUAL)
 
     def _pipelined(self, layer, stacked, x, positions, segment_ids):
         """The layers as a GPipe pipeline over mesh.stage stages (parallelism/pipeline.py)."""
-        a, run = self.arch, self.execution
+        run = self.execution
 
         def stage(params, mb):
-            tables = rope_tables(mb["positions"], a.head_dim, a.rope_theta, a.rope_scaling)
+            tables = self._tables(mb["positions"])
             body = lambda x, p: (layer(x, p, tables, mb.get("segment_ids")), None)  # noqa: E731
             return jax.lax.scan(body, mb["x"], params)[0]
 
@@ -258,6 +286,41 @@ class ModelDef:
 def init_params(spec: ModelSpec, shard: LogicalSharding, seed) -> dict:
     """Fresh parameters as a pure dict; call it under jit to place them sharded."""
     return nnx.to_pure_dict(nnx.state(Decoder(spec, shard, rngs=nnx.Rngs(seed))))
+
+
+@functools.lru_cache(maxsize=64)
+def layer_plan(stacks: tuple[str, ...]) -> list[tuple[int, list[tuple[str, int]]]]:
+    """How the layers, each named by its stack in the model's order, run: segments (units, runs), each
+    `units` repetitions of `runs` [(stack, consecutive layers)], together the whole order. Of the ways to
+    cut it into a head, a repeated unit and a tail, the one with the fewest scan bodies to compile (a
+    dense model: one run; a mixture with every=2: its dense head, then units of (dense, MoE); Gemma 3's 26
+    layers: 4 units of (5 local, 1 global), then 2 local)."""
+
+    def runs(names) -> list[tuple[str, int]]:
+        return [(name, len(list(group))) for name, group in itertools.groupby(names)]
+
+    def plain(names) -> list:
+        return [(1, [run]) for run in runs(names)]
+
+    best = plain(stacks)
+    n = len(stacks)
+    for head in range(n):
+        rest = stacks[head:]
+        for period in range(1, len(rest) // 2 + 1):
+            if any(rest[i] != rest[i - period] for i in range(period, len(rest))):
+                continue
+            units = len(rest) // period
+            plan = plain(stacks[:head]) + [(units, runs(rest[:period]))] + plain(rest[units * period :])
+            cost = lambda p: sum(len(r) for _, r in p)  # noqa: E731
+            if cost(plan) < cost(best):
+                best = plan
+            break  # a longer period with this head repeats fewer times
+    return best
+
+
+def _joined(parts: list):
+    """Per-layer outputs of consecutive parts of one stack, as one tree along the layer axis."""
+    return parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
 
 
 def _remat(layer, run):

@@ -1,5 +1,8 @@
 """The decoder's layers: RMSNorm, rotary embeddings, grouped-query attention, the SwiGLU MLP, a block.
 
+A local layer (model.sliding_window) attends over its window, with its own RoPE tables where the family
+has a local base (Gemma 3); in decoding its cache is a ring of `window` slots.
+
 Every parameter is created with its logical axis names (trainer/model/spec.py
 reads them; parallelism/rules.py maps them to mesh axes). Parameters stay in
 fp32; each matmul runs in the execution's compute dtype, while norms, the
@@ -13,7 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallelism.rules import LogicalSharding
-from trainer.model.attention import attend, cached_attention
+from trainer.model.attention import attend, cached_attention, ring_attention
 from trainer.model.moe import MoE
 from trainer.model.spec import ModelSpec, RopeScaling
 
@@ -66,8 +69,11 @@ def apply_rope(x: jax.Array, tables) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class Attention(nnx.Module):
-    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs, local: bool = False):
         a = spec.arch
         d, n, k, h = a.d_model, a.n_heads, a.n_kv_heads, a.head_dim
         std = spec.hidden_init_std
@@ -78,23 +84,33 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
         if a.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(h, a.norm_eps, "head_dim"), RMSNorm(h, a.norm_eps, "head_dim")
+        self.window = a.sliding_window if local else 0
+        # The kernels scale scores by head_dim^-0.5; another scale (Gemma's query_pre_attn_scalar) goes on q.
+        self.q_scale = (h / a.attn_scale_dim) ** 0.5 if a.attn_scale_dim else 1.0
         self.execution, self.shard = spec.execution, shard
 
     def __call__(self, x, tables, segment_ids, cache=None):
-        """With `cache` = (k_cache, v_cache, positions), writes this call's keys and values at
-        `positions` and attends over the whole cache; returns (output, updated cache)."""
+        """`tables`: {"global": ..., "local": ...} RoPE tables. With `cache` = (k_cache, v_cache, positions) (a
+        local layer's: (k_ring, v_ring, ring positions, positions)), writes this call's keys and values and
+        attends over the cache; returns (output, updated cache)."""
         dt = self.execution.compute_dtype
+        tables = tables["local" if self.window else "global"]
         q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
         k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
         v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale != 1.0:
+            q = q * jnp.asarray(self.q_scale, q.dtype)
         q = self.shard.constrain(apply_rope(q, tables), ("batch", "seq", "heads", "head_dim"))
         k = self.shard.constrain(apply_rope(k, tables), ("batch", "seq", "kv_heads", "head_dim"))
         v = self.shard.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
         if cache is None:
             run = self.execution
-            out, new_cache = attend(run.attention, q, k, v, segment_ids, self.shard, run.context_attention), None
+            out = attend(run.attention, q, k, v, segment_ids, self.shard, run.context_attention, self.window)
+            new_cache = None
+        elif self.window:
+            out, new_cache = ring_attention(q, k, v, *cache, self.window)
         else:
             k_cache, v_cache, positions = cache
             # Each row writes at its own position: prompts of different lengths decode side by side.
@@ -113,24 +129,30 @@ class MLP(nnx.Module):
         self.w_gate = param(rngs, (a.d_model, width), ("embed", "mlp"), std)
         self.w_up = param(rngs, (a.d_model, width), ("embed", "mlp"), std)
         self.w_down = param(rngs, (width, a.d_model), ("mlp", "embed"), out_std)
+        self.activation = a.mlp_activation
         self.execution, self.shard = spec.execution, shard
 
     def __call__(self, x):
         dt = self.execution.compute_dtype
         gate = x @ self.w_gate[...].astype(dt)
         up = x @ self.w_up[...].astype(dt)
-        hidden = self.shard.constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+        hidden = self.shard.constrain(ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp"))
         return hidden @ self.w_down[...].astype(dt)
 
 
 class Block(nnx.Module):
-    """Attention and an MLP, each after its norm and added to the residual stream; with `moe`, the MLP is a
-    mixture of experts (trainer/model/moe.py)."""
+    """Attention and an MLP, each after its norm (and with model.post_norms normed again) and added to the
+    residual stream; with `moe`, the MLP is a mixture of experts (trainer/model/moe.py); `local`: attention
+    over the sliding window."""
 
-    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs, moe: bool = False):
-        self.attn_norm = RMSNorm(spec.arch.d_model, spec.arch.norm_eps)
-        self.attn = Attention(spec, shard, rngs)
-        self.mlp_norm = RMSNorm(spec.arch.d_model, spec.arch.norm_eps)
+    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs, moe: bool = False,
+                 local: bool = False):  # fmt: skip
+        a = spec.arch
+        self.attn_norm = RMSNorm(a.d_model, a.norm_eps)
+        self.attn = Attention(spec, shard, rngs, local)
+        self.mlp_norm = RMSNorm(a.d_model, a.norm_eps)
+        if a.post_norms:
+            self.attn_out_norm, self.mlp_out_norm = RMSNorm(a.d_model, a.norm_eps), RMSNorm(a.d_model, a.norm_eps)
         if moe:
             self.moe = MoE(spec, shard, rngs)
         else:
@@ -140,9 +162,13 @@ class Block(nnx.Module):
     def __call__(self, x, tables, segment_ids, cache=None):
         """(the residual stream after the block, the updated cache, the MoE layer's statistics or {})."""
         attended, cache = self.attn(self.attn_norm(x), tables, segment_ids, cache)
+        if hasattr(self, "attn_out_norm"):
+            attended = self.attn_out_norm(attended)
         x = x + attended
         if hasattr(self, "moe"):
             out, stats = self.moe(self.mlp_norm(x), None if segment_ids is None else segment_ids > 0)
         else:
             out, stats = self.mlp(self.mlp_norm(x)), {}
+        if hasattr(self, "mlp_out_norm"):
+            out = self.mlp_out_norm(out)
         return self.shard.constrain(x + out, RESIDUAL), cache, stats

@@ -9,6 +9,8 @@ the cache is split over the tensor axis by key/value head, like attention.
 
 from __future__ import annotations
 
+import collections
+
 import jax
 import jax.numpy as jnp
 
@@ -17,6 +19,7 @@ from trainer.model.decoder import ModelDef
 from trainer.model.spec import ModelSpec, for_inference
 
 CACHE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # a single prompt: batch and time stay whole
+RING_NAMES = ("layers", None, None)  # a local layer's ring: the position each slot holds
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -38,11 +41,19 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, to
     return jax.random.categorical(key, logits, axis=-1)
 
 
-def empty_cache(spec: ModelSpec, batch: int, length: int, shard: LogicalSharding):
+def empty_cache(spec: ModelSpec, batch: int, length: int, shard: LogicalSharding) -> dict:
+    """{stack: (k, v)} for `length` positions, a local stack's (k, v, ring positions) for its window's
+    (the ring's slots all empty, -1): a local layer holds only the keys its window can see."""
     a = spec.arch
-    shape = (a.n_layers, batch, length, a.n_kv_heads, a.head_dim)
-    zeros = jnp.zeros(shape, spec.execution.compute_dtype)
-    return shard.constrain(zeros, CACHE_NAMES), shard.constrain(zeros, CACHE_NAMES)
+    cache = {}
+    for stack, count in collections.Counter(s for s, _ in a.stacks()).items():
+        slots = min(length, a.sliding_window) if stack == "local_layers" else length
+        shape = (count, batch, slots, a.n_kv_heads, a.head_dim)
+        zeros = shard.constrain(jnp.zeros(shape, spec.execution.compute_dtype), CACHE_NAMES)
+        cache[stack] = (zeros, zeros)
+        if stack == "local_layers":
+            cache[stack] += (shard.constrain(jnp.full((count, batch, slots), -1, jnp.int32), RING_NAMES),)
+    return cache
 
 
 def make_generate(spec: ModelSpec, shard: LogicalSharding, *, max_new_tokens: int,
@@ -67,7 +78,8 @@ def make_generate(spec: ModelSpec, shard: LogicalSharding, *, max_new_tokens: in
         lengths = jnp.full((batch,), prompt_len) if lengths is None else lengths
         cache = empty_cache(spec, batch, prompt_len + max_new_tokens, shard)
         keys = jax.random.split(jax.random.key(seed), max_new_tokens)
-        positions = jnp.broadcast_to(jnp.arange(prompt_len), prompt.shape)
+        # A row's padding has no position (-1): a local layer's ring must not take it in over real keys.
+        positions = jnp.where(jnp.arange(prompt_len) < lengths[:, None], jnp.arange(prompt_len), -1)
         logits, cache = model.apply(params, prompt, positions, cache, method="decode")
         first = sample(logits[jnp.arange(batch), lengths - 1], keys[0], temperature, top_k, top_p)
         out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)

@@ -89,11 +89,39 @@ class Architecture:
     tie_embeddings: bool = False
     mup_base_width: int = 0  # muP: hidden init and learning rate scale with d_model / this; logits divided by it
     moe: Experts = Experts()
+    # Sliding-window attention: a local layer's query sees itself and the sliding_window - 1 tokens before it.
+    sliding_window: int = 0  # 0: every layer global
+    global_every: int = 0  # with a window, every this-many-th layer is global (Gemma 3: 6); 0: all local (Mistral)
+    local_rope_theta: float = 0.0  # the local layers' RoPE base (Gemma 3: 10k beside 1M); 0: rope_theta
+    # Gemma's details: embeddings times sqrt(d_model), a norm on each sublayer's output before the residual
+    # add, the MLP's gate through tanh-approximated GELU (GeGLU), scores scaled by attn_scale_dim^-0.5.
+    embed_scale: bool = False
+    post_norms: bool = False
+    mlp_activation: str = "silu"  # one of ACTIVATIONS
+    attn_scale_dim: int = 0  # 0: head_dim
 
     def __post_init__(self):
         # One value for one model: a config's 0 and its d_model / n_heads spelled out are the same architecture.
         if not self.head_dim:
             object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` (0-based) attends over the sliding window."""
+        return bool(self.sliding_window) and not (self.global_every and (layer + 1) % self.global_every == 0)
+
+    def stacks(self) -> list[tuple[str, int]]:
+        """Where each layer's weights live, in the model's order: (stack, place in it). A stack holds like
+        blocks (run as scans, trainer/model/decoder.py): the mixture's (Experts.stacks), and with a window
+        `local_layers` for the local layers beside `layers` for the global ones (validation refuses windows
+        with experts)."""
+        if not self.sliding_window:
+            return self.moe.stacks(self.n_layers)
+        out, seen = [], {"local_layers": 0, "layers": 0}
+        for i in range(self.n_layers):
+            stack = "local_layers" if self.is_local(i) else "layers"
+            out.append((stack, seen[stack]))
+            seen[stack] += 1
+        return out
 
     @property
     def width_multiplier(self) -> float:

@@ -56,17 +56,29 @@ def block_size(seq_len: int, head_dim: int, group: int, device_kind: str) -> int
     return max(b for b in fits if roofline(b) <= 1.1 * best)
 
 
+def _mask(seq_len: int, window: int, context: int):
+    """The causal mask, or with a `window` the local one (a query sees itself and the window - 1 keys before
+    it): the kernel's block map then skips the blocks outside the window as it does those above the diagonal.
+    Over a context axis its query positions are the zig-zag layout's."""
+    if window:
+        mask = splash_mask.LocalMask((seq_len, seq_len), window_size=(window - 1, 0), offset=0)
+    else:
+        mask = splash_mask.CausalMask((seq_len, seq_len))
+    if context > 1:
+        mask.q_sequence = zigzag(seq_len, context).astype(np.int32)
+    return mask
+
+
 @functools.lru_cache(maxsize=32)
-def _kernel(seq_len: int, group: int, block: int, interpret: bool, context: int = 1, block_kv: int | None = None):
-    """A causal kernel for one key/value head and the `group` query heads that share it (MQA form).
+def _kernel(seq_len: int, group: int, block: int, interpret: bool, context: int = 1, block_kv: int | None = None,
+            window: int = 0):  # fmt: skip
+    """A causal kernel (over a sliding `window`, if any) for one key/value head and the `group` query heads
+    that share it (MQA form).
 
     Over a context axis the queries arrive in the zig-zag layout, split into `context` shards (each
     device's), and the keys in the sequence's order: the mask's query positions (`q_sequence`, which the
     kernel and its block map read) are then the layout's original positions."""
-    causal = splash_mask.CausalMask((seq_len, seq_len))
-    if context > 1:
-        causal.q_sequence = zigzag(seq_len, context).astype(np.int32)
-    mask = splash_mask.MultiHeadMask([causal] * group)
+    mask = splash_mask.MultiHeadMask([_mask(seq_len, window, context)] * group)
     kv = block_kv or block
     # The fused backward writes a dq partial per key block: over the gathered keys of a long sequence that is
     # (seq / block) x dq's size (128k tokens, context 8: 128 x 16k queries), so there dq has its own kernel.
@@ -80,7 +92,7 @@ def _kernel(seq_len: int, group: int, block: int, interpret: bool, context: int 
                                       interpret=interpret)  # fmt: skip
 
 
-def splash_attention(q, k, v, segment_ids=None, shard=None, block: int | None = None):
+def splash_attention(q, k, v, segment_ids=None, shard=None, block: int | None = None, window: int = 0):
     """The Pallas kernel on each device's shard: a Mosaic kernel cannot be partitioned by XLA, so it
     runs under shard_map, batch split over the batch axes and heads over `tensor`, each device
     holding whole sequences (sequence-parallel layouts are gathered first).
@@ -98,7 +110,7 @@ def splash_attention(q, k, v, segment_ids=None, shard=None, block: int | None = 
     block = block or block_size(t // context, h, group, device.device_kind)
     # Key blocks below the kernel's 128 (a short device share of a short sequence): the keys in one block.
     block_kv = block if block % 128 == 0 else t
-    kernel = _kernel(t, group, block, device.platform != "tpu", context, block_kv)
+    kernel = _kernel(t, group, block, device.platform != "tpu", context, block_kv, window)
 
     def local(kernel, q, k, v, segment_ids):
         kv_ids = segment_ids
@@ -142,15 +154,13 @@ def _fetches(indices: np.ndarray) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _schedule(seq_len: int, bq: int, bkv: int, heads: int, kv_heads: int, context: int = 1) -> dict[str, int]:
+def _schedule(seq_len: int, bq: int, bkv: int, heads: int, kv_heads: int, context: int = 1,
+              window: int = 0) -> dict[str, int]:  # fmt: skip
     """Steps that compute, and copies of each kind of block, in one causal call over `heads` query heads
     sharing `kv_heads` key/value heads (1: the multi-query form). With `context` > 1, one device's call over
     the gathered keys: its queries are a 1/context share of the sequence in the zig-zag layout (as
     `_kernel` makes it), and the share counted is the busiest device's (zig-zag evens them to a block or so)."""
-    causal = splash_mask.CausalMask((seq_len, seq_len))
-    if context > 1:
-        causal.q_sequence = zigzag(seq_len, context).astype(np.int32)
-    mask = splash_mask.MultiHeadMask([causal] * heads)
+    mask = splash_mask.MultiHeadMask([_mask(seq_len, window, context)] * heads)
     group, out = heads // kv_heads, {}
     # Forward and dq: grid (head h, query block i, step j); step j's key/value block is data_next[i, j].
     # Over a context axis the maps' rows are the devices' shares, one after another (mask_info pads them alike).
@@ -191,15 +201,17 @@ def call_cost(
     residuals: bool = True,
     fused: bool = True,
     context: int = 1,
+    window: int = 0,
 ) -> tuple[int, int]:
     """(FLOPs, HBM bytes) of one kernel call over `instances` (the batch rows and heads it is vmapped
     over) of `heads` query heads on `kv_heads` key/value heads (1 in the multi-query form we call), q, k,
     v and their gradients `itemsize` bytes an element, segment ids given if `segmented`; with `context` > 1
-    one device's call over the gathered keys (`_schedule`), `seq_len` the whole sequence. `phase` is "fwd"
+    one device's call over the gathered keys (`_schedule`), `seq_len` the whole sequence; with a `window` the
+    local mask's blocks (those the kernel runs). `phase` is "fwd"
     (saving the softmax residual if `residuals`), "dkv" (with dq too if `fused`) or "dq". Matmuls, each
     2 x rows x columns x depth in every step that computes: QK^T and PV forward; QK^T, dP and dQ in dq;
     QK^T, dV, dP and dK in dkv, and dQ when fused."""
-    s, d, b = _schedule(seq_len, bq, bkv, heads, kv_heads, context), head_dim, itemsize
+    s, d, b = _schedule(seq_len, bq, bkv, heads, kv_heads, context, window), head_dim, itemsize
     ids = int(segmented) + s["positions"]  # int32 per-query-row operands, padded to a vreg's lanes/sublanes
     block = 2 * bq * bkv * d  # one matmul's FLOPs on one block
     if phase in ("fwd", "dq"):
