@@ -42,11 +42,12 @@ def our_logits(cfg, workdir):
 
 @pytest.mark.parametrize(
     "model",
-    [dict(tie_embeddings=False), dict(tie_embeddings=True), dict(mup_base_width=16)],
-    ids=["untied", "tied", "mup"],
+    [dict(tie_embeddings=False), dict(tie_embeddings=True), dict(mup_base_width=16), dict(sliding_window=8)],
+    ids=["untied", "tied", "mup", "mistral"],
 )
 def test_exported_checkpoint_gives_transformers_our_logits(tmp_path, model):
-    """muP divides our logits by m = d_model / base width (4 here); the exported head carries it."""
+    """muP divides our logits by m = d_model / base width (4 here); the exported head carries it. A window on
+    every layer exports as Mistral (24 tokens over a window of 8)."""
     cfg = micro_config(model=model, train=dict(steps=3))
     workdir = str(tmp_path / "run")
     train(cfg, workdir)  # trained a little, so the weights are not just their initialisation
@@ -329,7 +330,8 @@ def test_gemma3_imports_from_transformers_decodes_as_it_does_and_exports_back(tm
                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                            query_pre_attn_scalar=24, sliding_window=6, sliding_window_pattern=3,
                                            max_position_embeddings=64, rms_norm_eps=1e-6, initializer_range=0.2,
-                                           rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                           rope_parameters={"full_attention": {"rope_type": "default",
+                                                                               "rope_theta": 1e6},
                                                             "sliding_attention": {"rope_type": "default",
                                                                                   "rope_theta": 1e4}})  # fmt: skip
     model = transformers.Gemma3ForCausalLM(config)
@@ -338,9 +340,9 @@ def test_gemma3_imports_from_transformers_decodes_as_it_does_and_exports_back(tm
             if "norm" in name:
                 w.normal_(0, 0.3)
     model.save_pretrained(str(tmp_path / "hf"))
-    cfg = micro_config(model=dict(n_layers=5, d_ff=96, head_dim=16, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
-                                  tie_embeddings=True, sliding_window=6, global_every=3, local_rope_theta=1e4,
-                                  embed_scale=True, post_norms=True, mlp_activation="gelu_tanh", attn_scale_dim=24))  # fmt: skip
+    gemma = dict(embed_scale=True, post_norms=True, mlp_activation="gelu_tanh", attn_scale_dim=24, qk_norm=True)
+    cfg = micro_config(model=dict(n_layers=5, d_ff=96, head_dim=16, norm_eps=1e-6, rope_theta=1e6, tie_embeddings=True,
+                                  sliding_window=6, global_every=3, local_rope_theta=1e4, **gemma))  # fmt: skip
     workdir = str(tmp_path / "run")
     import_checkpoint(str(tmp_path / "hf"), cfg, workdir)
     logits = our_logits(cfg, workdir)

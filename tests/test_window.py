@@ -4,7 +4,6 @@ blocks its local mask runs. Decoding with a local layer's ring cache is checked 
 3 in tests/test_huggingface.py."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_attention import packed_gqa, value_and_grads

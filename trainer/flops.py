@@ -43,7 +43,7 @@ def count_params(abstract_params: dict) -> dict[str, int]:
 def inactive_params(arch: Architecture, abstract_params: dict) -> int:
     """Parameters a token does not meet: in each MoE layer the experts it is not routed to (and the router's
     bias, which only picks)."""
-    moe = abstract_params["layers"].get("moe")
+    moe = abstract_params.get("layers", {}).get("moe")
     if moe is None:
         return 0
     layers, experts = moe["router_bias"].shape

@@ -30,7 +30,9 @@ from trainer.model.context import AXIS, gathered, ways, zigzag
 
 LANES, SUBLANES = 128, 8  # a TPU vreg's shape: the kernel pads per-row residuals and ids to it
 BLOCKS = (128, 256, 512, 1024)  # the kernel needs multiples of 128; 1024 x 1024 float32 scores are 4 MiB of VMEM
+MAX_BLOCK_WIDTH = 1024 * 128  # block x head_dim: the most the fused backward's VMEM takes (see block_size)
 DEFAULT_BLOCK = 512  # MaxText's default, for a device with no known peak and bandwidth (a CPU in interpret mode)
+WINDOW_SCOPE = "sliding_window_"  # + the window: the name scope of a local layer's calls
 
 
 def block_size(seq_len: int, head_dim: int, group: int, device_kind: str) -> int:
@@ -41,7 +43,11 @@ def block_size(seq_len: int, head_dim: int, group: int, device_kind: str) -> int
     waste fewer FLOPs on the diagonal's half-masked blocks. Chosen by this model, not timed (there is no TPU
     here). A chip the table does not know gets 512 or the largest below it that divides; a sequence no
     block divides is one block."""
-    fits = [b for b in BLOCKS if seq_len % b == 0]
+    # VMEM holds a block's q, k, v, dq partial and f32 accumulators, head_dim wide: past 128 x 1024 per block
+    # the fused backward runs out of it (Gemma 3's heads of 256 at 1024-token blocks on v5e, configs/gemma3_1b.py).
+    fits = [b for b in BLOCKS if seq_len % b == 0 and b * head_dim <= MAX_BLOCK_WIDTH]
+    if not fits and seq_len % BLOCKS[0] == 0:
+        fits = [BLOCKS[0]]
     if not fits:
         return seq_len
     chip = CHIPS.get(chip_of(device_kind) or "")
@@ -129,6 +135,15 @@ def splash_attention(q, k, v, segment_ids=None, shard=None, block: int | None = 
         out = jax.vmap(per_row, in_axes=(0, 0, 0, ids_axis, ids_axis))(qg, kg, vg, segment_ids, kv_ids)
         return out.transpose(0, 3, 1, 2, 4).reshape(rows, q.shape[1], -1, h).astype(q.dtype)
 
+    if window:  # the window in the calls' names (op_name), where a compiled HLO's reader (hlo_call_cost) finds it
+        with jax.named_scope(f"{WINDOW_SCOPE}{window}"):
+            return _sharded(local, kernel, q, k, v, segment_ids, shard, context)
+    return _sharded(local, kernel, q, k, v, segment_ids, shard, context)
+
+
+def _sharded(local, kernel, q, k, v, segment_ids, shard, context: int):
+    """`local` on each device's shard (under shard_map), or whole without a mesh."""
+    mesh = None if shard is None else shard.mesh
     if mesh is None:
         return local(kernel, q, k, v, segment_ids)
     seq = "seq" if context > 1 else None
@@ -243,6 +258,7 @@ def call_cost(
 
 
 _NAME = re.compile(r"splash_(mqa|mha)_(fwd|dkv|dq)(_segmented)?_(residuals|no_residuals)")
+_WINDOW = re.compile(WINDOW_SCOPE + r"(\d+)/")
 _METADATA = re.compile(r'"xprof_metadata":"(\{.*?\})"')
 _ARRAYS = re.compile(r"(bf16|f16|f32)\[([\d,]+)\]")
 
@@ -271,7 +287,9 @@ def hlo_call_cost(line: str) -> tuple[int, int] | None:
     # The fused backward's results hold dq partials, [instances..., key blocks, heads, seq, head_dim].
     results = _ARRAYS.findall(line[: line.find("custom-call(")])
     fused = any(len(dims.split(",")) == len(outer) + 4 for _, dims in results)
+    window = _WINDOW.search(line)  # our local layers' calls (another program's are counted causal)
     itemsize = {"bf16": 2, "f16": 2, "f32": 4}[dtype]
     return call_cost(phase, heads, kv_heads, seq_len, head_dim, int(np.prod(outer)), itemsize,
                      sizes[f"block_q{suffix}"], sizes[f"block_kv{suffix}"], segmented=segmented, residuals=residuals,
-                     fused=fused, context=seq_len // queries)  # fmt: skip
+                     fused=fused, context=seq_len // queries,
+                     window=int(window.group(1)) if window else 0)  # fmt: skip
