@@ -154,6 +154,15 @@ CASES = {
         lambda: micro_config(data=dict(format="chat")),
         "data.format=chat reads .jsonl or .parquet rows prepared here: set data.source=text_files",
     ),
+    "a window as long as the sequence": (
+        lambda: micro_config(model=dict(sliding_window=64)),
+        "model.sliding_window=64 is not shorter than model.max_seq_len=64, so every local layer would attend as a "
+        "global one does",
+    ),
+    "a window in pipeline stages": (
+        lambda: micro_config(model=dict(sliding_window=8), mesh=dict(stage=2), train=dict(pipeline_microbatches=2)),
+        "local layers inside pipeline stages are not supported",
+    ),
     "dataset that is not prepared": (
         lambda: micro_config(data=dict(source="tfds", name="no_such_dataset", data_dir="/nonexistent")),
         "not prepared",

@@ -3,16 +3,26 @@ reference, the context axis and a mesh against one device, and the splash kernel
 blocks its local mask runs. Decoding with a local layer's ring cache is checked against transformers' Gemma
 3 in tests/test_huggingface.py."""
 
+import os
+
 import jax
 import numpy as np
 import pytest
+from conftest import REPO
 from test_attention import packed_gqa, value_and_grads
 from test_context import loss_grads_logits, packed_batch
 
+from trainer.config import from_file
+from trainer.errors import ConfigError
+from trainer.flops import attention_forward_flops
+from trainer.hf_tensors import hf_config
 from trainer.model.attention import _jax_nn_attention, xla_attention
+from trainer.model.decoder import layer_plan
+from trainer.model.spec import Architecture, Experts
 from trainer.model.splash import call_cost, splash_attention
 
 WINDOW = 100  # crosses the 128-token blocks
+BASE = dict(vocab_size=384, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128)
 
 
 def numpy_attention(q, k, v, segments, window):
@@ -82,3 +92,32 @@ def test_splash_cost_counts_only_the_blocks_inside_the_window(t, block, window):
     causal_flops = call_cost("fwd", 4, 1, t, 128, 1, 2, block, block, segmented=True)[0]
     assert local_flops == 4 * runs * 2 * (2 * block * block * 128)
     assert local_flops / causal_flops == pytest.approx(runs / causal) and runs < causal
+
+
+def test_a_window_with_no_hugging_face_counterpart_is_refused_in_one_sentence():
+    """Local and global layers without Gemma's details (Llama has no window; Mistral's is on every layer), and a
+    window with query/key norms (Qwen3's form has none here): the export's config refuses them, before any
+    file is written (hf_config runs first, tests/test_huggingface.py)."""
+    base = BASE
+    for model, said in [(dict(sliding_window=8, global_every=2), "model.global_every=2"),
+                        (dict(sliding_window=8, qk_norm=True), "model.sliding_window=8"),
+                        (dict(post_norms=True), "lacks embed_scale, mlp_activation, qk_norm")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=said) as info:
+            hf_config(Architecture(**base, **model), 64)
+        assert "\n" not in str(info.value) and "no Hugging Face form" in str(info.value)
+    assert hf_config(Architecture(**base, sliding_window=8), 64)["architectures"] == ["MistralForCausalLM"]
+
+
+def test_gemma3s_layers_run_as_four_units_and_a_tail_and_count_their_windows_flops():
+    """Gemma 3 1B's 26 layers (configs/gemma3_1b.py): 4 units of five local layers and a global one, then two
+    local, three scan bodies in all; its attention FLOPs at 8192 tokens count 512 keys for each of the 22
+    local layers and 8192 for each of the 4 global ones."""
+    cfg = from_file(os.path.join(REPO, "configs", "gemma3_1b.py"))
+    arch = Architecture.from_config(cfg)
+    assert layer_plan(tuple(s for s, _ in arch.stacks())) == [(4, [("local_layers", 5), ("layers", 1)]),
+                                                               (1, [("local_layers", 2)])]  # fmt: skip
+    assert attention_forward_flops(arch, 8192) == 4 * 4 * 256 * (22 * 512 + 4 * 8192)
+    # A mixture's dense head and its units of (dense, MoE) run as before the windows came
+    moe = Architecture(**{**BASE, "n_layers": 5}, moe=Experts(num_experts=4, dense_layers=1, every=2))
+    assert layer_plan(tuple(s for s, _ in moe.stacks())) == [(1, [("dense_layers", 1)]),
+                                                             (2, [("dense_between", 1), ("layers", 1)])]  # fmt: skip
