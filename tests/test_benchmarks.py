@@ -52,6 +52,18 @@ def quick(corpus_dir, out):
             "pipeline_bubble",
         ),  # fmt: skip
         ("remat.py", [*SYNTHETIC, "--steps=1"], "remat"),
+        (
+            "sliding_window.py",
+            [
+                "--config",
+                "configs/gemma3_1b.py",
+                "--config.model.sliding_window=32",
+                "--seq_len=128",
+                "--steps=1",
+                "--target=",
+            ],
+            "sliding_window",
+        ),  # fmt: skip
         ("restart.py", [*SYNTHETIC, "--config.train.steps=2", "--config.optim.warmup_steps=1"], "restart"),
         ("vs_pytorch.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "vs_pytorch"),
         (

@@ -43,9 +43,9 @@ def numpy_attention(q, k, v, segments, window):
 
 
 def test_every_kernel_masks_the_window_as_the_numpy_reference():
-    """xla (the reference kernel), jax.nn.dot_product_attention's local_window_size, and splash's LocalMask
-    (Pallas interpret mode, 128-token blocks): the same outputs as the numpy reference, and splash's
-    gradients those of xla."""
+    """xla (the reference kernel: masked, or in chunks of a window that divides the sequence),
+    jax.nn.dot_product_attention's local_window_size, and splash's LocalMask (Pallas interpret mode,
+    128-token blocks): the same outputs as the numpy reference, and splash's gradients those of xla."""
     q, k, v, segments = packed_gqa(t=256)
     expected = numpy_attention(q, k, v, segments, WINDOW)
     kernels = {"xla": lambda q, k, v, s: xla_attention(q, k, v, s, WINDOW),
@@ -53,12 +53,18 @@ def test_every_kernel_masks_the_window_as_the_numpy_reference():
                "splash": lambda q, k, v, s: splash_attention(q, k, v, s, block=128, window=WINDOW)}  # fmt: skip
     for name, kernel in kernels.items():
         np.testing.assert_allclose(kernel(q, k, v, segments), expected, atol=2e-5, err_msg=name)
+    # A window that divides the sequence: xla in chunks of the window (64 here), each over its pair of chunks
+    chunked = numpy_attention(q, k, v, segments, 64)
+    np.testing.assert_allclose(xla_attention(q, k, v, segments, 64), chunked, atol=2e-5, err_msg="chunked")
+    np.testing.assert_allclose(xla_attention(q, k, v, None, 64), numpy_attention(q, k, v, 0 * segments, 64),
+                               atol=2e-5, err_msg="chunked, no segments")  # fmt: skip
     (ref, ref_grads), (got, grads) = (value_and_grads(kernels[n], q, k, v, segments) for n in ("xla", "splash"))
     assert float(got) == pytest.approx(float(ref), abs=1e-3)
     for name, a, b in zip("qkv", grads, ref_grads, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4, err_msg=f"d{name}")
 
 
+@pytest.mark.slow
 def test_the_context_axis_trains_local_and_global_layers_as_one_device():
     """Gemma 3's pattern at micro size (every second layer global, local RoPE base apart), packed documents,
     a window of 5 over 32 tokens: the ring over context 2 x fsdp 2 x tensor 2 (its half blocks masked by the

@@ -123,8 +123,8 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     else:  # minutes on a TPU topology: what the plan reads from it is kept (trainer/compile_cache.py)
         devices_here = setup.mesh.devices.flatten().tolist()
         # with its locations: the op names a compiled HLO carries, which its readers use (splash.hlo_call_cost)
-        key = [lowered.as_text(debug_info=True), target, str(slices), str(len(devices_here)), devices_here[0].device_kind,
-               os.environ.get("XLA_FLAGS", "")]  # fmt: skip
+        key = [lowered.as_text(debug_info=True), target, str(slices), str(len(devices_here)),
+               devices_here[0].device_kind, os.environ.get("XLA_FLAGS", "")]  # fmt: skip
         compiled, result["compile_kept"] = compile_cache.remembered(
             "plans", key, lambda: _compiled(lowered, platform, aside=True)
         )
