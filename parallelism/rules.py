@@ -40,6 +40,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
+    # Latent attention's (trainer/model/latent.py) latents: every head reads the whole latent.
+    "q_latent": (),
+    "kv_latent": (),
     "vocab": ("tensor",),
     # Stacked layers and the pipeline's stage buffers: contiguous blocks of
     # layers per stage (parallelism/pipeline.py); a no-op while mesh.stage = 1.

@@ -362,3 +362,44 @@ def test_gemma3_imports_from_transformers_decodes_as_it_does_and_exports_back(tm
     np.testing.assert_array_equal(padded[1:], alone)
     assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
     np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), logits, rtol=1e-4, atol=1e-4)
+
+
+def test_deepseek_v3_imports_from_transformers_decodes_as_it_does_and_exports_back(tmp_path):
+    """DeepSeek-V3, built small and random by transformers: latent attention (q and kv latents with their
+    norms, RoPE in interleaved pairs on 4 of each head's 12 query/key dims, values 12 wide), its first layer
+    dense, then 8 experts under the sigmoid router with a random correction bias, 2 groups of which a token
+    uses 1, weights times 2.5, a shared expert. Our logits are theirs, our greedy continuation (decoding from
+    the cached latents) theirs, and the exported directory loads back into transformers with the same logits."""
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(vocab_size=384, hidden_size=64, intermediate_size=96,
+                                           moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                           num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+                                           num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                                           first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+                                           qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
+                                           max_position_embeddings=64, initializer_range=0.2, rms_norm_eps=1e-6,
+                                           rope_interleave=True)  # fmt: skip
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if "norm" in name:
+                w.normal_(1, 0.3)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(str(tmp_path / "hf"))
+    moe = dict(num_experts=8, experts_per_token=2, shared_experts=1, d_ff=32, dense_layers=1, router="sigmoid",
+               routed_scale=2.5, groups=2, groups_per_token=1)  # fmt: skip
+    cfg = micro_config(model=dict(n_layers=3, d_ff=96, n_kv_heads=4, norm_eps=1e-6, moe=moe,
+                                  mla=dict(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=4, v_dim=12)))  # fmt: skip
+    workdir = str(tmp_path / "run")
+    import_checkpoint(str(tmp_path / "hf"), cfg, workdir)
+    logits = our_logits(cfg, workdir)
+    np.testing.assert_allclose(logits, hf_logits(model), rtol=1e-4, atol=1e-4)
+    setup, _, params = load_params(cfg, workdir)
+    ours_greedy = np.asarray(make_generate(setup.spec, setup.shard, max_new_tokens=8)(params, TOKENS[:, :6], 0))
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(TOKENS[:, :6]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[:, 6:].numpy()  # fmt: skip
+    np.testing.assert_array_equal(ours_greedy, theirs)
+    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
+    np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), logits, rtol=1e-4, atol=1e-4)

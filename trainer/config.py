@@ -39,7 +39,11 @@ FORMATS = ("text", "chat", "preference")  # data.format (trainer/data/chat.py)
 LOSS_ON = ("all", "assistant", "last_turn")  # data.loss_on
 DPO_LOSSES = ("sigmoid", "ipo")
 ACTIVATIONS = ("silu", "gelu_tanh")  # model.mlp_activation: SwiGLU's gate, or GeGLU's (Gemma)
-GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")  # model.moe.grouped_matmul (trainer/model/moe.py)
+GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")
+ROUTERS = (
+    "softmax",
+    "sigmoid",
+)  # model.moe.router (trainer/model/moe.py route)  # model.moe.grouped_matmul (trainer/model/moe.py)
 
 
 class Num(NamedTuple):
@@ -110,6 +114,24 @@ def _declared() -> dict[str, dict]:
             aux_loss=Num(0.01, "[0, inf)"),  # weight of the load-balancing loss (Switch Transformer's form)
             z_loss=Num(0.001, "[0, inf)"),  # weight of the router's log(Z)^2
             router_bias=Num(0.0, "[0, inf)"),  # > 0: DeepSeek-V3's loss-free balancing, the bias's step per update
+            # The router's scores: softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3: each score on its own,
+            # the chosen ones normalised and times routed_scale; experts picked within the `groups_per_token`
+            # best of `groups` groups).
+            router=ROUTERS[0],  # one of ROUTERS
+            routed_scale=Num(1.0, "(0, inf)"),
+            groups=Num(1, "[1, inf)"),
+            groups_per_token=Num(1, "[1, inf)"),
+        ),
+        # Multi-head latent attention (DeepSeek-V2/V3; trainer/model/latent.py), on with kv_rank > 0: keys and
+        # values from a kv_rank-wide latent (what decoding caches) and queries from a q_rank-wide one (0: a
+        # full projection), each head's query and key nope_dim wide plus a rope_dim RoPE part (the key's shared
+        # by all heads), values v_dim wide. n_kv_heads and head_dim are then not read.
+        mla=dict(
+            kv_rank=Num(0, "[0, inf)"),
+            q_rank=Num(0, "[0, inf)"),
+            nope_dim=Num(128, "[1, inf)"),
+            rope_dim=Num(64, "[2, inf)"),
+            v_dim=Num(128, "[1, inf)"),
         ),
     )
     # Each size is a device count (within a slice) or -1 for "the rest". `rules`
@@ -329,6 +351,9 @@ READ_ONLY_WITH = {f"model.moe.{k}": "model.moe.num_experts"
                             "capacity_factor", "grouped_matmul", "aux_loss", "z_loss", "router_bias")}  # fmt: skip
 READ_ONLY_WITH |= {f"checkpoint.{k}": "checkpoint.local_dir" for k in ("local_every_steps", "local_keep")}
 READ_ONLY_WITH |= {f"model.{k}": "model.sliding_window" for k in ("global_every", "local_rope_theta")}
+READ_ONLY_WITH |= {f"model.moe.{k}": "model.moe.num_experts" for k in ("router", "routed_scale", "groups",
+                                                                      "groups_per_token")}  # fmt: skip
+READ_ONLY_WITH |= {f"model.mla.{k}": "model.mla.kv_rank" for k in ("q_rank", "nope_dim", "rope_dim", "v_dim")}
 
 # Keys that were renamed: refused with their new name, and read from an older run's config.json.
 RENAMED = {"train.microbatches": "train.pipeline_microbatches"}

@@ -66,7 +66,7 @@ def attention_forward_flops(arch: Architecture, seq_len: int) -> float:
     a local layer's over the keys its window holds (min(seq_len, sliding_window), as MaxText counts Gemma 3's);
     training runs them three times (forward, and two in the backward pass)."""
     keys = sum(min(seq_len, arch.sliding_window) if arch.is_local(i) else seq_len for i in range(arch.n_layers))
-    return 4.0 * arch.n_heads * arch.head_dim * keys
+    return 2.0 * arch.n_heads * sum(arch.attention_dims) * keys  # QK^T over the query/key width, PV the value's
 
 
 def flops_per_token(arch: Architecture, abstract_params: dict, seq_len: int, reference: bool = False) -> float:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from trainer import hf_deepseek
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
 from trainer.errors import ConfigError
 from trainer.model.spec import Architecture
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM", "mistral": "MistralForCausalLM",
-            "gemma3_text": "Gemma3ForCausalLM"}  # fmt: skip
+            "gemma3_text": "Gemma3ForCausalLM", hf_deepseek.KIND: hf_deepseek.CLASS}  # fmt: skip
 # Our norm (in a block's params) under each family's name for it
 NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
 GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn_out_norm",
@@ -34,6 +35,9 @@ GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn
 
 def family(spec: Architecture) -> str:
     """The Hugging Face family of this architecture; refuses one that no family here has."""
+    if spec.mla.kv_rank:
+        hf_deepseek.check(spec)
+        return hf_deepseek.KIND
     gemma = {"post_norms": spec.post_norms, "embed_scale": spec.embed_scale,
              "mlp_activation": spec.mlp_activation == "gelu_tanh"}  # fmt: skip
     if any(gemma.values()):
@@ -62,7 +66,10 @@ def family(spec: Architecture) -> str:
 def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int] = (BOS_ID, EOS_ID, PAD_ID)) -> dict:
     """`special`: the tokenizer's (begin, end, padding) ids."""
     kind, m = family(spec), spec.moe
-    if m.num_experts and m.shared_experts:
+    if m.num_experts and m.router != "softmax" and kind != hf_deepseek.KIND:
+        raise ConfigError(f"model.moe.router={m.router}: {FAMILIES[kind]} routes by softmax, so this model has no "
+                          "Hugging Face form.")  # fmt: skip
+    if m.num_experts and m.shared_experts and kind != hf_deepseek.KIND:
         raise ConfigError(f"model.moe.shared_experts={m.shared_experts}: {FAMILIES[kind]} has no shared experts, so "
                           "this model has no Hugging Face form here.")  # fmt: skip
     if kind == "mixtral" and (m.dense_layers or m.every > 1):
@@ -100,6 +107,8 @@ def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int
     }
     if kind == "gemma3_text":
         return _gemma3_config(spec, config)
+    if kind == hf_deepseek.KIND:
+        return hf_deepseek.config(spec, config)
     if kind == "mistral":
         config.update(sliding_window=spec.sliding_window)
     elif kind == "mixtral":
@@ -148,6 +157,8 @@ def model_keys_from_hf(config: dict) -> dict:
     """Our model.* values for a Hugging Face config of one of the FAMILIES; refuses what our model does not
     implement."""
     kind = config.get("model_type")
+    if kind == hf_deepseek.KIND:
+        return hf_deepseek.model_keys(config)
     # RoPE: transformers 5.x writes rope_parameters (Gemma 3: one per layer type), 4.x rope_scaling (None or
     # a dict) beside rope_theta.
     rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
@@ -278,16 +289,21 @@ def to_hf_tensors(params: dict, spec: Architecture) -> dict[str, np.ndarray]:
         for n, i in enumerate(numbers):
             a = layers["attn"]
             prefix = f"model.layers.{i}."
-            out[prefix + "self_attn.q_proj.weight"] = a["wq"][n].reshape(d, -1).T
-            out[prefix + "self_attn.k_proj.weight"] = a["wk"][n].reshape(d, -1).T
-            out[prefix + "self_attn.v_proj.weight"] = a["wv"][n].reshape(d, -1).T
-            out[prefix + "self_attn.o_proj.weight"] = a["wo"][n].reshape(-1, d).T
+            if kind == hf_deepseek.KIND:
+                out.update(hf_deepseek.attention_to_hf(a, n, prefix, spec))
+            else:
+                out[prefix + "self_attn.q_proj.weight"] = a["wq"][n].reshape(d, -1).T
+                out[prefix + "self_attn.k_proj.weight"] = a["wk"][n].reshape(d, -1).T
+                out[prefix + "self_attn.v_proj.weight"] = a["wv"][n].reshape(d, -1).T
+                out[prefix + "self_attn.o_proj.weight"] = a["wo"][n].reshape(-1, d).T
             if spec.qk_norm:
                 out[prefix + "self_attn.q_norm.weight"] = a["q_norm"]["scale"][n] - off
                 out[prefix + "self_attn.k_norm.weight"] = a["k_norm"]["scale"][n] - off
             if "moe" in layers:
                 m = layers["moe"]
-                if np.any(m["router_bias"][n] != 0):
+                if kind == hf_deepseek.KIND:
+                    out.update(hf_deepseek.moe_extras_to_hf(m, n, prefix))
+                elif np.any(m["router_bias"][n] != 0):
                     raise ConfigError(f"layer {i}'s router bias (model.moe.router_bias) is not zero: "
                                       f"{FAMILIES[kind]} has no place for it.")  # fmt: skip
                 out[_router_name(kind, i)] = m["router"][n].T
@@ -302,7 +318,8 @@ def to_hf_tensors(params: dict, spec: Architecture) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
-def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture) -> dict:
+def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture, interleaved: bool = False) -> dict:
+    """Our parameters from a family's tensors; `interleaved`: DeepSeek's RoPE rows in interleaved pairs."""
     kind = family(spec)
     norms, off = (GEMMA_NORMS, 1.0) if kind == "gemma3_text" else (NORMS, 0.0)
     d, n, k, h = spec.d_model, spec.n_heads, spec.n_kv_heads, spec.head_dim
@@ -312,12 +329,15 @@ def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture) -> dict:
         def each(name, fn, numbers=numbers):
             return np.stack([fn(t[f"model.layers.{i}.{name}"]) for i in numbers])
 
-        attn = {
-            "wq": each("self_attn.q_proj.weight", lambda w: w.T.reshape(d, n, h)),
-            "wk": each("self_attn.k_proj.weight", lambda w: w.T.reshape(d, k, h)),
-            "wv": each("self_attn.v_proj.weight", lambda w: w.T.reshape(d, k, h)),
-            "wo": each("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d)),
-        }
+        if kind == hf_deepseek.KIND:
+            attn = hf_deepseek.attention_from_hf(t, numbers, spec, interleaved)
+        else:
+            attn = {
+                "wq": each("self_attn.q_proj.weight", lambda w: w.T.reshape(d, n, h)),
+                "wk": each("self_attn.k_proj.weight", lambda w: w.T.reshape(d, k, h)),
+                "wv": each("self_attn.v_proj.weight", lambda w: w.T.reshape(d, k, h)),
+                "wo": each("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d)),
+            }
         if spec.qk_norm:
             attn.update({f"{q}_norm": {"scale": each(f"self_attn.{q}_norm.weight", lambda w: w + off)} for q in "qk"})
         layers = {"attn": attn, **{ours: {"scale": each(f"{name}.weight", lambda w: w + off)}
@@ -331,6 +351,8 @@ def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture) -> dict:
                 **{w: np.stack([np.stack([t[names[i][j][c]].T for j in experts]) for i in numbers])
                    for c, w in enumerate(("w_gate", "w_up", "w_down"))},
             }  # fmt: skip
+            if kind == hf_deepseek.KIND:
+                layers["moe"].update(hf_deepseek.moe_extras_from_hf(t, numbers))
         else:
             layers["mlp"] = {w: each(f"mlp.{name}.weight", lambda x: x.T) for w, name in
                              (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))}  # fmt: skip

@@ -202,7 +202,8 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     if wd.saved_steps(workdir):
         raise ConfigError(f"{workdir} already holds checkpoints; import into a new --workdir.")
     setup = build(cfg)
-    params = from_hf_tensors(read_weights(hf_dir), setup.spec.arch)
+    interleaved = bool(read_config(hf_dir).get("rope_interleave"))  # DeepSeek's RoPE pairs
+    params = from_hf_tensors(read_weights(hf_dir), setup.spec.arch, interleaved)
     expected = jax.tree.map(lambda a: a.shape, setup.model.abstract_params)
     if jax.tree.map(lambda a: a.shape, params) != expected:
         raise ConfigError(f"the weights in {hf_dir} do not have the shapes its config.json describes.")

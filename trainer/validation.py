@@ -35,6 +35,7 @@ from trainer.config import (
     READ_ONLY_WITH,
     REMAT_POLICIES,
     RENAMED,
+    ROUTERS,
     SCHEDULES,
     SOURCES,
     TOKEN_DTYPES,
@@ -124,6 +125,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_pipeline(cfg)
     _check_moe(cfg)
     _check_window(cfg)
+    _check_latent(cfg)
     if cfg.stability.max_bad_steps > cfg.stability.bad_window:
         raise ConfigError(
             f"stability.max_bad_steps={cfg.stability.max_bad_steps} bad steps can never occur within "
@@ -268,6 +270,32 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
         )
 
 
+def _check_latent(cfg: ml_collections.ConfigDict) -> None:
+    """What latent attention needs (trainer/model/latent.py), and DeepSeek-V3's router's groups."""
+    m, e = cfg.model, cfg.model.moe
+    _choice("model.moe.router", e.router, ROUTERS)
+    if e.num_experts and e.router == "sigmoid" and e.groups > 1:
+        if e.num_experts % e.groups or e.groups_per_token > e.groups:
+            raise ConfigError(f"model.moe.groups={e.groups} must divide model.moe.num_experts={e.num_experts}, and "
+                              f"groups_per_token={e.groups_per_token} may not exceed it.")  # fmt: skip
+        if e.experts_per_token > e.groups_per_token * (e.num_experts // e.groups):
+            per_group = e.num_experts // e.groups
+            raise ConfigError(f"model.moe.experts_per_token={e.experts_per_token} exceeds the experts of "
+                              f"groups_per_token={e.groups_per_token} groups of {per_group}.")  # fmt: skip
+    a = m.mla
+    if not a.kv_rank:
+        return
+    if a.rope_dim % 2:
+        raise ConfigError(f"model.mla.rope_dim={a.rope_dim} must be even for RoPE.")
+    if a.v_dim > a.nope_dim + a.rope_dim:
+        raise ConfigError(f"model.mla.v_dim={a.v_dim} exceeds a query head's nope_dim + rope_dim = "
+                          f"{a.nope_dim + a.rope_dim}, which the fused kernels' one head width needs.")  # fmt: skip
+    for key in ("sliding_window", "qk_norm", "attn_scale_dim"):
+        if m[key]:
+            raise ConfigError(f"model.{key}={m[key]} with latent attention (model.mla.kv_rank={a.kv_rank}) is not "
+                              f"implemented; use one or the other.")  # fmt: skip
+
+
 def _check_window(cfg: ml_collections.ConfigDict) -> None:
     """What local layers and Gemma's MLP need (trainer/model/attention.py, layers.py)."""
     m = cfg.model
@@ -347,7 +375,7 @@ def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
 # axes; in the order the checks report them.
 SIZED_BY = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "vocab": "model.vocab_size",
             "embed": "model.d_model", "expert": "model.moe.num_experts", "head_dim": "model.head_dim",
-            "layers": "model.n_layers"}  # fmt: skip
+            "layers": "model.n_layers", "q_latent": "model.mla.q_rank", "kv_latent": "model.mla.kv_rank"}  # fmt: skip
 
 
 def check_weights_fit(model, shard) -> None:

@@ -54,7 +54,7 @@ def masked_attention(q, k, v, mask):
     scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)  # mask broadcast over the group
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
-    return out.reshape(b, t, n, h)
+    return out.reshape(b, t, n, v.shape[-1])  # values may be narrower than queries (latent attention's decode)
 
 
 def xla_attention(q, k, v, segment_ids=None, window: int = 0):
@@ -86,7 +86,7 @@ def local_attention(q, k, v, segment_ids, window: int):
         mask = mask & (q_ids[..., :, None] == pairs(segment_ids).reshape(b, chunks, 1, 2 * window))
     out = masked_attention(q.reshape(b * chunks, window, n, h), pairs(k), pairs(v),
                            mask.reshape(b * chunks, 1, window, 2 * window))  # fmt: skip
-    return out.reshape(b, t, n, h)
+    return out.reshape(b, t, n, v.shape[-1])
 
 
 def cached_attention(q, k_cache, v_cache, q_positions):

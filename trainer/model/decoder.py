@@ -129,10 +129,10 @@ class Decoder(nnx.Module):
     def _tables(self, positions) -> dict:
         """RoPE tables for the global layers and the local ones (the same unless model.local_rope_theta)."""
         a = self.arch
-        tables = {"global": rope_tables(positions, a.head_dim, a.rope_theta, a.rope_scaling)}
+        tables = {"global": rope_tables(positions, a.rope_dim, a.rope_theta, a.rope_scaling)}
         local = a.local_rope_theta and a.local_rope_theta != a.rope_theta
         tables["local"] = (
-            rope_tables(positions, a.head_dim, a.local_rope_theta, a.rope_scaling) if local else tables["global"]
+            rope_tables(positions, a.rope_dim, a.local_rope_theta, a.rope_scaling) if local else tables["global"]
         )
         return tables
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 from parallelism.rules import LogicalSharding
 from trainer.model.attention import attend, cached_attention, ring_attention
+from trainer.model.latent import LatentAttention
 from trainer.model.moe import MoE
 from trainer.model.spec import ModelSpec, RopeScaling
 
@@ -149,7 +150,7 @@ class Block(nnx.Module):
                  local: bool = False):  # fmt: skip
         a = spec.arch
         self.attn_norm = RMSNorm(a.d_model, a.norm_eps)
-        self.attn = Attention(spec, shard, rngs, local)
+        self.attn = LatentAttention(spec, shard, rngs) if a.mla.kv_rank else Attention(spec, shard, rngs, local)
         self.mlp_norm = RMSNorm(a.d_model, a.norm_eps)
         if a.post_norms:
             self.attn_out_norm, self.mlp_out_norm = RMSNorm(a.d_model, a.norm_eps), RMSNorm(a.d_model, a.norm_eps)

@@ -1,10 +1,12 @@
 """A mixture-of-experts MLP: a router picks `experts_per_token` of `num_experts` SwiGLU MLPs for each token.
 
-Router: softmax over the experts in fp32; the top k (of the probabilities plus a per-expert bias that only
-DeepSeek-V3's loss-free balancing moves, trainer/training/step.py) are kept and their probabilities
-renormalised to sum to one. Each layer reports its load (the share of assignments each expert got), the
-Switch Transformer's balancing loss E x sum_e share_e x mean_prob_e (1 when balanced), the router's mean
-log(Z)^2, and the share of assignments a capacity dropped.
+Router: softmax over the experts in fp32, or DeepSeek-V3's sigmoid of each expert's logit
+(model.moe.router); the top k (of the scores plus a per-expert bias that only DeepSeek-V3's loss-free
+balancing moves, trainer/training/step.py; with model.moe.groups, among the experts of a token's best
+groups) are kept and their scores renormalised to sum to one (times model.moe.routed_scale for sigmoid).
+Each layer reports its load (the share of assignments each expert got), the Switch Transformer's balancing
+loss E x sum_e share_e x mean_prob_e (1 when balanced; sigmoid scores normalised over the experts for
+it), the router's mean log(Z)^2, and the share of assignments a capacity dropped.
 
 The experts run under shard_map, each device on its own tokens (batch over data, fsdp and expert, the
 sequence over context), holding its 1/expert of the experts with their d_ff split over tensor (the
@@ -38,16 +40,32 @@ AXIS = "expert"  # the mesh axis the experts are split over
 TOKENS = ("batch", "seq", None)
 
 
-def route(x: jax.Array, router: jax.Array, bias: jax.Array, k: int, valid: jax.Array | None = None):
+def route(x: jax.Array, router: jax.Array, bias: jax.Array, k: int, valid: jax.Array | None = None,
+          experts_cfg=None):  # fmt: skip
     """(chosen experts (b, t, k), their renormalised weights (b, t, k), the layer's statistics). Tokens not
     `valid` (b, t) (padding: segment 0) are routed nowhere: their choices are the expert id `num_experts`,
-    which every path below skips, and they count in no statistic."""
+    which every path below skips, and they count in no statistic. `experts_cfg` (spec.Experts): the
+    router's kind (softmax's probabilities, or DeepSeek-V3's sigmoid scores, their weights times
+    routed_scale, picked within the best groups); None: softmax."""
     logits = jnp.einsum("btd,de->bte", x.astype(jnp.float32), router.astype(jnp.float32))
-    probs = jax.nn.softmax(logits, axis=-1)
-    _, chosen = jax.lax.top_k(probs + jax.lax.stop_gradient(bias), k)  # the bias picks, it does not weigh
-    weights = jnp.take_along_axis(probs, chosen, axis=-1)
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     experts = router.shape[-1]
+    sigmoid = experts_cfg is not None and experts_cfg.router == "sigmoid"
+    scores = jax.nn.sigmoid(logits) if sigmoid else jax.nn.softmax(logits, axis=-1)
+    choice = scores + jax.lax.stop_gradient(bias)  # the bias picks, it does not weigh
+    if sigmoid and experts_cfg.groups > 1:  # a group's merit: its two best scores; experts outside the best out
+        g = experts_cfg.groups
+        grouped = choice.reshape(*choice.shape[:-1], g, experts // g)
+        merit = jnp.sum(jax.lax.top_k(grouped, min(2, experts // g))[0], axis=-1)
+        best = jax.lax.top_k(merit, experts_cfg.groups_per_token)[1]
+        kept = jnp.sum(jax.nn.one_hot(best, g, dtype=bool), axis=-2)
+        choice = jnp.where(jnp.repeat(kept, experts // g, axis=-1), choice, -jnp.inf)
+    _, chosen = jax.lax.top_k(choice, k)
+    weights = jnp.take_along_axis(scores, chosen, axis=-1)
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    probs = scores
+    if sigmoid:
+        weights = weights * experts_cfg.routed_scale
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)  # the balancing statistics' distribution
     if valid is None:
         valid = jnp.ones(x.shape[:2], bool)
     chosen = jnp.where(valid[..., None], chosen, experts)
@@ -249,12 +267,12 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std)
         self.w_down = param(rngs, (e, f, d), ("expert", "mlp", "embed"), out_std)
         self.shared = MLP(spec, shard, rngs, width=m.shared_experts * f) if m.shared_experts else None
-        self.k, self.execution, self.shard = m.experts_per_token, spec.execution, shard
+        self.k, self.config, self.execution, self.shard = m.experts_per_token, m, spec.execution, shard
 
     def __call__(self, x, valid=None):
         """`valid` (b, t): the tokens that are not padding (None: all are)."""
         run, dt = self.execution, self.execution.compute_dtype
-        chosen, weights, stats = route(x, self.router[...], self.router_bias[...], self.k, valid)
+        chosen, weights, stats = route(x, self.router[...], self.router_bias[...], self.k, valid, self.config)
         weights_in_dt = (w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
         out, stats["dropped"] = experts(x, chosen, weights, *weights_in_dt, self.shard, run)
         if self.shared is not None:

@@ -20,6 +20,7 @@ from trainer.model.spec import ModelSpec, for_inference
 
 CACHE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # a single prompt: batch and time stay whole
 RING_NAMES = ("layers", None, None)  # a local layer's ring: the position each slot holds
+LATENT_NAMES = ("layers", None, None, None)  # latent attention's cache: whole on every device
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -47,6 +48,11 @@ def empty_cache(spec: ModelSpec, batch: int, length: int, shard: LogicalSharding
     a = spec.arch
     cache = {}
     for stack, count in collections.Counter(s for s, _ in a.stacks()).items():
+        if a.mla.kv_rank:  # latent attention caches its latent and the shared RoPE key part (trainer/model/latent.py)
+            dt = spec.execution.compute_dtype
+            cache[stack] = tuple(shard.constrain(jnp.zeros((count, batch, length, width), dt), LATENT_NAMES)
+                                 for width in (a.mla.kv_rank, a.mla.rope_dim))  # fmt: skip
+            continue
         slots = min(length, a.sliding_window) if stack == "local_layers" else length
         shape = (count, batch, slots, a.n_kv_heads, a.head_dim)
         zeros = shard.constrain(jnp.zeros(shape, spec.execution.compute_dtype), CACHE_NAMES)

@@ -50,6 +50,10 @@ class Experts:
     d_ff: int = 0
     dense_layers: int = 0
     every: int = 1
+    router: str = "softmax"  # or "sigmoid" (DeepSeek-V3's scores)
+    routed_scale: float = 1.0  # the chosen experts' normalised weights times this
+    groups: int = 1  # DeepSeek-V3's group-limited routing: experts in `groups` groups, ...
+    groups_per_token: int = 1  # ... a token's picked from its best groups (by their two best scores) only
 
     def moe_layers(self, n_layers: int) -> int:
         return (n_layers - self.dense_layers) // self.every if self.num_experts else 0
@@ -65,6 +69,17 @@ class Experts:
             out += [("dense_between", unit * (self.every - 1) + j) for j in range(self.every - 1)]
             out.append(("layers", unit))
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Latent:
+    """Multi-head latent attention (`model.mla.*`, DeepSeek-V2/V3; trainer/model/latent.py); kv_rank 0: off."""
+
+    kv_rank: int = 0
+    q_rank: int = 0
+    nope_dim: int = 128
+    rope_dim: int = 64
+    v_dim: int = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +114,7 @@ class Architecture:
     post_norms: bool = False
     mlp_activation: str = "silu"  # one of ACTIVATIONS
     attn_scale_dim: int = 0  # 0: head_dim
+    mla: Latent = Latent()
 
     def __post_init__(self):
         # One value for one model: a config's 0 and its d_model / n_heads spelled out are the same architecture.
@@ -132,7 +148,20 @@ class Architecture:
     def from_config(cls, cfg) -> Architecture:
         values = {f.name: cfg.model[f.name] for f in dataclasses.fields(cls)}
         moe = {f.name: values["moe"][f.name] for f in dataclasses.fields(Experts)}
-        return cls(**{**values, "rope_scaling": RopeScaling(**values["rope_scaling"]), "moe": Experts(**moe)})
+        mla = {f.name: values["mla"][f.name] for f in dataclasses.fields(Latent)}
+        return cls(**{**values, "rope_scaling": RopeScaling(**values["rope_scaling"]), "moe": Experts(**moe),
+                      "mla": Latent(**mla)})  # fmt: skip
+
+    @property
+    def rope_dim(self) -> int:
+        """The width RoPE rotates: a head's, or with latent attention its RoPE part's."""
+        return self.mla.rope_dim if self.mla.kv_rank else self.head_dim
+
+    @property
+    def attention_dims(self) -> tuple[int, int]:
+        """(a query and key head's width, a value head's): head_dim both, or latent attention's."""
+        m = self.mla
+        return (m.nope_dim + m.rope_dim, m.v_dim) if m.kv_rank else (self.head_dim, self.head_dim)
 
     @property
     def expert_d_ff(self) -> int:

@@ -94,6 +94,11 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
         room = expert if run.moe_impl == "dropless" else run.capacity_factor
         exchange = 3 * m.experts_per_token * d * room
     q, kv = a.n_heads * a.head_dim / tensor, a.n_kv_heads * a.head_dim / tensor
+    latents = 0.0
+    if a.mla.kv_rank:  # latent attention: per-head keys and values expanded from latents every device holds
+        qk, v = a.attention_dims
+        q, kv = a.n_heads * qk / tensor, a.n_heads * (qk + v) / 2 / tensor
+        latents = a.mla.q_rank + a.mla.kv_rank + a.mla.rope_dim
     split = context > 1
     e = spec.execution
     in_xla = split and context_kernel(e.attention, e.context_attention, platform) == "xla"
@@ -108,7 +113,7 @@ def layer_activation_elements(spec, seq_len: int, tensor: int, act_bytes: int, p
     # residual, which the next layer keeps as its input: no backward reads it, so nothing keeps it (llm_1b,
     # save_dots, fsdp=2 x tensor=2 on v5p-8: XLA:TPU's heap holds, per layer, two residual-width arrays,
     # q, k, v, gate and up).
-    projections = q + 2 * kv + d + 2 * f
+    projections = q + 2 * kv + d + 2 * f + latents
     elementwise = (
         4 * d  # layer input, two norm outputs, the residual after attention
         + projections
@@ -191,6 +196,20 @@ def activation_bytes(cfg, spec, mesh_shape: dict[str, int], platform: str, gradi
     return int(kept + max(logits - gradient_bytes, tokens * per_layer["recomputed"] * act))
 
 
+def attention_weights(a) -> float:
+    """One layer's attention weights (elements): q, k, v and out projections, or latent attention's."""
+    if not a.mla.kv_rank:
+        return (2 * a.n_heads * a.head_dim + 2 * a.n_kv_heads * a.head_dim) * a.d_model
+    m, (qk, v) = a.mla, a.attention_dims
+    query = (a.d_model + a.n_heads * qk) * m.q_rank if m.q_rank else a.d_model * a.n_heads * qk
+    return (
+        query
+        + a.d_model * (m.kv_rank + m.rope_dim)
+        + m.kv_rank * a.n_heads * (m.nope_dim + v)
+        + a.n_heads * v * a.d_model
+    )
+
+
 def gathered_bytes(spec, mesh_shape: dict[str, int], act_bytes: int) -> int:
     """What FSDP gathers whole beyond a device's own shard: the embedding and output head in the
     compute dtype with the head's fp32 gradient before it is reduce-scattered, and two layers' weights
@@ -203,7 +222,7 @@ def gathered_bytes(spec, mesh_shape: dict[str, int], act_bytes: int) -> int:
     a, tensor = spec.arch, mesh_shape["tensor"]
     head = a.vocab_size * a.d_model / tensor
     heads = 1 if a.tie_embeddings else 2
-    attention = (2 * a.n_heads * a.head_dim + 2 * a.n_kv_heads * a.head_dim) * a.d_model / tensor
+    attention = attention_weights(a) / tensor
     mlp = 3 * a.d_ff * a.d_model / tensor
     if a.moe.num_experts:  # a device gathers its own experts' weights (its 1/expert of them) and the router
         m = a.moe
