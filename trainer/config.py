@@ -126,6 +126,14 @@ def _declared() -> dict[str, dict]:
         # values from a kv_rank-wide latent (what decoding caches) and queries from a q_rank-wide one (0: a
         # full projection), each head's query and key nope_dim wide plus a rope_dim RoPE part (the key's shared
         # by all heads), values v_dim wide. n_kv_heads and head_dim are then not read.
+        # Multi-token prediction (DeepSeek-V3's form; trainer/model/mtp.py): `depth` extra modules in sequence,
+        # module k predicting the token k + 1 after the next from the one before's hidden states and the
+        # embedding of the token k ahead, through the shared embedding and head. Their cross-entropy enters
+        # the loss times weight / depth; decoding and export leave the modules out.
+        mtp=dict(
+            depth=Num(0, "[0, inf)"),
+            weight=Num(0.3, "[0, inf)"),
+        ),
         mla=dict(
             kv_rank=Num(0, "[0, inf)"),
             q_rank=Num(0, "[0, inf)"),
@@ -354,6 +362,7 @@ READ_ONLY_WITH |= {f"model.{k}": "model.sliding_window" for k in ("global_every"
 READ_ONLY_WITH |= {f"model.moe.{k}": "model.moe.num_experts" for k in ("router", "routed_scale", "groups",
                                                                       "groups_per_token")}  # fmt: skip
 READ_ONLY_WITH |= {f"model.mla.{k}": "model.mla.kv_rank" for k in ("q_rank", "nope_dim", "rope_dim", "v_dim")}
+READ_ONLY_WITH |= {"model.mtp.weight": "model.mtp.depth"}
 
 # Keys that were renamed: refused with their new name, and read from an older run's config.json.
 RENAMED = {"train.microbatches": "train.pipeline_microbatches"}

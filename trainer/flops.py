@@ -73,6 +73,10 @@ def flops_per_token(arch: Architecture, abstract_params: dict, seq_len: int, ref
     """Training FLOPs per token: FORMULA; with `reference` (DPO), also a forward pass of the reference weights
     (2 * N_matmul + the attention's forward), a third more."""
     forward = 2.0 * matmul_params(arch, abstract_params) + attention_forward_flops(arch, seq_len)
+    # Multi-token prediction's modules: their parameters are in N, their attention and their uses of the
+    # shared head (counted once in N) are not
+    depth = arch.mtp.depth
+    forward += depth * (2.0 * arch.vocab_size * arch.d_model + 2.0 * arch.n_heads * sum(arch.attention_dims) * seq_len)
     return forward * (4 if reference else 3)
 
 

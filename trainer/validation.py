@@ -126,6 +126,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _check_moe(cfg)
     _check_window(cfg)
     _check_latent(cfg)
+    _check_mtp(cfg)
     if cfg.stability.max_bad_steps > cfg.stability.bad_window:
         raise ConfigError(
             f"stability.max_bad_steps={cfg.stability.max_bad_steps} bad steps can never occur within "
@@ -294,6 +295,23 @@ def _check_latent(cfg: ml_collections.ConfigDict) -> None:
         if m[key]:
             raise ConfigError(f"model.{key}={m[key]} with latent attention (model.mla.kv_rank={a.kv_rank}) is not "
                               f"implemented; use one or the other.")  # fmt: skip
+
+
+def _check_mtp(cfg: ml_collections.ConfigDict) -> None:
+    """What multi-token prediction's modules need (trainer/model/mtp.py): the sequence in its own order."""
+    depth = cfg.model.mtp.depth
+    if not depth:
+        return
+    for key, what in (("mesh.stage", "pipeline stages"), ("mesh.context", "the context axis")):
+        section, name = key.split(".")
+        if cfg[section][name] > 1:
+            raise ConfigError(f"model.mtp.depth={depth} with {key}={cfg[section][name]}: multi-token prediction "
+                              f"with {what} is not supported; use {key}=1, or model.mtp.depth=0.")  # fmt: skip
+    if cfg.data.format == "preference":
+        raise ConfigError(f"model.mtp.depth={depth} with DPO (data.format=preference): DPO scores the next token "
+                          "alone; set model.mtp.depth=0 (the modules' weights are then not read).")  # fmt: skip
+    if depth >= cfg.data.seq_len - 1:
+        raise ConfigError(f"model.mtp.depth={depth} leaves no target in a sequence of data.seq_len={cfg.data.seq_len}.")
 
 
 def _check_window(cfg: ml_collections.ConfigDict) -> None:

@@ -31,6 +31,7 @@ from parallelism.rules import LogicalSharding
 from trainer.model.context import ways, zigzag
 from trainer.model.layers import RESIDUAL, Block, RMSNorm, param, rope_tables
 from trainer.model.loss import chunked_loss_sums, chunked_target_logprobs, target_weights
+from trainer.model.mtp import MTPModule, mtp_sums
 from trainer.model.spec import LAYERS, REMAT, Architecture, ModelSpec
 
 NO_SHARDING = LogicalSharding.create(None)
@@ -56,6 +57,14 @@ class Decoder(nnx.Module):
             moe = stack == "layers" and a.moe.num_experts > 0
             setattr(self, stack, stacked_blocks(count, moe, stack == "local_layers"))
         self.final_norm = RMSNorm(a.d_model, a.norm_eps)
+        if a.mtp.depth:
+
+            @nnx.split_rngs(splits=a.mtp.depth)
+            @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
+            def modules(rngs):
+                return MTPModule(spec, shard, rngs)
+
+            self.mtp = modules(rngs)
         if not a.tie_embeddings:
             self.lm_head = param(rngs, (a.d_model, a.vocab_size), ("embed", "vocab"), spec.init_std)
         self.arch, self.execution, self.shard = a, spec.execution, shard
@@ -75,7 +84,11 @@ class Decoder(nnx.Module):
         order = self._order(tokens.shape[1])
         if order is not None:  # each position's loss is its own: taken in the layers' order, nothing moves back
             targets, weights = targets[:, order], weights[:, order]
-        features, stats = self._through_layers(tokens, positions, segment_ids)
+        features, stats, hidden = self._through_layers(tokens, positions, segment_ids)
+        if self.arch.mtp.depth:  # validation keeps the context axis away: the sequence is in its own order
+            stats = {**stats, "mtp": mtp_sums(self.mtp, self._embed, self.logits, hidden, tokens,
+                                              self._tables(positions), segment_ids, loss_mask,
+                                              self.execution.loss_chunk)}  # fmt: skip
         return (*chunked_loss_sums(self.logits, features, targets, weights, self.execution.loss_chunk), stats)
 
     def target_logprobs(self, tokens, positions, segment_ids):
@@ -83,7 +96,7 @@ class Decoder(nnx.Module):
         MoE layers' statistics)."""
         targets = target_weights(tokens, segment_ids)[0]
         order = self._order(tokens.shape[1])
-        features, stats = self._through_layers(tokens, positions, segment_ids)
+        features, stats, _ = self._through_layers(tokens, positions, segment_ids)
         if order is not None:
             targets = targets[:, order]
         out = chunked_target_logprobs(self.logits, features, targets, self.execution.loss_chunk)
@@ -96,15 +109,17 @@ class Decoder(nnx.Module):
         return x if order is None else x[:, np.argsort(order)]
 
     def _through_layers(self, tokens, positions, segment_ids):
-        """(features in the layers' order, MoE statistics). With the sequence split over the context axis the
-        layers see it in zig-zag order (trainer/model/context.py)."""
+        """(features in the layers' order, MoE statistics, the last layer's output before the final norm).
+        With the sequence split over the context axis the layers see it in zig-zag order
+        (trainer/model/context.py)."""
         # A transposed or mis-sliced segment/position array would broadcast silently.
         chex.assert_equal_shape([tokens, positions, *(() if segment_ids is None else (segment_ids,))])
         order = self._order(tokens.shape[1])
         if order is not None:
             tokens, positions = tokens[:, order], positions[:, order]
             segment_ids = None if segment_ids is None else segment_ids[:, order]
-        return self._layers(tokens, positions, segment_ids)
+        hidden, stats = self._layers(tokens, positions, segment_ids)
+        return self.final_norm(hidden), stats, hidden
 
     def _order(self, seq_len: int) -> np.ndarray | None:
         context = ways(self.shard)
@@ -116,7 +131,7 @@ class Decoder(nnx.Module):
         if run.stages > 1:  # dense global layers only (validation refuses experts and windows in a pipeline)
             graphdef, stacked = nnx.split(self.layers)
             layer = _remat(lambda x, params, tables, ids: nnx.merge(graphdef, params)(x, tables, ids)[0], run)
-            return self.final_norm(self._pipelined(layer, stacked, x, positions, segment_ids)), {}
+            return self._pipelined(layer, stacked, x, positions, segment_ids), {}
         tables = self._tables(positions)
 
         def block(graphdef, params, x, _):
@@ -124,7 +139,7 @@ class Decoder(nnx.Module):
             return x, stats
 
         x, outs = self._run(block, x, remat=True)
-        return self.final_norm(x), outs.get("layers", {})  # the MoE layers' statistics ({} from dense blocks)
+        return x, outs.get("layers", {})  # the MoE layers' statistics ({} from dense blocks)
 
     def _tables(self, positions) -> dict:
         """RoPE tables for the global layers and the local ones (the same unless model.local_rope_theta)."""

@@ -6,22 +6,25 @@ import jax
 import jax.numpy as jnp
 
 
-def target_weights(tokens: jax.Array, segment_ids: jax.Array | None, loss_mask: jax.Array | None = None):
-    """Targets (the next token) and 0/1 weights, both (batch, seq).
+def target_weights(tokens: jax.Array, segment_ids: jax.Array | None, loss_mask: jax.Array | None = None,
+                   ahead: int = 1):  # fmt: skip
+    """Targets (the next token, or with `ahead` the token that many positions on: multi-token prediction's)
+    and 0/1 weights, both (batch, seq).
 
-    Position t predicts token t+1 only when both sit in the same document
+    Position t predicts token t+ahead only when both sit in the same document
     (segment id > 0, 0 being padding) and, given a `loss_mask` (post-training:
-    1 on the tokens trained on), when token t+1 is one; the last position has no
+    1 on the tokens trained on), when token t+ahead is one; the last `ahead` positions have no
     target. Shapes stay (batch, seq) so the sequence axis can be sharded like any other.
     """
-    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    k = ahead
+    targets = jnp.pad(tokens[:, k:], ((0, 0), (0, k)))
     if segment_ids is None:
         valid = jnp.ones_like(tokens, bool)
     else:
-        valid = jnp.pad((segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] > 0), ((0, 0), (0, 1)))
+        valid = jnp.pad((segment_ids[:, k:] == segment_ids[:, :-k]) & (segment_ids[:, k:] > 0), ((0, 0), (0, k)))
     if loss_mask is not None:
-        valid &= jnp.pad(loss_mask[:, 1:] > 0, ((0, 0), (0, 1)))
-    valid = valid.at[:, -1].set(False)
+        valid &= jnp.pad(loss_mask[:, k:] > 0, ((0, 0), (0, k)))
+    valid = valid.at[:, -k:].set(False)
     return targets, valid.astype(jnp.float32)
 
 

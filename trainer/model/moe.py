@@ -82,13 +82,16 @@ def route(x: jax.Array, router: jax.Array, bias: jax.Array, k: int, valid: jax.A
 
 
 def empty_statistics(arch) -> dict:
-    """Zeros shaped as the MoE layers' statistics (Decoder.loss_sums), to sum microbatches' into; {} if dense."""
-    m = arch.moe
+    """Zeros shaped as the MoE layers' statistics (Decoder.loss_sums), with multi-token prediction's sums under
+    "mtp" (trainer/model/mtp.py), to sum microbatches' into; {} if dense without it."""
+    m, out = arch.moe, {}
+    if arch.mtp.depth:
+        out["mtp"] = {"ce": jnp.zeros((arch.mtp.depth,), jnp.float32), "count": jnp.zeros((arch.mtp.depth,))}
     if not m.num_experts:
-        return {}
+        return out
     layers = m.moe_layers(arch.n_layers)
     zeros = {name: jnp.zeros((layers,), jnp.float32) for name in ("balance_loss", "router_z", "dropped")}
-    return {**zeros, "load": jnp.zeros((layers, m.num_experts), jnp.float32)}
+    return {**out, **zeros, "load": jnp.zeros((layers, m.num_experts), jnp.float32)}
 
 
 def _whole(w: jax.Array, dim: int, axes) -> jax.Array:

@@ -83,6 +83,13 @@ class Latent:
 
 
 @dataclasses.dataclass(frozen=True)
+class MultiToken:
+    """Multi-token prediction's modules (`model.mtp.depth`; trainer/model/mtp.py); 0: none."""
+
+    depth: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Architecture:
     """What defines the model's function: the same weights mean the same thing only under the same values.
 
@@ -115,6 +122,7 @@ class Architecture:
     mlp_activation: str = "silu"  # one of ACTIVATIONS
     attn_scale_dim: int = 0  # 0: head_dim
     mla: Latent = Latent()
+    mtp: MultiToken = MultiToken()
 
     def __post_init__(self):
         # One value for one model: a config's 0 and its d_model / n_heads spelled out are the same architecture.
@@ -150,7 +158,7 @@ class Architecture:
         moe = {f.name: values["moe"][f.name] for f in dataclasses.fields(Experts)}
         mla = {f.name: values["mla"][f.name] for f in dataclasses.fields(Latent)}
         return cls(**{**values, "rope_scaling": RopeScaling(**values["rope_scaling"]), "moe": Experts(**moe),
-                      "mla": Latent(**mla)})  # fmt: skip
+                      "mla": Latent(**mla), "mtp": MultiToken(values["mtp"]["depth"])})  # fmt: skip
 
     @property
     def rope_dim(self) -> int:

@@ -48,19 +48,22 @@ def batch_keys(cfg) -> tuple[str, ...]:
     return BATCH_KEYS + ("loss_mask",) * (cfg.data.format != "text")
 
 
-def _sums(model: ModelDef, params, batch, z_loss: float, moe=None):
+def _sums(model: ModelDef, params, batch, z_loss: float, moe=None, mtp_weight: float = 0.0):
     """(objective sum, (cross-entropy sum, target token count, largest |logit|, MoE statistics, {})) over the
     batch (the empty dict: DPO's metric sums, trainer/training/dpo.py).
 
     The MoE layers' auxiliary losses (means over the batch's positions, summed over layers) enter the sum
     times the batch's positions, so that the step's division by them leaves `aux_loss` x balance and
-    `z_loss` x the router's log(Z)^2 beside the mean cross-entropy."""
+    `z_loss` x the router's log(Z)^2 beside the mean cross-entropy. Multi-token prediction's modules'
+    cross-entropy sums enter times `mtp_weight` / depth (trainer/model/mtp.py)."""
     ce, count, log_z_sq, largest, stats = model.apply(
         params, batch["tokens"], batch["positions"], batch["segment_ids"], batch.get("loss_mask"),
         method="loss_sums",
     )  # fmt: skip
     objective = ce + z_loss * log_z_sq
-    if stats and moe is not None:
+    if "mtp" in stats and mtp_weight:
+        objective = objective + mtp_weight / stats["mtp"]["ce"].shape[0] * jnp.sum(stats["mtp"]["ce"])
+    if stats.get("load") is not None and moe is not None:
         aux = moe.aux_loss * jnp.sum(stats["balance_loss"]) + moe.z_loss * jnp.sum(stats["router_z"])
         objective = objective + batch["tokens"].size * aux
     return objective, (ce, count, largest, stats, {})
@@ -126,7 +129,12 @@ def make_train_step(
     scaling = LossScaling.from_config(cfg)
     schedule = make_schedule(cfg.optim, cfg.train.steps)
     batch_size = cfg.train.global_batch_size  # sequences in one full batch: the schedule's unit
-    z_loss, weight_decay, moe = cfg.optim.z_loss, cfg.optim.weight_decay, cfg.model.moe
+    z_loss, weight_decay, moe, mtp_weight = (
+        cfg.optim.z_loss,
+        cfg.optim.weight_decay,
+        cfg.model.moe,
+        cfg.model.mtp.weight,
+    )
     no_stats = empty_statistics(model.arch)
     preference = cfg.data.format == "preference"
     no_extra = {f"dpo/{m}": 0.0 for m in dpo.METRICS} if preference else {}
@@ -136,7 +144,7 @@ def make_train_step(
             objective, aux = dpo.sums(model, params, reference, batch, cfg.dpo)
             aux = (*aux[:4], {f"dpo/{m}": v for m, v in aux[4].items()})
         else:
-            objective, aux = _sums(model, params, batch, z_loss, moe)
+            objective, aux = _sums(model, params, batch, z_loss, moe, mtp_weight)
         return objective * factor, aux
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
@@ -167,6 +175,7 @@ def make_train_step(
         grads, ce, count, max_logit, moe_stats, extra = _over_microbatches(
             micro_step, batch, k, shard, (zeros, 0.0, 0.0, 0.0, no_stats, no_extra), combine
         )
+        mtp = moe_stats.pop("mtp", None)  # sums, not means
         moe_stats = jax.tree.map(lambda s: s / k, moe_stats)  # each microbatch's are means over its positions
         count = jnp.maximum(count, 1.0)
         # Unscale in fp32, and turn the sum over positions into the mean over target tokens.
@@ -213,6 +222,9 @@ def make_train_step(
             **{name: total / count for name, total in extra.items()},  # DPO's figures, means over the pairs
         }
         metrics.update(_moe_metrics(moe_stats))
+        if mtp is not None:  # each module's own mean cross-entropy: module k predicts k + 1 tokens past the next
+            metrics.update({f"mtp_loss/{i + 1}": mtp["ce"][i] / jnp.maximum(mtp["count"][i], 1.0)
+                            for i in range(mtp["ce"].shape[0])})  # fmt: skip
         if cfg.train.layer_grad_norms:
             metrics.update(_layer_norms(grads))
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, clock=counts,
