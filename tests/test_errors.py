@@ -163,6 +163,15 @@ CASES = {
         lambda: micro_config(model=dict(sliding_window=8), mesh=dict(stage=2), train=dict(pipeline_microbatches=2)),
         "local layers inside pipeline stages are not supported",
     ),
+    "latent ranks that the tensor axis does not divide": (
+        lambda: micro_config(model=dict(n_kv_heads=4, mla=dict(kv_rank=21, nope_dim=8, rope_dim=8, v_dim=16)),
+                             mesh=dict(fsdp=4, tensor=2, rules=dict(kv_latent=("tensor",)))),  # fmt: skip
+        r"model.mla.kv_rank=21 does not divide over mesh.tensor=2 \(mesh.rules.kv_latent",
+    ),
+    "multi-token prediction in pipeline stages": (
+        lambda: micro_config(model=dict(mtp=dict(depth=1)), mesh=dict(stage=2), train=dict(pipeline_microbatches=2)),
+        "multi-token prediction with pipeline stages is not supported; use mesh.stage=1",
+    ),
     "dataset that is not prepared": (
         lambda: micro_config(data=dict(source="tfds", name="no_such_dataset", data_dir="/nonexistent")),
         "not prepared",

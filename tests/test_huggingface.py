@@ -368,8 +368,10 @@ def test_deepseek_v3_imports_from_transformers_decodes_as_it_does_and_exports_ba
     """DeepSeek-V3, built small and random by transformers: latent attention (q and kv latents with their
     norms, RoPE in interleaved pairs on 4 of each head's 12 query/key dims, values 12 wide), its first layer
     dense, then 8 experts under the sigmoid router with a random correction bias, 2 groups of which a token
-    uses 1, weights times 2.5, a shared expert. Our logits are theirs, our greedy continuation (decoding from
-    the cached latents) theirs, and the exported directory loads back into transformers with the same logits."""
+    uses 1, weights times 2.5, a shared expert; our config adds a multi-token prediction module, which the
+    import starts fresh and the export leaves out. Our logits are theirs, our greedy continuation (decoding
+    from the cached latents) theirs, and the exported directory loads back into transformers with the same
+    logits."""
     torch.manual_seed(0)
     config = transformers.DeepseekV3Config(vocab_size=384, hidden_size=64, intermediate_size=96,
                                            moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
@@ -389,7 +391,7 @@ def test_deepseek_v3_imports_from_transformers_decodes_as_it_does_and_exports_ba
     model.save_pretrained(str(tmp_path / "hf"))
     moe = dict(num_experts=8, experts_per_token=2, shared_experts=1, d_ff=32, dense_layers=1, router="sigmoid",
                routed_scale=2.5, groups=2, groups_per_token=1)  # fmt: skip
-    cfg = micro_config(model=dict(n_layers=3, d_ff=96, n_kv_heads=4, norm_eps=1e-6, moe=moe,
+    cfg = micro_config(model=dict(n_layers=3, d_ff=96, n_kv_heads=4, norm_eps=1e-6, moe=moe, mtp=dict(depth=1),
                                   mla=dict(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=4, v_dim=12)))  # fmt: skip
     workdir = str(tmp_path / "run")
     import_checkpoint(str(tmp_path / "hf"), cfg, workdir)

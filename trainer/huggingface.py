@@ -204,6 +204,8 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     setup = build(cfg)
     interleaved = bool(read_config(hf_dir).get("rope_interleave"))  # DeepSeek's RoPE pairs
     params = from_hf_tensors(read_weights(hf_dir), setup.spec.arch, interleaved)
+    if setup.spec.arch.mtp.depth:  # no family here holds multi-token prediction modules: they start fresh
+        params["mtp"] = jax.device_get(setup.new_state().params["mtp"])
     expected = jax.tree.map(lambda a: a.shape, setup.model.abstract_params)
     if jax.tree.map(lambda a: a.shape, params) != expected:
         raise ConfigError(f"the weights in {hf_dir} do not have the shapes its config.json describes.")
