@@ -81,3 +81,34 @@ def test_sequence_parallelism_trains_like_one_device(one_device, text_batches):
 def test_the_tolerances_catch_a_real_change(one_device, text_batches):
     loss_diff, param_diff = differences(run(config(lr=1e-2 * 1.001), 1, text_batches), one_device)
     assert loss_diff > 10 * LOSS_RTOL and param_diff > 10 * PARAM_RTOL, (loss_diff, param_diff)
+
+
+FAMILIES = {  # the model families' layers (docs/model_families.md) at micro size
+    "gemma3": dict(sliding_window=8, global_every=2, local_rope_theta=1000.0, rope_theta=1e6, embed_scale=True,
+                   post_norms=True, mlp_activation="gelu_tanh", qk_norm=True, attn_scale_dim=12),
+    "deepseek_v3": dict(mla=dict(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=8, v_dim=12), mtp=dict(depth=1),
+                        moe=dict(num_experts=4, experts_per_token=2, shared_experts=1, d_ff=64, dense_layers=1,
+                                 router="sigmoid", routed_scale=2.0, groups=2, groups_per_token=1)),
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_model_families_train_on_a_mesh_like_one_device(family, text_batches):
+    """Gemma 3's local and global layers (a window of 8 over 32 tokens) and DeepSeek-V3's latent attention,
+    sigmoid-routed experts and multi-token prediction: 10 steps on data 2 x fsdp 2 x tensor 2 (heads, MLP
+    and expert widths over tensor; the latents whole) against one device, within the matrix's tolerances."""
+    model = {**FAMILIES[family], "n_heads": 8, "n_kv_heads": 8 if family == "deepseek_v3" else 4}
+
+    def family_config(mesh):
+        cfg = config(mesh)
+        cfg.model.update({k: v for k, v in model.items() if not isinstance(v, dict)})
+        for group in ("mla", "mtp", "moe"):
+            cfg.model[group].update(model.get(group, {}))
+        return cfg
+
+    batches = text_batches[:10]
+    one = run(family_config(None), 1, batches)
+    assert one[0][-1] < one[0][0] - 1.0
+    loss_diff, param_diff = differences(run(family_config(dict(data=2, fsdp=2, tensor=2)), 8, batches), one)
+    assert loss_diff < LOSS_RTOL and param_diff < PARAM_RTOL, (loss_diff, param_diff)

@@ -164,8 +164,10 @@ CASES = {
         "local layers inside pipeline stages are not supported",
     ),
     "latent ranks that the tensor axis does not divide": (
-        lambda: micro_config(model=dict(n_kv_heads=4, mla=dict(kv_rank=21, nope_dim=8, rope_dim=8, v_dim=16)),
-                             mesh=dict(fsdp=4, tensor=2, rules=dict(kv_latent=("tensor",)))),  # fmt: skip
+        lambda: micro_config(
+            model=dict(n_kv_heads=4, mla=dict(kv_rank=21, nope_dim=8, rope_dim=8, v_dim=16)),
+            mesh=dict(fsdp=4, tensor=2, rules=dict(kv_latent=("tensor",))),
+        ),  # fmt: skip
         r"model.mla.kv_rank=21 does not divide over mesh.tensor=2 \(mesh.rules.kv_latent",
     ),
     "multi-token prediction in pipeline stages": (
