@@ -6,12 +6,15 @@ blocks its local mask runs. Decoding with a local layer's ring cache is checked 
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, micro_config
 from test_attention import packed_gqa, value_and_grads
 from test_context import loss_grads_logits, packed_batch
 
+from parallelism.mesh import make_mesh
+from parallelism.rules import LogicalSharding
 from trainer.config import from_file
 from trainer.errors import ConfigError
 from trainer.flops import attention_forward_flops
@@ -127,3 +130,46 @@ def test_gemma3s_layers_run_as_four_units_and_a_tail_and_count_their_windows_flo
     moe = Architecture(**{**BASE, "n_layers": 5}, moe=Experts(num_experts=4, dense_layers=1, every=2))
     assert layer_plan(tuple(s for s, _ in moe.stacks())) == [(1, [("dense_layers", 1)]),
                                                              (2, [("dense_between", 1), ("layers", 1)])]  # fmt: skip
+
+
+def test_attention_sinks_take_their_share_of_every_softmax_in_xla_and_splash():
+    """gpt-oss's sinks: each head's learned logit of a key with no value. xla (masked and in chunks of the
+    window) and splash (interpret mode, on data 2 x fsdp 2 x tensor 2 too: each device's rows and heads) give
+    the numpy reference's outputs, splash the gradients of xla's, the sinks' included."""
+    q, k, v, segments = packed_gqa(b=4, t=256)
+    sinks = jax.random.normal(jax.random.key(7), (4,)) * 2
+
+    def reference(window):
+        """numpy_attention with the sink's term in each softmax's denominator: each output times
+        sum(exp(scores)) / (sum(exp(scores)) + exp(sink))."""
+        out = numpy_attention(q, k, v, segments, window)
+        qn, kn, ids = np.asarray(q, np.float64), np.asarray(k, np.float64), np.asarray(segments)
+        scale = np.zeros(out.shape[:3])
+        for row in range(q.shape[0]):
+            for i in range(q.shape[1]):
+                seen = [j for j in range(max(0, i - window + 1), i + 1) if ids[row, j] == ids[row, i]]
+                for head in range(q.shape[2]):
+                    z = np.exp(kn[row, seen, head // 2] @ qn[row, i, head] / np.sqrt(q.shape[-1]))
+                    scale[row, i, head] = z.sum() / (z.sum() + np.exp(float(sinks[head])))
+        return out * scale[..., None]
+
+    for window in (64, 100):
+        expected = reference(window)
+        got = {"xla": xla_attention(q, k, v, segments, window, sinks),
+               "splash": splash_attention(q, k, v, segments, block=128, window=window, sinks=sinks)}  # fmt: skip
+        for name, out in got.items():
+            np.testing.assert_allclose(out, expected, atol=2e-5, err_msg=f"{name} window {window}")
+    mesh = make_mesh(micro_config(mesh=dict(data=2, fsdp=2, tensor=2)).mesh)
+    shard = LogicalSharding.create(mesh)
+    weights = jax.random.normal(jax.random.key(9), q.shape)
+
+    def loss(attention):
+        return lambda q, k, v, s: jnp.sum(attention(q, k, v, s) * weights)
+
+    kernels = {"xla": lambda q, k, v, s: xla_attention(q, k, v, segments, WINDOW, s),
+               "splash": lambda q, k, v, s: splash_attention(q, k, v, segments, shard, block=128, window=WINDOW,
+                                                             sinks=s)}  # fmt: skip
+    ref, got = (jax.jit(jax.grad(loss(kernels[n]), (0, 1, 2, 3)))(q, k, v, sinks) for n in ("xla", "splash"))
+    assert np.abs(np.asarray(ref[3])).max() > 1e-3  # the sinks' own gradient is not nothing
+    for name, a, b in zip(("q", "k", "v", "sinks"), got, ref, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4, err_msg=f"d{name}")

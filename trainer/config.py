@@ -84,6 +84,7 @@ def _declared() -> dict[str, dict]:
         # sliding_window - 1 tokens before it; 0 = every layer global.
         sliding_window=Num(0, "[0, inf)"),
         global_every=Num(0, "[0, inf)"),  # with a window: every this-many-th layer global (Gemma 3: 6); 0 = none
+        attention_sinks=False,  # each head's learned logit of a valueless key (gpt-oss): xla and splash kernels
         local_rope_theta=Num(0.0, "0 or (1, inf)"),  # the local layers' RoPE base (Gemma 3: 10000); 0 = rope_theta
         # Gemma's details: embeddings x sqrt(d_model); a norm on each sublayer's output before the residual add;
         # the MLP's gate activation (one of ACTIVATIONS); attention scores x attn_scale_dim^-0.5 (0 = head_dim).

@@ -35,6 +35,9 @@ GEMMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "attn
 
 def family(spec: Architecture) -> str:
     """The Hugging Face family of this architecture; refuses one that no family here has."""
+    if spec.attention_sinks:
+        raise ConfigError("model.attention_sinks: none of the Hugging Face families here (gpt-oss's is not among "
+                          "them) has attention sinks, so this model has no Hugging Face form.")  # fmt: skip
     if spec.mla.kv_rank:
         hf_deepseek.check(spec)
         return hf_deepseek.KIND

@@ -291,7 +291,7 @@ def _check_latent(cfg: ml_collections.ConfigDict) -> None:
     if a.v_dim > a.nope_dim + a.rope_dim:
         raise ConfigError(f"model.mla.v_dim={a.v_dim} exceeds a query head's nope_dim + rope_dim = "
                           f"{a.nope_dim + a.rope_dim}, which the fused kernels' one head width needs.")  # fmt: skip
-    for key in ("sliding_window", "qk_norm", "attn_scale_dim"):
+    for key in ("sliding_window", "qk_norm", "attn_scale_dim", "attention_sinks"):
         if m[key]:
             raise ConfigError(f"model.{key}={m[key]} with latent attention (model.mla.kv_rank={a.kv_rank}) is not "
                               f"implemented; use one or the other.")  # fmt: skip

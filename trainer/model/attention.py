@@ -43,8 +43,10 @@ def attention_mask(segment_ids: jax.Array | None, q_len: int, kv_len: int, windo
     return causal & same
 
 
-def masked_attention(q, k, v, mask):
-    """Softmax attention under an explicit boolean mask (batch|1, 1, q, kv), fp32 softmax."""
+def masked_attention(q, k, v, mask, sinks=None):
+    """Softmax attention under an explicit boolean mask (batch|1, 1, q, kv), fp32 softmax. `sinks` (heads,):
+    each head's learned logit of a key with no value (gpt-oss's attention sinks), which takes a share of
+    the softmax and so lets a query attend to nothing."""
     b, t, n, h = q.shape
     kv_heads = k.shape[2]
     # Group the query heads that share one key/value head instead of repeating k and v.
@@ -52,19 +54,23 @@ def masked_attention(q, k, v, mask):
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)
     scores = scores * (h**-0.5)
     scores = jnp.where(mask[:, :, None], scores, jnp.finfo(jnp.float32).min)  # mask broadcast over the group
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv_heads, -1, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1].astype(v.dtype)
+    else:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, v)
     return out.reshape(b, t, n, v.shape[-1])  # values may be narrower than queries (latent attention's decode)
 
 
-def xla_attention(q, k, v, segment_ids=None, window: int = 0):
+def xla_attention(q, k, v, segment_ids=None, window: int = 0, sinks=None):
     t = q.shape[1]
     if window and t == k.shape[1] and t % window == 0 and t >= 2 * window:
-        return local_attention(q, k, v, segment_ids, window)
-    return masked_attention(q, k, v, attention_mask(segment_ids, t, k.shape[1], window))
+        return local_attention(q, k, v, segment_ids, window, sinks)
+    return masked_attention(q, k, v, attention_mask(segment_ids, t, k.shape[1], window), sinks)
 
 
-def local_attention(q, k, v, segment_ids, window: int):
+def local_attention(q, k, v, segment_ids, window: int, sinks=None):
     """A local layer's attention in chunks of `window` queries, each over its own chunk's keys and the
     chunk's before (all a window can reach): scores of seq x 2 window per head instead of seq x seq (at 8192
     tokens and a window of 512, an eighth)."""
@@ -85,21 +91,21 @@ def local_attention(q, k, v, segment_ids, window: int):
         q_ids = segment_ids.reshape(b, chunks, window)
         mask = mask & (q_ids[..., :, None] == pairs(segment_ids).reshape(b, chunks, 1, 2 * window))
     out = masked_attention(q.reshape(b * chunks, window, n, h), pairs(k), pairs(v),
-                           mask.reshape(b * chunks, 1, window, 2 * window))  # fmt: skip
+                           mask.reshape(b * chunks, 1, window, 2 * window), sinks)  # fmt: skip
     return out.reshape(b, t, n, v.shape[-1])
 
 
-def cached_attention(q, k_cache, v_cache, q_positions):
+def cached_attention(q, k_cache, v_cache, q_positions, sinks=None):
     """Decoding: queries at absolute `q_positions` (batch, q) over a cache whose slot s holds position s.
 
     Slots past a query's position are empty or in its future; the mask hides both.
     """
     slots = jnp.arange(k_cache.shape[1])
     mask = slots[None, None, None, :] <= q_positions[:, None, :, None]
-    return masked_attention(q, k_cache, v_cache, mask)
+    return masked_attention(q, k_cache, v_cache, mask, sinks)
 
 
-def ring_attention(q, k, v, k_ring, v_ring, ring_positions, q_positions, window: int):
+def ring_attention(q, k, v, k_ring, v_ring, ring_positions, q_positions, window: int, sinks=None):
     """Decoding a local layer: its cache is a ring of `window` slots (fewer if the whole decode is shorter),
     slot s holding the keys and values of position `ring_positions[:, s]` (-1: empty), the newest positions
     written (at position mod slots). Queries at `q_positions` (batch, q) (-1: padding, which is never
@@ -111,7 +117,7 @@ def ring_attention(q, k, v, k_ring, v_ring, ring_positions, q_positions, window:
     )
     key_positions = jnp.concatenate([ring_positions, q_positions], 1)
     kp, qp = key_positions[:, None, None, :], q_positions[:, None, :, None]
-    out = masked_attention(q, keys, values, (kp >= 0) & (kp <= qp) & (qp - kp < window))
+    out = masked_attention(q, keys, values, (kp >= 0) & (kp <= qp) & (qp - kp < window), sinks)
     # A prompt longer than the ring writes only its last tokens: no two writes share a slot.
     size = k_ring.shape[1]
     newest = q_positions > q_positions.max(axis=1, keepdims=True) - size
@@ -163,9 +169,11 @@ def gathered_local(q, k, v, ids, seq_len: int, context: int, implementation: str
     return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
 
 
-def attend(kind: str, q, k, v, segment_ids=None, shard=None, context_mode: str = "ring", window: int = 0):
+def attend(kind: str, q, k, v, segment_ids=None, shard=None, context_mode: str = "ring", window: int = 0,
+           sinks=None):  # fmt: skip
     """Dispatch on `model.attention` (and `model.context_attention` when the sequence is split over the
-    context axis); config validation has already checked both. `window`: a local layer's (0: global)."""
+    context axis); config validation has already checked both. `window`: a local layer's (0: global);
+    `sinks`: attention sinks' logits (heads,), which xla and splash take (setup refuses the others)."""
     mesh = None if shard is None else shard.mesh
     platform = (jax.devices() if mesh is None else mesh.devices.flat)[0].platform
     if shard is not None and ways(shard) > 1:
@@ -177,7 +185,7 @@ def attend(kind: str, q, k, v, segment_ids=None, shard=None, context_mode: str =
         return context_attention(context_mode, q, k, v, segment_ids, shard, window)
     kind = resolve(kind, platform)
     if kind == "xla":
-        return xla_attention(q, k, v, segment_ids, window)
+        return xla_attention(q, k, v, segment_ids, window, sinks)
     if kind == "splash":
-        return splash_attention(q, k, v, segment_ids, shard, window=window)
+        return splash_attention(q, k, v, segment_ids, shard, window=window, sinks=sinks)
     return _jax_nn_attention(q, k, v, segment_ids, "cudnn" if kind == "cudnn" else None, window)

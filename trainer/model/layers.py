@@ -86,6 +86,8 @@ class Attention(nnx.Module):
         if a.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(h, a.norm_eps, "head_dim"), RMSNorm(h, a.norm_eps, "head_dim")
         self.window = a.sliding_window if local else 0
+        if a.attention_sinks:  # a logit, not a matrix: no weight decay (spec.is_matrix)
+            self.sinks = nnx.Param(jnp.zeros((n,), jnp.float32), sharding_names=("heads",), eager_sharding=False)
         # The kernels scale scores by head_dim^-0.5; another scale (Gemma's query_pre_attn_scalar) goes on q.
         self.q_scale = (h / a.attn_scale_dim) ** 0.5 if a.attn_scale_dim else 1.0
         self.execution, self.shard = spec.execution, shard
@@ -106,19 +108,20 @@ class Attention(nnx.Module):
         q = self.shard.constrain(apply_rope(q, tables), ("batch", "seq", "heads", "head_dim"))
         k = self.shard.constrain(apply_rope(k, tables), ("batch", "seq", "kv_heads", "head_dim"))
         v = self.shard.constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+        sinks = self.sinks[...] if hasattr(self, "sinks") else None
         if cache is None:
             run = self.execution
-            out = attend(run.attention, q, k, v, segment_ids, self.shard, run.context_attention, self.window)
+            out = attend(run.attention, q, k, v, segment_ids, self.shard, run.context_attention, self.window, sinks)
             new_cache = None
         elif self.window:
-            out, new_cache = ring_attention(q, k, v, *cache, self.window)
+            out, new_cache = ring_attention(q, k, v, *cache, self.window, sinks)
         else:
             k_cache, v_cache, positions = cache
             # Each row writes at its own position: prompts of different lengths decode side by side.
             write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(c, new, at, axis=0))
             k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])
             v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])
-            out, new_cache = cached_attention(q, k_cache, v_cache, positions), (k_cache, v_cache)
+            out, new_cache = cached_attention(q, k_cache, v_cache, positions, sinks), (k_cache, v_cache)
         return jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)), new_cache
 
 

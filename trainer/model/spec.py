@@ -115,6 +115,7 @@ class Architecture:
     sliding_window: int = 0  # 0: every layer global
     global_every: int = 0  # with a window, every this-many-th layer is global (Gemma 3: 6); 0: all local (Mistral)
     local_rope_theta: float = 0.0  # the local layers' RoPE base (Gemma 3: 10k beside 1M); 0: rope_theta
+    attention_sinks: bool = False  # each head's learned logit of a key with no value, in every softmax (gpt-oss)
     # Gemma's details: embeddings times sqrt(d_model), a norm on each sublayer's output before the residual
     # add, the MLP's gate through tanh-approximated GELU (GeGLU), scores scaled by attn_scale_dim^-0.5.
     embed_scale: bool = False

@@ -20,6 +20,7 @@ import json
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
@@ -98,7 +99,8 @@ def _kernel(seq_len: int, group: int, block: int, interpret: bool, context: int 
                                       interpret=interpret)  # fmt: skip
 
 
-def splash_attention(q, k, v, segment_ids=None, shard=None, block: int | None = None, window: int = 0):
+def splash_attention(q, k, v, segment_ids=None, shard=None, block: int | None = None, window: int = 0,
+                     sinks=None):  # fmt: skip
     """The Pallas kernel on each device's shard: a Mosaic kernel cannot be partitioned by XLA, so it
     runs under shard_map, batch split over the batch axes and heads over `tensor`, each device
     holding whole sequences (sequence-parallel layouts are gathered first).
@@ -107,7 +109,8 @@ def splash_attention(q, k, v, segment_ids=None, shard=None, block: int | None = 
     keeps its queries and gathers the keys, values and their segment ids from the whole axis, putting
     them back in the sequence's order; the kernel's mask reads its queries' original positions, and its
     block map skips the blocks the causal mask hides. The backward reduce-scatters the keys' and
-    values' gradients (the gather's transpose)."""
+    values' gradients (the gather's transpose). `sinks` (heads,): attention sinks' logits, which the
+    kernel takes per query head."""
     _, t, n, h = q.shape
     kv_heads = k.shape[2]
     mesh = None if shard is None else shard.mesh
@@ -118,7 +121,7 @@ def splash_attention(q, k, v, segment_ids=None, shard=None, block: int | None = 
     block_kv = block if block % 128 == 0 else t
     kernel = _kernel(t, group, block, device.platform != "tpu", context, block_kv, window)
 
-    def local(kernel, q, k, v, segment_ids):
+    def local(kernel, q, k, v, segment_ids, sinks):
         kv_ids = segment_ids
         if context > 1:
             k, v, kv_ids = (gathered(x, t, context) for x in (k, v, segment_ids))
@@ -127,38 +130,50 @@ def splash_attention(q, k, v, segment_ids=None, shard=None, block: int | None = 
         qg = (q * h**-0.5).reshape(rows, q.shape[1], local_kv, -1, h).transpose(0, 2, 3, 1, 4)
         kg, vg = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
 
-        def one(q, k, v, q_ids, kv_ids):
-            return kernel(q, k, v, segment_ids=None if q_ids is None else splash.SegmentIds(q_ids, kv_ids))
+        def one(q, k, v, q_ids, kv_ids, sinks):
+            ids = None if q_ids is None else splash.SegmentIds(q_ids, kv_ids)
+            return kernel(q, k, v, segment_ids=ids, **({} if sinks is None else {"sinks": sinks}))
 
-        per_row = jax.vmap(one, in_axes=(0, 0, 0, None, None))  # over kv heads
         ids_axis = None if segment_ids is None else 0
-        out = jax.vmap(per_row, in_axes=(0, 0, 0, ids_axis, ids_axis))(qg, kg, vg, segment_ids, kv_ids)
+        sinks_axis = None if sinks is None else 0
+        if sinks is not None:  # each row's copy (rows, t, heads): its first position's, grouped by kv head
+            sinks = sinks[:, 0].astype(jnp.float32).reshape(rows, local_kv, -1)
+        per_row = jax.vmap(one, in_axes=(0, 0, 0, None, None, sinks_axis))  # over kv heads
+        out = jax.vmap(per_row, in_axes=(0, 0, 0, ids_axis, ids_axis, sinks_axis))(qg, kg, vg, segment_ids, kv_ids,
+                                                                                    sinks)  # fmt: skip
         return out.transpose(0, 3, 1, 2, 4).reshape(rows, q.shape[1], -1, h).astype(q.dtype)
 
+    if sinks is not None:
+        # One copy a row and position, split as the queries are: each device's gradient lands in its own
+        # copies and the broadcast's transpose sums them (a replicated input's gradient under shard_map
+        # without its checks would be one device's alone).
+        sinks = jnp.broadcast_to(sinks, (q.shape[0], t, n))
     if window:  # the window in the calls' names (op_name), where a compiled HLO's reader (hlo_call_cost) finds it
         with jax.named_scope(f"{WINDOW_SCOPE}{window}"):
-            return _sharded(local, kernel, q, k, v, segment_ids, shard, context)
-    return _sharded(local, kernel, q, k, v, segment_ids, shard, context)
+            return _sharded(local, kernel, q, k, v, segment_ids, sinks, shard, context)
+    return _sharded(local, kernel, q, k, v, segment_ids, sinks, shard, context)
 
 
-def _sharded(local, kernel, q, k, v, segment_ids, shard, context: int):
+def _sharded(local, kernel, q, k, v, segment_ids, sinks, shard, context: int):
     """`local` on each device's shard (under shard_map), or whole without a mesh."""
     mesh = None if shard is None else shard.mesh
     if mesh is None:
-        return local(kernel, q, k, v, segment_ids)
+        return local(kernel, q, k, v, segment_ids, sinks)
     seq = "seq" if context > 1 else None
     heads = shard.spec(("batch", seq, "heads", None))
     kv = shard.spec(("batch", seq, "kv_heads", None))
     # Each device's share of the kernel's block map: its queries' rows (the whole map without context).
     kernel_spec = kernel.manual_sharding_spec(jax.NamedSharding(mesh, jax.P(None, AXIS if context > 1 else None)))
-    if segment_ids is None:
-        mapped = jax.shard_map(lambda kernel, q, k, v: local(kernel, q, k, v, None), mesh=mesh,
-                               in_specs=(kernel_spec, heads, kv, kv), out_specs=heads, check_vma=False)  # fmt: skip
-        return mapped(kernel, q, k, v)
-    ids = shard.spec(("batch", seq))
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(kernel_spec, heads, kv, kv, ids), out_specs=heads,
-                           check_vma=False)  # fmt: skip
-    return mapped(kernel, q, k, v, segment_ids)
+    optional = {"ids": (segment_ids, shard.spec(("batch", seq))), "sinks": (sinks, shard.spec(("batch", seq, "heads")))}
+    given = {name: pair for name, pair in optional.items() if pair[0] is not None}
+
+    def body(kernel, q, k, v, *rest):
+        named = dict(zip(given, rest, strict=True))
+        return local(kernel, q, k, v, named.get("ids"), named.get("sinks"))
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(kernel_spec, heads, kv, kv, *(s for _, s in given.values())),
+                           out_specs=heads, check_vma=False)  # fmt: skip
+    return mapped(kernel, q, k, v, *(a for a, _ in given.values()))
 
 
 def _fetches(indices: np.ndarray) -> int:

@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding, parse_rules
+from trainer.errors import ConfigError
 from trainer.model.attention import context_kernel, resolve
 from trainer.model.context import ways
 from trainer.model.decoder import ModelDef
@@ -92,6 +93,11 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     e, platform = spec.execution, mesh.devices.flat[0].platform
     split = ways(shard) > 1
     kernel = context_kernel(e.attention, e.context_attention, platform) if split else resolve(e.attention, platform)
+    if spec.arch.attention_sinks and (kernel not in ("xla", "splash") or (split and kernel == "xla")):
+        where = f"over mesh.context={ways(shard)}" if split else f"on {platform}"
+        raise ConfigError(f"model.attention_sinks with model.attention={e.attention} ({kernel} {where}): only the xla "
+                          "and splash kernels take sinks here, and not through the context axis's blocks; use "
+                          "model.attention=xla or splash.")  # fmt: skip
     spec = dataclasses.replace(spec, execution=dataclasses.replace(spec.execution, attention=kernel))
     model = ModelDef.create(spec, shard)
     check_weights_fit(model, shard)
