@@ -36,6 +36,10 @@ def main():
     import jax
     import numpy as np
 
+    from trainer import accelerators
+
+    accelerators.start()  # this machine's backends, without the others' noise
+
     from trainer.config import with_changes
     from trainer.model.sampling import empty_cache, make_generate
     from trainer.training.setup import build
@@ -45,7 +49,7 @@ def main():
     common = {"model.n_layers": _LAYERS.value, "model.moe.num_experts": 0, "model.mtp.depth": 0,
               "model.max_seq_len": max(base.model.max_seq_len, length), "data.seq_len": 128,
               "data.source": "synthetic", "data.tokenizer": "byte", "model.vocab_size": 4096,
-              "precision.compute_dtype": "float32", "mesh.expert": 1, "mesh.fsdp": -1,
+              "precision.compute_dtype": "float32", "mesh.expert": 1, "mesh.fsdp": -1, "model.loss_chunk": 0,
               "train.global_batch_size": jax.device_count(), "train.grad_accum_steps": 1}  # fmt: skip
     gqa = {"model.mla.kv_rank": 0, "model.n_kv_heads": _KV_HEADS.value,
            "model.head_dim": base.model.d_model // base.model.n_heads}  # fmt: skip

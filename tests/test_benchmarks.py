@@ -64,6 +64,11 @@ def quick(corpus_dir, out):
             ],
             "sliding_window",
         ),  # fmt: skip
+        (
+            "latent_cache.py",
+            ["--config", "configs/deepseek_tiny.py", "--prompt=32", "--new=4", "--layers=1"],
+            "latent_cache",
+        ),  # fmt: skip
         ("restart.py", [*SYNTHETIC, "--config.train.steps=2", "--config.optim.warmup_steps=1"], "restart"),
         ("vs_pytorch.py", [*SYNTHETIC, "--steps=1", "--rounds=1"], "vs_pytorch"),
         (

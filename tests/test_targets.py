@@ -245,3 +245,22 @@ def test_h100_hosts_compile_without_a_gpu(monkeypatch):
     measured, textbook = result["collectives"]["measured"], result["collectives"]["textbook"]
     for kind in ("all-gather", "reduce-scatter"):
         assert measured[kind]["sent"] == pytest.approx(textbook[kind], rel=0.1), kind
+
+
+@pytest.mark.slow  # two TPU compiles, ~60 s and ~150 s here
+@needs_libtpu
+@pytest.mark.parametrize("config, target", [("gemma3_1b", "v5e-8"), ("deepseek_16b", "v5p-32")])
+def test_the_model_family_configs_plan_within_the_stated_error_of_their_tpu_compiles(config, target):
+    """Gemma 3 1B at 8192 tokens (local layers through splash's local mask) and the DeepSeek-V3-style 16B
+    (latent attention, sigmoid-routed experts over mesh.expert, one MTP module), each compiled by XLA:TPU for
+    its slice: it fits, the arithmetic's memory per device is within its stated 35% of the compiled heap,
+    and the compiled step's FLOPs (remat's recomputation and the kernels' counted blocks included) lie
+    between the model FLOPs the formula counts and 1.5 x them."""
+    out = subprocess.run([sys.executable, "scripts/plan.py", "--config", f"configs/{config}.py", "--target", target,
+                          "--json"], cwd=REPO, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    compiled, planned = result["compiled_bytes_per_device"], result["bytes_per_device"]["total"]
+    assert result["fits"] and abs(planned - compiled) / compiled < 0.35, (planned, compiled)
+    per_device = result["flops_per_step"] / result["devices"]
+    assert per_device <= result["cost"]["flops"] <= 1.5 * per_device, (per_device, result["cost"]["flops"])
