@@ -35,6 +35,26 @@ def hf_logits(model_dir_or_model):
         return model(torch.tensor(TOKENS)).logits.numpy()
 
 
+def round_trip(model, cfg, tmp_path, prompt: int = 6, new: int = 8):
+    """A transformers `model` saved, imported under `cfg`: our logits are its, our greedy continuation of
+    `prompt` tokens its `generate`'s, and our export loads back into transformers with the same logits.
+    Returns (setup, params) of the import."""
+    model.save_pretrained(str(tmp_path / "hf"))
+    workdir = str(tmp_path / "run")
+    import_checkpoint(str(tmp_path / "hf"), cfg, workdir)
+    logits = our_logits(cfg, workdir)
+    np.testing.assert_allclose(logits, hf_logits(model), rtol=1e-4, atol=1e-4)
+    setup, _, params = load_params(cfg, workdir)
+    ours = np.asarray(make_generate(setup.spec, setup.shard, max_new_tokens=new)(params, TOKENS[:, :prompt], 0))
+    with torch.no_grad():
+        theirs = model.generate(torch.tensor(TOKENS[:, :prompt]), max_new_tokens=new, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[:, prompt:].numpy()  # fmt: skip
+    np.testing.assert_array_equal(ours, theirs)
+    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
+    np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), logits, rtol=1e-4, atol=1e-4)
+    return setup, params
+
+
 def our_logits(cfg, workdir):
     setup, _, params = load_params(cfg, workdir)
     return np.asarray(jax.jit(setup.model.apply)(params, TOKENS))
@@ -288,20 +308,8 @@ def test_a_mixture_of_experts_imports_from_transformers_decodes_as_it_does_and_e
         model = transformers.Qwen3MoeForCausalLM(config)
         ours = dict(qk_norm=True, n_layers=4, head_dim=32,
                     moe=dict(num_experts=8, experts_per_token=2, d_ff=32, dense_layers=2, every=2))  # fmt: skip
-    model.save_pretrained(str(tmp_path / "hf"))
     cfg = micro_config(model=dict(norm_eps=1e-5, rope_theta=model.config.rope_parameters["rope_theta"], **ours))
-    workdir = str(tmp_path / "run")
-    import_checkpoint(str(tmp_path / "hf"), cfg, workdir)
-    logits = our_logits(cfg, workdir)
-    np.testing.assert_allclose(logits, hf_logits(model), rtol=1e-4, atol=1e-4)
-    setup, _, params = load_params(cfg, workdir)
-    ours_greedy = np.asarray(make_generate(setup.spec, setup.shard, max_new_tokens=8)(params, TOKENS[:, :6], 0))
-    with torch.no_grad():
-        theirs = model.generate(torch.tensor(TOKENS[:, :6]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[:, 6:].numpy()  # fmt: skip
-    np.testing.assert_array_equal(ours_greedy, theirs)
-    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
-    np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), logits, rtol=1e-4, atol=1e-4)
+    round_trip(model, cfg, tmp_path)
 
 
 def test_an_export_with_no_hugging_face_form_writes_nothing(tmp_path):
@@ -339,29 +347,18 @@ def test_gemma3_imports_from_transformers_decodes_as_it_does_and_exports_back(tm
         for name, w in model.named_parameters():
             if "norm" in name:
                 w.normal_(0, 0.3)
-    model.save_pretrained(str(tmp_path / "hf"))
     gemma = dict(embed_scale=True, post_norms=True, mlp_activation="gelu_tanh", attn_scale_dim=24, qk_norm=True)
     cfg = micro_config(model=dict(n_layers=5, d_ff=96, head_dim=16, norm_eps=1e-6, rope_theta=1e6, tie_embeddings=True,
                                   sliding_window=6, global_every=3, local_rope_theta=1e4, **gemma))  # fmt: skip
-    workdir = str(tmp_path / "run")
-    import_checkpoint(str(tmp_path / "hf"), cfg, workdir)
-    logits = our_logits(cfg, workdir)
-    np.testing.assert_allclose(logits, hf_logits(model), rtol=1e-4, atol=1e-4)
-    setup, _, params = load_params(cfg, workdir)
-    generate = make_generate(setup.spec, setup.shard, max_new_tokens=10)
-    ours_greedy = np.asarray(generate(params, TOKENS, 0))
-    with torch.no_grad():
-        theirs = model.generate(torch.tensor(TOKENS), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)  # fmt: skip
-    np.testing.assert_array_equal(ours_greedy, theirs[:, 24:].numpy())
+    setup, params = round_trip(model, cfg, tmp_path, prompt=24, new=10)
     # Row 1's prompt is its first 17 tokens, then padding: it goes on as that prompt alone does.
-    padded = np.asarray(generate(params, TOKENS, 0, np.array([24, 17])))
+    padded = np.asarray(
+        make_generate(setup.spec, setup.shard, max_new_tokens=10)(params, TOKENS, 0, np.array([24, 17]))
+    )
     with torch.no_grad():
         alone = model.generate(torch.tensor(TOKENS[1:, :17]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[:, 17:].numpy()  # fmt: skip
     np.testing.assert_array_equal(padded[1:], alone)
-    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
-    np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), logits, rtol=1e-4, atol=1e-4)
 
 
 def test_deepseek_v3_imports_from_transformers_decodes_as_it_does_and_exports_back(tmp_path):
@@ -388,20 +385,8 @@ def test_deepseek_v3_imports_from_transformers_decodes_as_it_does_and_exports_ba
                 w.normal_(1, 0.3)
         for layer in model.model.layers[1:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
-    model.save_pretrained(str(tmp_path / "hf"))
     moe = dict(num_experts=8, experts_per_token=2, shared_experts=1, d_ff=32, dense_layers=1, router="sigmoid",
                routed_scale=2.5, groups=2, groups_per_token=1)  # fmt: skip
     cfg = micro_config(model=dict(n_layers=3, d_ff=96, n_kv_heads=4, norm_eps=1e-6, moe=moe, mtp=dict(depth=1),
                                   mla=dict(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=4, v_dim=12)))  # fmt: skip
-    workdir = str(tmp_path / "run")
-    import_checkpoint(str(tmp_path / "hf"), cfg, workdir)
-    logits = our_logits(cfg, workdir)
-    np.testing.assert_allclose(logits, hf_logits(model), rtol=1e-4, atol=1e-4)
-    setup, _, params = load_params(cfg, workdir)
-    ours_greedy = np.asarray(make_generate(setup.spec, setup.shard, max_new_tokens=8)(params, TOKENS[:, :6], 0))
-    with torch.no_grad():
-        theirs = model.generate(torch.tensor(TOKENS[:, :6]), max_new_tokens=8, do_sample=False, eos_token_id=None,
-                                pad_token_id=0)[:, 6:].numpy()  # fmt: skip
-    np.testing.assert_array_equal(ours_greedy, theirs)
-    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
-    np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), logits, rtol=1e-4, atol=1e-4)
+    round_trip(model, cfg, tmp_path)
