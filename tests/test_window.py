@@ -28,21 +28,21 @@ WINDOW = 100  # crosses the 128-token blocks
 BASE = dict(vocab_size=384, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128)
 
 
-def numpy_attention(q, k, v, segments, window):
-    """Softmax attention written out position by position: query i sees key j <= i of its own document
-    with i - j < window."""
+def numpy_attention(q, k, v, segments, window, sinks=None):
+    """Softmax attention in float64 numpy, with the visibility written out: query i sees key j when
+    i - window < j <= i and both are in one document; `sinks` (heads,) add exp(sink) to each denominator."""
     q, k, v, segments = (np.asarray(x, np.float64) for x in (q, k, v, segments))
     b, t, n, h = q.shape
     group = n // k.shape[2]
-    out = np.zeros_like(q)
-    for row in range(b):
-        for i in range(t):
-            seen = [j for j in range(max(0, i - window + 1), i + 1) if segments[row, j] == segments[row, i]]
-            for head in range(n):
-                scores = np.array([q[row, i, head] @ k[row, j, head // group] for j in seen]) / np.sqrt(h)
-                p = np.exp(scores - scores.max())
-                out[row, i, head] = (p / p.sum()) @ v[row, seen, head // group]
-    return out
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    seen = (j <= i) & (i - j < window) & (segments[:, :, None] == segments[:, None, :])  # (b, t, t)
+    k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)  # each query head's key/value head
+    scores = np.einsum("bihd,bjhd->bhij", q, k) / np.sqrt(h)
+    weights = np.where(seen[:, None], np.exp(scores - scores.max(-1, keepdims=True)), 0.0)
+    total = weights.sum(-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(np.asarray(sinks, np.float64)[None, :, None, None] - scores.max(-1, keepdims=True))
+    return np.einsum("bhij,bjhd->bihd", weights / total, v)
 
 
 def test_every_kernel_masks_the_window_as_the_numpy_reference():
@@ -139,22 +139,8 @@ def test_attention_sinks_take_their_share_of_every_softmax_in_xla_and_splash():
     q, k, v, segments = packed_gqa(b=4, t=256)
     sinks = jax.random.normal(jax.random.key(7), (4,)) * 2
 
-    def reference(window):
-        """numpy_attention with the sink's term in each softmax's denominator: each output times
-        sum(exp(scores)) / (sum(exp(scores)) + exp(sink))."""
-        out = numpy_attention(q, k, v, segments, window)
-        qn, kn, ids = np.asarray(q, np.float64), np.asarray(k, np.float64), np.asarray(segments)
-        scale = np.zeros(out.shape[:3])
-        for row in range(q.shape[0]):
-            for i in range(q.shape[1]):
-                seen = [j for j in range(max(0, i - window + 1), i + 1) if ids[row, j] == ids[row, i]]
-                for head in range(q.shape[2]):
-                    z = np.exp(kn[row, seen, head // 2] @ qn[row, i, head] / np.sqrt(q.shape[-1]))
-                    scale[row, i, head] = z.sum() / (z.sum() + np.exp(float(sinks[head])))
-        return out * scale[..., None]
-
     for window in (64, 100):
-        expected = reference(window)
+        expected = numpy_attention(q, k, v, segments, window, sinks)
         got = {"xla": xla_attention(q, k, v, segments, window, sinks),
                "splash": splash_attention(q, k, v, segments, block=128, window=window, sinks=sinks)}  # fmt: skip
         for name, out in got.items():

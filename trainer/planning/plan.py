@@ -48,6 +48,12 @@ def moe_volumes(cfg, abstract_params: dict, mesh_shape: dict[str, int]) -> dict:
             "exchanged": exchanged, "recomputed": cfg.model.remat != "none"}  # fmt: skip
 
 
+# What a plan reads from a kept compile beyond the lowered program, which its key (the lowered text, without
+# op names) cannot see: a new value makes compiles kept before it stale. 2: the op names of a local layer's
+# splash calls carry its window (splash.hlo_call_cost).
+KEPT_READS = "2"
+
+
 def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False, tokens: float = 0,
          budget: float = 0, chip: str = "h100", chips: int = 0, mfu: float = 0.4, target: str = "",
          slices: int = 1, fit: bool = False, fit_compiles: int = 3) -> dict:  # fmt: skip
@@ -126,9 +132,8 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         compiled = _compiled(lowered, platform)
     else:  # minutes on a TPU topology: what the plan reads from it is kept (trainer/compile_cache.py)
         devices_here = setup.mesh.devices.flatten().tolist()
-        # with its locations: the op names a compiled HLO carries, which its readers use (splash.hlo_call_cost)
-        key = [lowered.as_text(debug_info=True), target, str(slices), str(len(devices_here)),
-               devices_here[0].device_kind, os.environ.get("XLA_FLAGS", "")]  # fmt: skip
+        key = [lowered.as_text(), target, str(slices), str(len(devices_here)), devices_here[0].device_kind,
+               os.environ.get("XLA_FLAGS", ""), KEPT_READS]  # fmt: skip
         compiled, result["compile_kept"] = compile_cache.remembered(
             "plans", key, lambda: _compiled(lowered, platform, aside=True)
         )
