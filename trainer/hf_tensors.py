@@ -1,5 +1,5 @@
-"""Our model as a Hugging Face config and tensors, and back: Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE and
-Gemma 3 (text).
+"""Our model as a Hugging Face config and tensors, and back: Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE,
+Gemma 3 (text) and DeepSeek-V3 (what differs for it: trainer/hf_deepseek.py).
 
 Which family a model is follows from its architecture: Gemma's details (sandwich norms, scaled
 embeddings, GeGLU) make it Gemma 3's, with any pattern of local and global layers; query/key norms make

@@ -1,5 +1,5 @@
-"""Checkpoints and tokenizers to and from Hugging Face's formats (Llama, Qwen3, Mixtral, Qwen3-MoE: how
-our weights map onto theirs is trainer/hf_tensors.py).
+"""Checkpoints and tokenizers to and from Hugging Face's formats (Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE,
+Gemma 3, DeepSeek-V3: how our weights map onto theirs is trainer/hf_tensors.py).
 
 Files are written with safetensors' numpy API:
 exporting needs neither torch nor transformers, only `safetensors` and (for the
