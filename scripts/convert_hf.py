@@ -1,5 +1,5 @@
-"""Move weights between this trainer and Hugging Face's formats, Llama, Qwen3, Mixtral or Qwen3-MoE by the
-model's architecture (needs the hf extra:
+"""Move weights between this trainer and Hugging Face's formats, Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE,
+Gemma 3 or DeepSeek-V3 by the model's architecture (needs the hf extra:
 pip install -e ".[hf]"):
 
     python scripts/convert_hf.py export --config configs/tiny.py --workdir runs/tiny [--step N] --out hf/tiny
