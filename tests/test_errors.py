@@ -170,6 +170,18 @@ CASES = {
         ),  # fmt: skip
         r"model.mla.kv_rank=21 does not divide over mesh.tensor=2 \(mesh.rules.kv_latent",
     ),
+    "attention sinks with a kernel that has none": (
+        lambda: micro_config(model=dict(attention_sinks=True, attention="dot_product")),
+        r"model.attention_sinks with model.attention=dot_product \(dot_product on cpu\): only the xla and splash",
+    ),
+    "a window with experts": (
+        lambda: micro_config(model=dict(sliding_window=8, moe=dict(num_experts=4))),
+        r"model.sliding_window=8 with experts \(model.moe.num_experts=4\) is not implemented",
+    ),
+    "latent values wider than a query head": (
+        lambda: micro_config(model=dict(n_kv_heads=4, mla=dict(kv_rank=16, nope_dim=8, rope_dim=8, v_dim=32))),
+        "model.mla.v_dim=32 exceeds a query head's nope_dim \\+ rope_dim = 16",
+    ),
     "multi-token prediction in pipeline stages": (
         lambda: micro_config(model=dict(mtp=dict(depth=1)), mesh=dict(stage=2), train=dict(pipeline_microbatches=2)),
         "multi-token prediction with pipeline stages is not supported; use mesh.stage=1",

@@ -18,24 +18,20 @@ import ml_collections
 from parallelism.mesh import AXES
 from parallelism.rules import check_rules, parse_rules
 from trainer.config import (
-    ACTIVATIONS,
     ATTENTION_IMPLS,
     CONTEXT_ATTENTION,
     DPO_LOSSES,
     DTYPES,
     FORMATS,
-    GROUPED_MATMULS,
     LOSS_ON,
     LOSS_SCALING,
     MIXTURE_UNITS,
-    MOE_IMPLS,
     OPTIMIZERS,
     RANGES,
     READ_ONLY_UNDER,
     READ_ONLY_WITH,
     REMAT_POLICIES,
     RENAMED,
-    ROUTERS,
     SCHEDULES,
     SOURCES,
     TOKEN_DTYPES,
@@ -47,6 +43,8 @@ from trainer.config import (
 )
 from trainer.data.mixture import parse_mixture
 from trainer.errors import ConfigError
+from trainer.layer_checks import check_layers
+from trainer.layer_checks import choice as _choice
 from trainer.optim import mup, schedules
 from trainer.training import batch_ramp
 
@@ -123,10 +121,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"train.grad_accum_steps={t.grad_accum_steps} microbatches."
         )
     _check_pipeline(cfg)
-    _check_moe(cfg)
-    _check_window(cfg)
-    _check_latent(cfg)
-    _check_mtp(cfg)
+    check_layers(cfg)
     if cfg.stability.max_bad_steps > cfg.stability.bad_window:
         raise ConfigError(
             f"stability.max_bad_steps={cfg.stability.max_bad_steps} bad steps can never occur within "
@@ -271,105 +266,6 @@ def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:
         )
 
 
-def _check_latent(cfg: ml_collections.ConfigDict) -> None:
-    """What latent attention needs (trainer/model/latent.py), and DeepSeek-V3's router's groups."""
-    m, e = cfg.model, cfg.model.moe
-    _choice("model.moe.router", e.router, ROUTERS)
-    if e.num_experts and e.router == "sigmoid" and e.groups > 1:
-        if e.num_experts % e.groups or e.groups_per_token > e.groups:
-            raise ConfigError(f"model.moe.groups={e.groups} must divide model.moe.num_experts={e.num_experts}, and "
-                              f"groups_per_token={e.groups_per_token} may not exceed it.")  # fmt: skip
-        if e.experts_per_token > e.groups_per_token * (e.num_experts // e.groups):
-            per_group = e.num_experts // e.groups
-            raise ConfigError(f"model.moe.experts_per_token={e.experts_per_token} exceeds the experts of "
-                              f"groups_per_token={e.groups_per_token} groups of {per_group}.")  # fmt: skip
-    a = m.mla
-    if not a.kv_rank:
-        return
-    if a.rope_dim % 2:
-        raise ConfigError(f"model.mla.rope_dim={a.rope_dim} must be even for RoPE.")
-    if a.v_dim > a.nope_dim + a.rope_dim:
-        raise ConfigError(f"model.mla.v_dim={a.v_dim} exceeds a query head's nope_dim + rope_dim = "
-                          f"{a.nope_dim + a.rope_dim}, which the fused kernels' one head width needs.")  # fmt: skip
-    for key in ("sliding_window", "qk_norm", "attn_scale_dim", "attention_sinks"):
-        if m[key]:
-            raise ConfigError(f"model.{key}={m[key]} with latent attention (model.mla.kv_rank={a.kv_rank}) is not "
-                              f"implemented; use one or the other.")  # fmt: skip
-
-
-def _check_mtp(cfg: ml_collections.ConfigDict) -> None:
-    """What multi-token prediction's modules need (trainer/model/mtp.py): the sequence in its own order."""
-    depth = cfg.model.mtp.depth
-    if not depth:
-        return
-    for key, what in (("mesh.stage", "pipeline stages"), ("mesh.context", "the context axis")):
-        section, name = key.split(".")
-        if cfg[section][name] > 1:
-            raise ConfigError(f"model.mtp.depth={depth} with {key}={cfg[section][name]}: multi-token prediction "
-                              f"with {what} is not supported; use {key}=1, or model.mtp.depth=0.")  # fmt: skip
-    if cfg.data.format == "preference":
-        raise ConfigError(f"model.mtp.depth={depth} with DPO (data.format=preference): DPO scores the next token "
-                          "alone; set model.mtp.depth=0 (the modules' weights are then not read).")  # fmt: skip
-    if depth >= cfg.data.seq_len - 1:
-        raise ConfigError(f"model.mtp.depth={depth} leaves no target in a sequence of data.seq_len={cfg.data.seq_len}.")
-
-
-def _check_window(cfg: ml_collections.ConfigDict) -> None:
-    """What local layers and Gemma's MLP need (trainer/model/attention.py, layers.py)."""
-    m = cfg.model
-    _choice("model.mlp_activation", m.mlp_activation, ACTIVATIONS)
-    if m.moe.num_experts and m.mlp_activation != "silu":
-        raise ConfigError(f"model.mlp_activation={m.mlp_activation} with experts: the experts are SwiGLU MLPs; "
-                          "use silu, or a dense model.")  # fmt: skip
-    w = m.sliding_window
-    if not w:
-        return
-    if w >= m.max_seq_len:
-        raise ConfigError(f"model.sliding_window={w} is not shorter than model.max_seq_len={m.max_seq_len}, so "
-                          f"every local layer would attend as a global one does; use a window below "
-                          f"{m.max_seq_len}, or 0 for global attention everywhere.")  # fmt: skip
-    if m.global_every == 1:
-        raise ConfigError("model.global_every=1 makes every layer global; use model.sliding_window=0 for that, or "
-                          "a pattern such as 6 (five local layers, then a global one).")  # fmt: skip
-    if m.moe.num_experts:
-        raise ConfigError(f"model.sliding_window={w} with experts (model.moe.num_experts={m.moe.num_experts}) is "
-                          "not implemented here; use one or the other.")  # fmt: skip
-    if cfg.mesh.stage > 1:
-        raise ConfigError(f"model.sliding_window={w} with mesh.stage={cfg.mesh.stage}: local layers inside "
-                          "pipeline stages are not supported; use mesh.stage=1.")  # fmt: skip
-
-
-def _check_moe(cfg: ml_collections.ConfigDict) -> None:
-    """What a mixture of experts needs (trainer/model/moe.py), before any mesh exists."""
-    m = cfg.model.moe
-    _choice("model.moe.impl", m.impl, MOE_IMPLS)
-    _choice("model.moe.grouped_matmul", m.grouped_matmul, GROUPED_MATMULS)
-    if not m.num_experts:
-        return
-    if m.experts_per_token > m.num_experts:
-        raise ConfigError(
-            f"model.moe.experts_per_token={m.experts_per_token} exceeds model.moe.num_experts={m.num_experts}: "
-            "a token cannot go to more experts than there are; lower it or add experts."
-        )
-    if m.dense_layers >= cfg.model.n_layers:
-        raise ConfigError(
-            f"model.moe.dense_layers={m.dense_layers} leaves none of the model.n_layers={cfg.model.n_layers} layers "
-            "for experts; use fewer dense layers, or model.moe.num_experts=0 for a dense model."
-        )
-    rest = cfg.model.n_layers - m.dense_layers
-    if rest % m.every:
-        raise ConfigError(
-            f"the {rest} layers after model.moe.dense_layers={m.dense_layers} do not split into units of "
-            f"model.moe.every={m.every} (every-1 dense layers, then one with experts); make {rest} a multiple of "
-            f"{m.every}."
-        )
-    if cfg.mesh.stage > 1:
-        raise ConfigError(
-            f"model.moe.num_experts={m.num_experts} with mesh.stage={cfg.mesh.stage}: experts inside pipeline "
-            "stages are not supported; use mesh.stage=1 (spread the experts with mesh.expert)."
-        )
-
-
 def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
     """Refuse a batch or head count that does not divide over the mesh."""
     _check_experts(cfg, mesh.shape["expert"], mesh.shape["tensor"])
@@ -467,11 +363,6 @@ def _check_context(cfg: ml_collections.ConfigDict, context: int) -> None:
             "model.attention=xla or auto, or splash or cudnn with model.context_attention=all_gather, or "
             "mesh.context=1."
         )
-
-
-def _choice(path: str, value, valid) -> None:
-    if value not in valid:
-        raise ConfigError(f"{path}={value!r} is not one of {', '.join(map(str, valid))}.")
 
 
 def in_range(value, spec: str) -> bool:
