@@ -277,6 +277,16 @@ def differing_from_first(value: bytes) -> list[tuple[int, bytes]]:
     return [(p, v) for p, v in enumerate(values) if v != values[0]]
 
 
+def first_process_says(value: bytes) -> bytes:
+    """Process 0's `value` (16 bytes) on every process (a collective: every process must ask)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    mine = np.frombuffer(value.ljust(16, b"\0")[:16], np.uint8).astype(np.int32)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(mine)).astype(np.uint8))
+
+
 def barrier(name: str) -> None:
     """Every process waits here until all have arrived."""
     if jax.process_count() > 1:

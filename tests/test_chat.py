@@ -31,6 +31,9 @@ CONVERSATIONS = [
     [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hi there, ünïcode ✓"},
      {"role": "assistant", "content": "Hello.\n\nHow can I help?"}, {"role": "user", "content": "Reverse: xy"},
      {"role": "assistant", "content": "ANSWER: yx"}],
+    # Opening with the assistant: its begin mark and header are context, as every other reply's are.
+    [{"role": "assistant", "content": "Hello, ask me."}, {"role": "user", "content": "Reverse: ab"},
+     {"role": "assistant", "content": "ANSWER: ba"}],
 ]  # fmt: skip
 
 
@@ -97,6 +100,8 @@ def test_the_built_in_template_renders_as_the_export_renders_it_in_transformers(
         last = messages[-1]["content"]
         assert ours.decode(ids[turns == chat.LAST_REPLY].tolist()) == last  # and its end-of-document id
         assert ids[turns == chat.LAST_REPLY][-1] == ours.eos_id
+        replies = [m["content"] for m in messages if m["role"] == "assistant"]
+        assert ours.decode(ids[turns >= chat.REPLY].tolist()) == "".join(replies)
     if kind == "byte":  # the end of each reply is the end-of-document id, where generation stops
         ids, turns = chat.conversation(ByteTokenizer(), template, CONVERSATIONS[1])
         assert (ids[turns >= chat.REPLY] == ours.eos_id).sum() == 2
@@ -182,3 +187,24 @@ def test_a_chat_template_file_is_kept_with_the_run_and_another_is_refused(tmp_pa
     given.write_text(chat.BUILT_IN)
     with pytest.raises(ConfigError, match="is another template than the one .* was trained with"):
         run_tokenizer.settle(cfg, workdir)
+
+
+def test_a_preference_reply_of_several_messages_is_scored_whole_as_trl_scores_it(tmp_path):
+    """A chosen reply of two assistant messages: every token after the prompt is scored (the header between
+    them too), as TRL's own rendering of the pair cuts it."""
+    from trl.data_utils import maybe_apply_chat_template
+
+    data = micro_config(data=dict(tokenizer="byte", format="preference")).data
+    write_tokenizer(data, str(tmp_path / "hf"))
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    ours = load_tokenizer(data)
+    row = {"prompt": [{"role": "user", "content": "Reverse: abc"}],
+           "chosen": [{"role": "assistant", "content": "Let me see."}, {"role": "assistant", "content": "ANSWER: cba"}],
+           "rejected": [{"role": "assistant", "content": "abc"}]}  # fmt: skip
+    encoded = chat.encode(ours, chat.template_for(data, ours), chat.row_text(row, "preference", "all", "row 1"))
+    rendered = maybe_apply_chat_template(row, theirs)
+    for ids, turns, reply in ((encoded["tokens"], encoded["turns"], rendered["chosen"]),
+                              (encoded["rejected"], encoded["rejected_turns"], rendered["rejected"])):  # fmt: skip
+        scored = ids[chat.loss_mask(turns, "last_turn") > 0].tolist()
+        assert theirs.decode(scored) == reply
+        assert theirs.decode(ids.tolist()) == rendered["prompt"] + reply

@@ -215,3 +215,45 @@ def test_a_one_file_parquet_corpus_and_a_one_file_zstd_json_lines_corpus_train_a
         windows = sum(lengths) // cfg.data.seq_len + cfg.train.global_batch_size
         assert sum(lengths) - len(held) - windows <= result["tokens"] <= sum(lengths) - len(held)
         assert math.isfinite(result["loss"]) and result["loss"] < math.log(cfg.model.vocab_size)
+
+
+def long_prompts(tmp_path, **sections):
+    """200 conversations, each a ~600-byte user turn and a short reply, read in windows of 128: most batches of
+    the held-out split are all prompt, nothing in them scored (data.loss_on=assistant)."""
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "long.jsonl", "w") as f:
+        for i in range(200):
+            prompt = "".join(rng.choice(list("abcdefgh "), 600))
+            f.write(json.dumps({"messages": [{"role": "user", "content": prompt},
+                                             {"role": "assistant", "content": f"ok {i}"}]}) + "\n")  # fmt: skip
+    data = dict(source="text_files", format="chat", loss_on="assistant", name="long_prompts",
+                paths=str(tmp_path / "long.jsonl"), data_dir=str(tmp_path / "tfds"), validation_fraction=0.2,
+                seq_len=128)  # fmt: skip
+    cfg = micro_config(data=data, model=dict(max_seq_len=128), checkpoint={"every_steps": 2},
+                       train=dict(steps=2, global_batch_size=8))  # fmt: skip
+    for name, values in sections.items():
+        cfg[name].update(values)
+    return cfg
+
+
+def test_a_held_out_split_whose_batches_are_often_all_prompt_is_scored_to_its_end(tmp_path):
+    """Evaluation ends when the data runs out, never at a batch that scores nothing; a pass that scores nothing
+    (here its first batch alone) is refused in one sentence, never reported as loss 0."""
+    cfg = long_prompts(tmp_path)
+    workdir = str(tmp_path / "run")
+    train(cfg, workdir)
+    result = evaluate_checkpoint(cfg, workdir)
+    held = [json.loads(r["text"]) for r in corpora.open_split(cfg.data, "validation")]
+    replies = sum(len(m["content"]) + 1 for row in held for m in row["messages"] if m["role"] == "assistant")
+    assert result["documents"] == len(held) > 20
+    # Every reply byte and end mark is predicted, but those that open a window (no context to predict from).
+    assert 0.9 * replies <= result["tokens"] <= replies, (result["tokens"], replies)
+    assert 0 < result["loss"] < 10
+    with pytest.raises(ConfigError, match=r"scored nothing: .*loss_on=assistant"):
+        evaluate_checkpoint(cfg, workdir, max_batches=1)
+
+
+def test_training_refuses_held_out_batches_that_score_nothing_before_it_compiles(tmp_path):
+    cfg = long_prompts(tmp_path, train=dict(steps=2, global_batch_size=8, eval_every=1, eval_batches=1))
+    with pytest.raises(ConfigError, match=r"train.eval_batches=1 .* scored nothing"):
+        train(cfg, str(tmp_path / "run"))

@@ -2,6 +2,7 @@
 
 import contextlib
 import io
+import json
 import os
 import re
 import sysconfig
@@ -359,6 +360,39 @@ def test_gemma3_imports_from_transformers_decodes_as_it_does_and_exports_back(tm
         alone = model.generate(torch.tensor(TOKENS[1:, :17]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[:, 17:].numpy()  # fmt: skip
     np.testing.assert_array_equal(padded[1:], alone)
+
+
+@pytest.mark.parametrize("form", ["hub", "between"])
+def test_gemma3_reads_every_published_form_of_its_config_as_transformers_does(tmp_path, form):
+    """The Hub's own config.json (google/gemma-3-1b-it: sliding_window_pattern, rope_theta and
+    rope_local_base_freq; no layer_types, no rope_parameters) and the form between it and today's
+    (layer_types with the two thetas): transformers loads each into the same model, and our import of each
+    gives its logits (local layers at a RoPE base of 1e4, global ones at 1e6)."""
+    torch.manual_seed(0)
+    config = transformers.Gemma3TextConfig(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                           query_pre_attn_scalar=24, sliding_window=6, sliding_window_pattern=3,
+                                           max_position_embeddings=64, rms_norm_eps=1e-6, initializer_range=0.2)
+    model = transformers.Gemma3ForCausalLM(config)
+    model.save_pretrained(str(tmp_path / "hf"))
+    with open(tmp_path / "hf" / "config.json") as f:
+        saved = json.load(f)
+    rope = saved.pop("rope_parameters")
+    assert rope["sliding_attention"]["rope_theta"] == 1e4 and rope["full_attention"]["rope_theta"] == 1e6
+    saved.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling=None)
+    if form == "hub":
+        del saved["layer_types"]
+        saved["sliding_window_pattern"] = 3
+    with open(tmp_path / "hf" / "config.json", "w") as f:
+        json.dump(saved, f)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))
+    assert theirs.config.layer_types == config.layer_types
+    np.testing.assert_allclose(hf_logits(theirs), hf_logits(model), rtol=1e-5, atol=1e-5)
+    gemma = dict(embed_scale=True, post_norms=True, mlp_activation="gelu_tanh", attn_scale_dim=24, qk_norm=True)
+    cfg = micro_config(model=dict(n_layers=5, d_ff=96, head_dim=16, norm_eps=1e-6, rope_theta=1e6, tie_embeddings=True,
+                                  sliding_window=6, global_every=3, local_rope_theta=1e4, **gemma))  # fmt: skip
+    import_checkpoint(str(tmp_path / "hf"), cfg, str(tmp_path / "run"))
+    np.testing.assert_allclose(our_logits(cfg, str(tmp_path / "run")), hf_logits(theirs), rtol=1e-4, atol=1e-4)
 
 
 def test_deepseek_v3_imports_from_transformers_decodes_as_it_does_and_exports_back(tmp_path):

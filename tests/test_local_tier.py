@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO, cli_args, micro_config
 from test_multiprocess import launch, text
 
+from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
 from trainer.training.setup import build
 from trainer.training.state import abstract_params
@@ -170,10 +171,68 @@ def test_a_local_save_that_cannot_be_written_is_said_once_and_training_goes_on(t
     local, workdir = tmp_path / "local", str(tmp_path / "run")
     cfg = micro_config(train=dict(steps=8, log_every=4),
                        checkpoint={"every_steps": 50, "local_dir": str(local), "local_every_steps": 2})  # fmt: skip
-    folder = directory_of(str(local), workdir)
+    run = "ab" * 16  # the run's identity given beforehand, so that its local folder is known
+    wd.write_run_id(workdir, run)
+    folder = directory_of(str(local), workdir, run)
     os.makedirs(folder)
     open(os.path.join(folder, "4.partial"), "w").close()
     result = train(cfg, workdir)
     out = capsys.readouterr().out
     assert out.count("warning: writing the local checkpoint tier in") == 1, out
     assert result["step"] == 8 and committed(local) == [2, 6]
+
+
+def test_a_new_run_in_a_workdir_made_again_never_takes_the_deleted_runs_local_steps(tmp_path, capsys):
+    """A local step belongs to the run that wrote it. The workdir deleted and made again (or never there) is a
+    new run: it starts afresh (or from checkpoint.init_from), whatever the local tier holds from before."""
+    import shutil
+
+    from trainer.training.loop import train
+
+    local, workdir = tmp_path / "local", str(tmp_path / "run")
+    settings = {"every_steps": 50, "local_dir": str(local), "local_every_steps": 2}
+    cfg = micro_config(train=dict(steps=4, log_every=2), checkpoint=settings)
+    train(cfg, workdir)
+    assert any((p / "2").is_dir() for p in local.iterdir()), list(local.iterdir())
+    shutil.rmtree(workdir)
+    capsys.readouterr()
+
+    changed = micro_config(train=dict(steps=4, log_every=2), checkpoint=settings, optim=dict(lr=1e-4))
+    train(changed, workdir)
+    out = capsys.readouterr().out
+    assert "resuming from the local checkpoint" not in out, out
+    alone = micro_config(train=dict(steps=4, log_every=2), optim=dict(lr=1e-4))
+    train(alone, str(tmp_path / "alone"))
+    assert_equal(params_at(workdir, changed, 4), params_at(tmp_path / "alone", alone, 4))
+
+    shutil.rmtree(workdir)  # again, now starting from another run's weights: init_from is not overridden either
+    capsys.readouterr()
+    train(micro_config(train=dict(steps=4, log_every=2), checkpoint={**settings, "init_from": str(tmp_path / "alone")},
+                       optim=dict(lr=1e-4)), workdir)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "resuming from the local checkpoint" not in out and "started from the weights of" in out, out
+
+
+def test_a_local_step_whose_config_does_not_fit_is_refused_in_one_sentence(tmp_path):
+    """The same run relaunched with another model, its persistent checkpoints gone: the local step's recorded
+    config is checked as a persistent resume's is, before anything is read."""
+    import shutil
+
+    from trainer.errors import ConfigError
+    from trainer.training.loop import train
+
+    local, workdir = tmp_path / "local", str(tmp_path / "run")
+    settings = {"every_steps": 50, "local_dir": str(local), "local_every_steps": 2}
+    train(micro_config(train=dict(steps=4, log_every=2), checkpoint=settings), workdir)
+    shutil.rmtree(os.path.join(workdir, "checkpoints"))
+    wider = micro_config(train=dict(steps=6, log_every=2), checkpoint=settings, model=dict(d_ff=192))
+    with pytest.raises(ConfigError, match=r"model.d_ff=128 there, 192 here"):
+        train(wider, workdir)
+
+
+def params_at(workdir, cfg, step):
+    setup = build(cfg)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), read_only=True)
+    params = jax.device_get(ckpt.restore_params(step, abstract_params(setup.model, setup.shard)))
+    ckpt.close()
+    return params

@@ -201,12 +201,11 @@ def test_megatron_and_dolma_token_files_are_read_as_they_are_and_mixed_with_ours
     megatron_files(tmp_path / "meg", docs)
     dolma_file(tmp_path / "dolma-0.npy", docs[:250], np.uint32)
     dolma_file(tmp_path / "dolma-1.npy", docs[250:], np.uint32)
+    # One of every 50 of the corpus, its files one after another (a file's own count does not matter).
     expected = {"train": [d for i, d in enumerate(docs) if i % 50 != 49],
                 "validation": [d for i, d in enumerate(docs) if i % 50 == 49]}  # fmt: skip
-    dolma_expected = {s: [d for part in (docs[:250], docs[250:]) for i, d in enumerate(part)
-                          if (i % 50 == 49) == (s == "validation")] for s in expected}  # fmt: skip
     for source, paths, want in (("megatron", str(tmp_path / "meg"), expected),
-                                ("dolma", f"{tmp_path}/dolma-*.npy", dolma_expected)):  # fmt: skip
+                                ("dolma", f"{tmp_path}/dolma-*.npy", expected)):  # fmt: skip
         cfg = micro_config(data=dict(source=source, paths=paths, token_dtype="uint32"))
         stream = streams.Stream.from_config(cfg)
         for split, documents in want.items():
@@ -298,3 +297,38 @@ def test_a_corpus_over_a_gigabyte_is_prepared_in_bounded_memory(tmp_path):
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert sum(result["sizes"]) == lines and result["sizes"][1] > 0
     assert result["peak_mb"] < 400, result
+
+
+def test_token_files_of_few_documents_each_hold_out_the_asked_fraction_and_a_real_npy_is_read_as_its_array(tmp_path):
+    """Forty Dolma files of 7 documents and forty Megatron datasets of 7 (fewer than K = 50 each): the corpus
+    holds out one of every 50 of its 280 documents, whatever its files' sizes. A file np.save wrote (with its
+    \x93NUMPY header) is read as the array it holds, not as tokens. A corpus too small to hold any out is
+    one sentence naming its files and the rule."""
+    rng = np.random.default_rng(2)
+    docs = [np.concatenate([[BOS_ID], rng.integers(3, 259, int(n)), [EOS_ID]]) for n in rng.integers(5, 60, 280)]
+    for f in range(40):
+        dolma_file(tmp_path / f"small-{f:02d}.npy", docs[7 * f : 7 * f + 7], np.uint16)
+        megatron_files(tmp_path / f"meg-{f:02d}", docs[7 * f : 7 * f + 7])
+    want = {"train": [d for i, d in enumerate(docs) if i % 50 != 49],
+            "validation": [d for i, d in enumerate(docs) if i % 50 == 49]}  # fmt: skip
+    megatron = ",".join(str(tmp_path / f"meg-{f:02d}") for f in range(40))
+    for source, paths in (("dolma", f"{tmp_path}/small-*.npy"), ("megatron", megatron)):
+        cfg = micro_config(data=dict(source=source, paths=paths, token_dtype="uint16"))
+        stream = streams.Stream.from_config(cfg)
+        for split, documents in want.items():
+            got = readers.open_split(stream, stream.name, split)
+            assert len(got) == len(documents) == {"train": 275, "validation": 5}[split], (source, split, len(got))
+            assert all(np.array_equal(got[i]["tokens"], d) for i, d in enumerate(documents)), (source, split)
+
+    np.save(tmp_path / "saved.npy", np.concatenate(docs[:60]).astype(np.uint32))
+    cfg = micro_config(data=dict(source="dolma", paths=str(tmp_path / "saved.npy"), token_dtype="uint16"))
+    stream = streams.Stream.from_config(cfg)
+    got = readers.open_split(stream, stream.name, "train")
+    assert len(got) == 59 and np.array_equal(got[0]["tokens"], docs[0])
+
+    few = micro_config(data=dict(source="dolma", paths=f"{tmp_path}/small-0[01].npy", token_dtype="uint16"))
+    stream = streams.Stream.from_config(few)
+    with pytest.raises(ConfigError, match=r"small-00.npy, .*small-01.npy hold 14 documents: holding out one of "
+                                          r"every 50 \(data.validation_fraction=0.02\) leaves the validation split "
+                                          r"empty"):  # fmt: skip
+        readers.open_split(stream, stream.name, "validation")

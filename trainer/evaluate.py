@@ -27,7 +27,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from parallelism.distributed import fetch
+from parallelism.distributed import fetch, max_over_processes
 from trainer.data import corpora, held_out, streams
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
@@ -81,14 +81,15 @@ def evaluate(setup: Setup, step_fn, params, local_batches, token_bytes: np.ndarr
     """Loss sum, token count, documents begun and batches over `local_batches` (this process's rows of each
     global batch), over all processes; with `token_bytes`, also the UTF-8 bytes of the predicted tokens.
 
-    A batch with nothing to predict on any process ends the pass uncounted (held_out.one_pass's end: every
-    process sees the same global count, so all stop together). `progress` gets the sums so far after each batch.
+    The pass ends with `local_batches`, or (held_out.one_pass) at the first batch before which every process's
+    documents had ended, which every process reaches together; never at a batch with nothing to predict, which
+    a conversation's long prompt can make. `progress` gets the sums so far after each batch.
     """
     sums = {"total": 0.0, "count": 0.0, "batches": 0, "bytes": 0, "documents": 0}
     for local in local_batches:
-        s, n = fetch(step_fn(params, streams.to_global(local, setup.batch_sharding, setup.cfg.train.global_batch_size)))
-        if not n:
+        if "ended" in local and max_over_processes(int(not local["ended"].all())) == 0:
             break
+        s, n = fetch(step_fn(params, streams.to_global(local, setup.batch_sharding, setup.cfg.train.global_batch_size)))
         sums["total"] += float(s)
         sums["count"] += float(n)
         sums["batches"] += 1
@@ -123,7 +124,14 @@ class Evaluator:
         for name, source in stream.sources().items():
             batches = iter(streams.batches(source, cfg.data.eval_split, rows, shuffle=False))
             batches = list(itertools.islice(batches, cfg.train.eval_batches))
-            self._sources[name] = (batches, self._unigram_loss(setup, batches))
+            counts = self._target_counts(setup, batches)
+            if not counts.sum():
+                what = f"the first train.eval_batches={cfg.train.eval_batches} held-out batches"
+                raise ConfigError(
+                    f"{what}{f' of {name}' if name else ''} scored nothing{_scored(cfg)}; raise train.eval_batches, "
+                    "or set train.eval_every=0 and evaluate with eval.py."
+                )
+            self._sources[name] = (batches, _entropy(counts))
             begun += sum(int(streams.document_starts(b, bos).sum()) for b in batches)
         self.documents = int(_sum_over_processes(np.array(begun)))  # begun in these batches, on every process
         total = sum(w for _, w in stream.mixture)
@@ -170,12 +178,24 @@ class Evaluator:
                 **{f"eval_dpo/{m}": totals[m] / pairs for m in dpo.METRICS}}  # fmt: skip
 
     @staticmethod
-    def _unigram_loss(setup: Setup, batches) -> float:
-        """Entropy (nats) of the eval batches' target tokens, over all processes' rows."""
-        counts = sum(np.bincount(_targets(b), minlength=setup.cfg.model.vocab_size) for b in batches)
-        counts = _sum_over_processes(counts)
-        p = counts[counts > 0] / counts.sum()
-        return float(-(p * np.log(p)).sum())
+    def _target_counts(setup: Setup, batches) -> np.ndarray:
+        """How often each id is a target in the eval batches, over all processes' rows."""
+        size = setup.cfg.model.vocab_size
+        return _sum_over_processes(sum((np.bincount(_targets(b), minlength=size) for b in batches), np.zeros(size)))
+
+
+def _entropy(counts: np.ndarray) -> float:
+    """The unigram loss: entropy (nats) of the targets counted."""
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _scored(cfg) -> str:
+    """What the config scores, said beside a refusal of data that scored nothing."""
+    if cfg.data.format == "chat" and cfg.data.loss_on != "all":
+        return (f" (data.format=chat with data.loss_on={cfg.data.loss_on} scores replies only, and no reply token "
+                "was in them)")  # fmt: skip
+    return ""
 
 
 def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches: int = 0, devices=None,
@@ -216,7 +236,12 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     sums = evaluate(setup, eval_step(setup), params, local_batches, token_bytes, _Progress(say) if primary else None,
                     None if tokenizer is None else tokenizer.bos_id)  # fmt: skip
     total, count, n_bytes = sums["total"], sums["count"], sums["bytes"]
-    loss = total / max(count, 1.0)
+    if not count:
+        what = f"the first {max_batches} batches of the" if max_batches else "the whole"
+        more = "; evaluate more batches (or all of them)" if max_batches else "; give a split with scored tokens"
+        raise ConfigError(f"{what} {cfg.data.eval_split} split scored nothing: {sums['documents']:,} documents "
+                          f"read{_scored(cfg)}{more}.")  # fmt: skip
+    loss = total / count
     result = {
         "step": step,
         "loss": loss,

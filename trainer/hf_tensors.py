@@ -162,6 +162,8 @@ def model_keys_from_hf(config: dict) -> dict:
     kind = config.get("model_type")
     if kind == hf_deepseek.KIND:
         return hf_deepseek.model_keys(config)
+    if kind == "gemma3_text":
+        config = gemma3_as_published_now(config)
     # RoPE: transformers 5.x writes rope_parameters (Gemma 3: one per layer type), 4.x rope_scaling (None or
     # a dict) beside rope_theta.
     rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
@@ -241,6 +243,29 @@ def model_keys_from_hf(config: dict) -> dict:
         "qk_norm": kind in ("qwen3", "qwen3_moe", "gemma3_text"),
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
     }
+
+
+GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # transformers' defaults
+
+
+def gemma3_as_published_now(config: dict) -> dict:
+    """A Gemma 3 config.json of any published form in today's (layer_types, rope_parameters per layer type),
+    read as transformers' Gemma3TextConfig reads each: the Hub's own (google/gemma-3-1b-it) gives
+    sliding_window_pattern (every n-th layer global, 6 if absent) and rope_theta with rope_local_base_freq;
+    a form between the two gives layer_types with those two thetas."""
+    pattern = config.get("sliding_window_pattern", 6)
+    layers = config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(config["num_hidden_layers"])
+    ]
+    given = config.get("rope_parameters") or {}
+    rope = {kind: dict(given.get(kind) or {"rope_type": "default"}) for kind in GEMMA3_THETA}
+    if config.get("rope_scaling"):
+        rope["full_attention"].update(config["rope_scaling"])
+    rope["full_attention"].setdefault("rope_theta", config.get("rope_theta", GEMMA3_THETA["full_attention"]))
+    rope["sliding_attention"].setdefault("rope_theta", config.get("rope_local_base_freq",
+                                                                  GEMMA3_THETA["sliding_attention"]))  # fmt: skip
+    return {**config, "layer_types": layers, "rope_parameters": rope, "rope_scaling": None,
+            "sliding_window": config.get("sliding_window", 4096)}  # fmt: skip
 
 
 def _window(config: dict) -> tuple[int, int] | None:

@@ -17,7 +17,8 @@ and `</s>` are their begin and end ids. `data.chat_template` may name a .jinja f
 Which tokens a reply covers comes from rendering the conversation's prefixes: the i-th message, if it is
 the assistant's, spans from the end of the rendering of the messages before it with the generation prompt
 to the end of the rendering of the messages up to it, its end-of-turn mark included, so the model learns
-to stop. Each token carries a code (`turns`): CONTEXT, REPLY, or LAST_REPLY for the last assistant turn.
+to stop. Each token carries a code (`turns`): CONTEXT, REPLY, or LAST_REPLY for the last turn (the run of
+assistant messages that ends the conversation: a preference pair's whole reply).
 `data.loss_on` then picks the tokens trained on (`loss_mask`): all, every reply, or the last one.
 """
 
@@ -228,14 +229,21 @@ def encode(tokenizer, template: Template, text: str, where: str = "a row") -> di
 
 
 def conversation(tokenizer, template: Template, messages: list[dict], where: str = "a conversation"):
-    """(token ids, each token's code) of a rendered conversation."""
+    """(token ids, each token's code) of a rendered conversation.
+
+    The last turn (LAST_REPLY) is the run of assistant messages that ends the conversation, taken whole from
+    the generation prompt before its first to the end of its last, as TRL takes a preference pair's reply of
+    several messages; in a conversation that ends otherwise, its last assistant message."""
     try:
         text = template.render(messages)
-        spans, last = [], max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant":
-                continue
-            before = template.render(messages[:i], generation_prompt=True) if i else ""
+        replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        last = len(messages)
+        while last and messages[last - 1]["role"] == "assistant":
+            last -= 1
+        last = min(last, replies[-1]) if replies else -1
+        spans = []
+        for i in replies:
+            before = _reply_start(template, messages, i)
             upto = template.render(messages[: i + 1])
             if not (upto.startswith(before) and text.startswith(upto)):
                 raise ConfigError(
@@ -243,7 +251,10 @@ def conversation(tokenizer, template: Template, messages: list[dict], where: str
                     "the whole (it rewrites earlier turns), so its replies cannot be told from their context; give "
                     "another with data.chat_template=FILE."
                 )
-            spans.append((len(before), len(upto), LAST_REPLY if i == last else REPLY))
+            if i > last:  # the last turn's later messages: one span with its first, the headers between included
+                spans[-1] = (spans[-1][0], len(upto), LAST_REPLY)
+            else:
+                spans.append((len(before), len(upto), LAST_REPLY if i == last else REPLY))
     except ConfigError:
         raise
     except Exception as e:  # Jinja's errors, and a template's own raise_exception
@@ -253,6 +264,26 @@ def conversation(tokenizer, template: Template, messages: list[dict], where: str
     for begin, end, code in spans:
         turns[(starts >= begin) & (starts < end)] = code
     return ids.astype(np.int32), turns
+
+
+def _reply_start(template: Template, messages: list[dict], i: int) -> str:
+    """The rendering up to where message i's reply begins: the messages before it with the generation prompt.
+    A conversation that opens with the assistant has none before it: its begin mark and role header are
+    context too, found by rendering no message with the generation prompt, or, for a template that cannot
+    render no message, where the reply's text begins."""
+    if i:
+        return template.render(messages[:i], generation_prompt=True)
+    try:
+        empty = template.render([], generation_prompt=True)
+        if template.render(messages[:1]).startswith(empty):
+            return empty
+    except Exception:  # Jinja's errors: a template that reads messages[0]
+        pass
+    marked = template.render([{"role": "assistant", "content": _SENTINEL}])
+    return marked[: marked.index(_SENTINEL)] if _SENTINEL in marked else ""
+
+
+_SENTINEL = "\ue000reply\ue000"  # a private-use text no template writes of its own
 
 
 def loss_mask(turns: np.ndarray, loss_on: str) -> np.ndarray:

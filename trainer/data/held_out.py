@@ -31,17 +31,20 @@ from trainer.errors import ConfigError
 
 def one_pass(stream: Stream, split: str, rows: Sequence[int]) -> Iterator[dict[str, np.ndarray]]:
     """This process's part (`rows` of the global batch) of batches holding every document of the split once,
-    then padding (segment 0) for ever: the caller stops at the first batch with nothing to predict on any
-    process (trainer/evaluate.py), which every process reaches together."""
+    then padding (segment 0) for ever. Each batch says whether this process's documents had `ended` before it:
+    the caller stops at the first batch where they had on every process (trainer/evaluate.py). A batch with
+    nothing to predict is no end: a conversation's prompt can fill whole batches before its reply."""
     if stream.source == "synthetic":
         raise ConfigError("a synthetic source has no end; evaluate a fixed number of batches instead.")
     docs = documents(stream, split, shuffle=False, endless=False)
     fields = ("tokens", "loss_mask") if stream.format == "chat" else ("tokens",)
     windows = [_windows(({f: d[f] for f in fields} for d in docs[r :: stream.rows].to_iter_dataset()),
                         stream.seq_len) for r in rows]  # fmt: skip
-    yield from _packed(_across(windows), len(rows), stream.seq_len, fields)
+    going, ended = np.zeros(len(rows), np.int32), np.ones(len(rows), np.int32)
+    for batch in _packed(_across(windows), len(rows), stream.seq_len, fields):
+        yield {**batch, "ended": going}
     while True:
-        yield _Batch(len(rows), stream.seq_len, fields).arrays()
+        yield {**_Batch(len(rows), stream.seq_len, fields).arrays(), "ended": ended}
 
 
 def _windows(documents: Iterator[dict], length: int) -> Iterator[list[tuple[dict, bool]]]:

@@ -385,7 +385,9 @@ def ramp_rows(local_rows: Sequence[int], size: int, global_batch: int) -> list[i
     return [a * stride for a in local_rows]
 
 
-HOST_ONLY = ("source", "documents")  # a mixture's corpus of each token; documents begun in a row (held_out.py)
+# A mixture's corpus of each token; documents begun in a row, and whether a process's documents had ended
+# (held_out.py).
+HOST_ONLY = ("source", "documents", "ended")
 
 
 def to_global(local: dict[str, np.ndarray], sharding: NamedSharding, global_batch: int) -> dict[str, jax.Array]:

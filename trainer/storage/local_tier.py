@@ -3,14 +3,17 @@
 `checkpoint.local_dir` (a host's disk or RAM disk; `$VAR` and `~` expanded, so
 processes sharing one machine can each have their own, e.g.
 `/tmp/local/$TRAINER_PROCESS_ID`; each run a folder of its own in it, named
-after its workdir) gets a checkpoint every `checkpoint.local_every_steps`,
+after its workdir and the run's identity, trainer/storage/workdir.py run_id, so
+that a workdir deleted and made again is a new run that never takes the old
+one's steps) gets a checkpoint every `checkpoint.local_every_steps`,
 keeping the newest `checkpoint.local_keep`; the workdir keeps its own interval
 and retention. Each process writes what its devices hold (every shard, replicas
 too), one .npy file per shard with its CRC, into `<step>.partial/`, renamed to
 `<step>` when whole; no process waits on another's disk. Each process also
 writes the data position of every batch row (gathered at the save) and the
 layout it saved under: a local checkpoint is only read by the same process of
-the same mesh.
+the same mesh. It records its run's config too, which a relaunch checks as a
+persistent resume checks config.json (trainer/storage/resume.py).
 
 Orbax's own per-process checkpointing (the CheckpointManager its emergency
 checkpointer builds its local tier from: primary_host None, one active process)
@@ -61,19 +64,21 @@ _RECORD = "local.json"
 _PARTIAL = ".partial"
 
 
-def directory_of(setting: str, workdir: str) -> str:
-    """The run's own folder in the local tier, named after its workdir: runs may share one local_dir, and a
-    new run never takes another's local checkpoints for its own."""
+def directory_of(setting: str, workdir: str, run: str) -> str:
+    """The run's own folder in the local tier, named after its workdir and its identity: runs may share one
+    local_dir, and a new run (in a new workdir or in one made again) never takes another's local checkpoints
+    for its own."""
     where = str(path(workdir))
-    name = f"{os.path.basename(where.rstrip('/')) or 'run'}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
-    return os.path.join(os.path.abspath(os.path.expanduser(os.path.expandvars(setting))), name)
+    digest = hashlib.sha256(f"{where}\0{run}".encode()).hexdigest()[:8]
+    return os.path.join(os.path.abspath(os.path.expanduser(os.path.expandvars(setting))),
+                        f"{os.path.basename(where.rstrip('/')) or 'run'}-{digest}")  # fmt: skip
 
 
-def check_writable(setting: str, workdir: str) -> None:
+def check_writable(setting: str, workdir: str, run: str) -> None:
     """Make the run's folder in the local tier now, so a bad checkpoint.local_dir fails before anything
     compiles, in one sentence."""
     try:
-        try_writing(directory_of(setting, workdir))
+        try_writing(directory_of(setting, workdir, run))
     except OSError as e:
         raise ConfigError(
             f"checkpoint.local_dir={setting!r}: cannot write there ({e.strerror or e}); give a writable directory "
@@ -82,8 +87,10 @@ def check_writable(setting: str, workdir: str) -> None:
 
 
 class LocalTier:
-    def __init__(self, setting: str, workdir: str, keep: int, async_save: bool, mesh):
-        self.directory, self.keep, self.async_save = directory_of(setting, workdir), keep, async_save
+    def __init__(self, setting: str, workdir: str, run: str, keep: int, async_save: bool, mesh, config: dict):
+        """`config`: the run's resolved config (as config.json holds it), recorded with every step."""
+        self.directory, self.keep, self.async_save = directory_of(setting, workdir, run), keep, async_save
+        self.run, self.config = run, config
         self.mesh, self.me = mesh, jax.process_index()
         self._writing: threading.Thread | None = None
         self._pending: int | None = None  # the step being written: kept, as far as the run's account goes
@@ -108,7 +115,8 @@ class LocalTier:
         for i, leaf in enumerate(jax.tree.leaves(_fields(state))):
             for shard in leaf.addressable_shards:
                 shards[f"{i}-{shard.device.id}.npy"] = np.asarray(shard.data)
-        record = {"step": step, "layout": self.layout(), "rows": rows, "reset_optimizer": reset_label}
+        record = {"step": step, "run": self.run, "config": self.config, "layout": self.layout(), "rows": rows,
+                  "reset_optimizer": reset_label}  # fmt: skip
         self._pending = step
         self._writing = threading.Thread(target=self._write, args=(step, shards, record), daemon=True)
         self._writing.start()
@@ -168,17 +176,19 @@ class LocalTier:
         for step in reversed(self.steps()):
             try:
                 with open(os.path.join(self.directory, str(step), _RECORD)) as f:
-                    saved = json.load(f)["layout"]
+                    record = json.load(f)
+                saved = (record["run"], record["layout"])
             except (OSError, ValueError, KeyError):
                 saved = None  # unreadable: offered all the same, so that a read sets it aside
-            if saved is None or saved == self.layout():
+            if saved is None or saved == (self.run, self.layout()):
                 steps.append(step)
         return steps[:_MOST_STEPS]
 
-    def restore(self, after: int, abstract: TrainState, data_iterator, asked_label: int, say):
+    def restore(self, after: int, abstract: TrainState, data_iterator, asked_label: int, say, check):
         """(step, the state's fields as saved, the run's last reset label) from the newest local step newer than
         `after` that every process can restore, the data iterator set in place; None (said, when a newer local
-        step existed) to use the persistent tier."""
+        step existed) to use the persistent tier. `check(config)` raises ConfigError for a step whose recorded
+        config this one cannot resume, before the step is taken."""
         while True:
             held = _gathered_steps(self.usable_steps())
             choice, why = _choose(held, after, abstract)
@@ -187,6 +197,9 @@ class LocalTier:
                     say(why)
                 return None
             step, holders = choice
+            recorded = _broadcast_json(self._config(step) if self.me in holders else None)
+            if recorded is not None:  # checked before a shard is read: a shard of another shape is not damage
+                check(recorded)
             tree, record, error = self._read(step, abstract) if self.me in holders else (None, None, None)
             kind = faults.verdict(error) if error is not None else faults.OK
             worst = max_over_processes(kind)
@@ -213,6 +226,14 @@ class LocalTier:
                 "share by the processes holding its replicas")  # fmt: skip
             say(f"resuming from the local checkpoint at step {step} in {self.directory}{how}")
             return step, tree, done
+
+    def _config(self, step: int) -> dict | None:
+        """The config a local step recorded; None where its record cannot be read (the read then says why)."""
+        try:
+            with open(os.path.join(self.directory, str(step), _RECORD)) as f:
+                return json.load(f)["config"]
+        except (OSError, ValueError, KeyError):
+            return None
 
     def _read(self, step: int, abstract: TrainState):
         """(the state's fields, the step's record, None) or (None, None, the error): this process's shards."""
@@ -292,11 +313,11 @@ def _gathered_rows(mine: dict) -> dict:
 
 
 def _broadcast_json(value):
-    """The first holder's `value` on every process (a collective; non-holders give None)."""
+    """The first holder's `value` on every process (a collective; non-holders give None); None if none did."""
     for part in _gathered_bytes(json.dumps(value).encode() if value is not None else b""):
         if part:
             return json.loads(part)
-    raise AssertionError("no process gave a value")
+    return None
 
 
 def _choose(held: list[set[int]], after: int, abstract: TrainState):

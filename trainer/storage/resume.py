@@ -70,9 +70,10 @@ def check_architecture(workdir: str, cfg, saved=None) -> None:
         )
 
 
-def check_resume(workdir: str, cfg, setup) -> None:
-    """Everything a resume may refuse, judged from the saved config, before anything is read or written."""
-    saved = saved_config(workdir)
+def check_resume(workdir: str, cfg, setup, saved=None) -> None:
+    """Everything a resume may refuse, judged from the saved config (config.json's, or `saved`: the one a
+    local checkpoint recorded), before anything is read or written."""
+    saved = saved if saved is not None else saved_config(workdir)
     if saved is None:
         return
     check_architecture(workdir, cfg, saved)

@@ -21,6 +21,7 @@ from trainer.errors import ConfigError
 from trainer.storage import faults
 
 CONFIG_FILE = "config.json"
+RUN_FILE = "run.json"  # the run's identity: what its local checkpoints are recorded as belonging to
 CHECKPOINT_DIR = "checkpoints"
 BUCKET = "gs://"
 
@@ -73,6 +74,21 @@ def saved_config(workdir: str) -> dict | None:
 
     file = path(workdir) / CONFIG_FILE
     return json.loads(file.read_text()) if file.exists() else None
+
+
+def run_id(workdir: str) -> str | None:
+    """The identity of the run that lives in `workdir`, given at its first start; None before that (a new
+    run, or a workdir deleted and made again, which is a new run too)."""
+    import json
+
+    file = path(workdir) / RUN_FILE
+    return json.loads(file.read_text())["id"] if file.exists() else None
+
+
+def write_run_id(workdir: str, run: str) -> None:
+    import json
+
+    write_file(path(workdir) / RUN_FILE, json.dumps({"id": run}))
 
 
 def try_writing(directory) -> None:

@@ -26,7 +26,7 @@ import numpy as np
 
 from parallelism.distributed import fetch, wait_if_a_process_died
 from trainer import compile_cache, harness, samples
-from trainer.config import microbatch_size
+from trainer.config import from_dict, microbatch_size
 from trainer.data import streams, workers
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluate import Evaluator
@@ -117,19 +117,23 @@ class Run:
         self.target = t.steps * t.global_batch_size  # sequences to train on
         self.stream = streams.Stream.from_config(cfg)
         self.rows = self._local_rows(self.batch)
+        # First: held-out batches that score nothing are refused before a checkpoint is read or config written.
+        self.evaluator = Evaluator(setup, self.rows, self.inputs) if t.eval_every else None
         self.ckpt = Checkpointer(
             wd.checkpoint_dir(workdir), keep=cfg.checkpoint.keep, keep_every=cfg.checkpoint.keep_every,
             async_save=cfg.checkpoint["async"],
         )  # fmt: skip
         self.abstract = setup.abstract_state()
         c = cfg.checkpoint
-        self.local = LocalTier(c.local_dir, workdir, c.local_keep, c["async"], setup.mesh) if c.local_dir else None
+        if c.local_dir:
+            self.local = LocalTier(c.local_dir, workdir, wd.run_id(workdir), c.local_keep, c["async"], setup.mesh,
+                                   cfg.to_dict())  # fmt: skip
 
         def restore(step: int):
             data = self._new_data()
             return (*resume.restore_state(self.ckpt, step, setup, data, saved_cfg), data)
 
-        found = self._from_local(saved_cfg) if self.local is not None else None
+        found = self._from_local(saved_cfg, workdir) if self.local is not None else None
         self.resumed_locally = found is not None
         if found is None:
             found = self.ckpt.restore_newest_intact(restore, self.say, cfg.checkpoint.retry_seconds)
@@ -168,7 +172,6 @@ class Run:
         self.flops_per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len,
                                                setup.preference)  # fmt: skip
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
-        self.evaluator = Evaluator(setup, self.rows, self.inputs) if t.eval_every else None
         self.samples = samples.Samples(setup, load_tokenizer(cfg.data)) if t.sample_prompts else None
         tokens = load_tokenizer(cfg.data) if t.harness_tasks else None
         self.harness = harness.load().InLoop(setup, tokens, workdir, self.hang) if t.harness_tasks else None
@@ -180,12 +183,21 @@ class Run:
         self.mark_step, self.mark_time = self.step, time.perf_counter()
         self.last: dict = {}
 
-    def _from_local(self, saved_cfg):
-        """(step, (state, False, reset label, data)) from the local tier, if it holds a step newer than the
-        persistent tier's newest that every process can restore (trainer/storage/local_tier.py)."""
+    def _from_local(self, saved_cfg, workdir: str):
+        """(step, (state, False, reset label, data)) from the local tier, if it holds a step of this run newer
+        than the persistent tier's newest that every process can restore (trainer/storage/local_tier.py)."""
         data = self._new_data()
         asked = resume.reset_label(self.cfg.checkpoint.reset_optimizer)
-        found = self.local.restore(max(self.ckpt.steps(), default=-1), self.abstract, data, asked, self.say)
+
+        def check(config: dict) -> None:
+            resume.check_resume(workdir, self.cfg, self.setup, from_dict(config))
+
+        try:
+            found = self.local.restore(max(self.ckpt.steps(), default=-1), self.abstract, data, asked, self.say,
+                                       check)  # fmt: skip
+        except BaseException:
+            data.close()
+            raise
         if found is None:
             data.close()
             return None

@@ -4,10 +4,11 @@ tokenizer stored. A refusal here leaves the workdir as it was (trainer/training/
 from __future__ import annotations
 
 import dataclasses
+import uuid
 
 import jax
 
-from parallelism.distributed import barrier
+from parallelism.distributed import barrier, first_process_says
 from trainer import harness, samples
 from trainer.config import with_changes
 from trainer.data import corpora
@@ -56,9 +57,14 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple]:
     if setup.preference:
         reference, pinned = resume.load_reference(cfg, setup, workdir, init)
         inputs, cfg = (reference,), with_changes(cfg, {"checkpoint.init_from": pinned})
+    # The run's identity: its workdir's, or a new one (a new run, or its workdir deleted and made again),
+    # which no local checkpoint of an earlier run carries.
+    run = first_process_says(bytes.fromhex(wd.run_id(workdir) or uuid.uuid4().hex)).hex()
     if cfg.checkpoint.local_dir:  # before the workdir is made: a refusal leaves it as it was
-        local_tier.check_writable(cfg.checkpoint.local_dir, workdir)
+        local_tier.check_writable(cfg.checkpoint.local_dir, workdir, run)
     wd.check_writable(workdir)
+    if primary and wd.run_id(workdir) != run:
+        wd.write_run_id(workdir, run)
     devices = setup.mesh.devices.size
     if setup.mesh.devices.flat[0].platform == "cpu":  # said once: the plugins' own words are held back
         say(f"running on the CPU ({devices} device{'s' * (devices > 1)}): no GPU or TPU is in use")

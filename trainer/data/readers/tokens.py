@@ -1,9 +1,10 @@
 """Token files other stacks wrote, read as they are: what Megatron-LM's and Dolma's readers share.
 
 A corpus of such files is read file by file, in path order, each file's documents in their order. It was
-not prepared here, so it has no split of its own: of each file, every K-th document is held out, K =
-round(1 / data.validation_fraction) (the K-th, 2K-th, ...), so a document's side depends on its place in
-its own file alone, and the two splits are read by index arithmetic, with nothing to build first.
+not prepared here, so it has no split of its own: of the corpus's documents, counted across its files in
+that order, every K-th is held out, K = round(1 / data.validation_fraction) (the K-th, 2K-th, ...), so the
+split holds the asked fraction whatever the files' sizes (a rule per file held out nothing of files of
+fewer than K documents), and the two splits are read by index arithmetic, with nothing to build first.
 
 Token ids are checked against model.vocab_size: at opening, over the first CHECKED_TOKENS of each file, and
 then each document as it is read, so a corpus made with another tokenizer is said in one sentence.
@@ -29,8 +30,8 @@ def split_count(documents: int, k: int, split: str) -> int:
     return documents // k if split == "validation" else documents - documents // k
 
 
-def in_file(index: int, k: int, split: str) -> int:
-    """The file's own index of a split's `index`-th document."""
+def in_corpus(index: int, k: int, split: str) -> int:
+    """The corpus's own index of a split's `index`-th document."""
     return index * k + k - 1 if split == "validation" else index + index // (k - 1)
 
 
@@ -49,17 +50,26 @@ class Files:
 
     def __init__(self, files: list, split: str, fraction: float, vocab_size: int, names: list[str]):
         self._files, self._split, self._k, self._vocab, self._names = files, split, every(fraction), vocab_size, names
-        counts = [split_count(f.documents, self._k, split) for f in files]
-        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._starts = np.concatenate([[0], np.cumsum([f.documents for f in files])]).astype(np.int64)
+        self._length = split_count(int(self._starts[-1]), self._k, split)
+        if not self._length:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise ConfigError(
+                f"{shown} hold {int(self._starts[-1])} documents: holding out one of every {self._k} "
+                f"(data.validation_fraction={fraction:g}) leaves the {split} split empty; "
+                + ("raise data.validation_fraction, or give more documents." if split == "validation" else
+                   "give more documents.")
+            )  # fmt: skip
 
     def __len__(self) -> int:
-        return int(self._starts[-1])
+        return self._length
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         if not 0 <= index < len(self):
             raise IndexError(index)
-        f = bisect.bisect_right(self._starts, index) - 1
-        position = in_file(int(index - self._starts[f]), self._k, self._split)
+        corpus = in_corpus(index, self._k, self._split)  # the document's place in the corpus
+        f = bisect.bisect_right(self._starts, corpus) - 1
+        position = corpus - int(self._starts[f])
         tokens = self._files[f].document(position)
         check_ids(tokens, self._vocab, f"document {position} of {self._names[f]}")
         return {"tokens": tokens.astype(np.int32)}
