@@ -3,6 +3,8 @@
     python scripts/generate.py --config configs/tiny.py --workdir runs/tiny --prompt "def main(" \\
         [--max_new_tokens 200] [--temperature 0.8 --top_k 50 --top_p 0.95] [--seed 0] [--json]
 
+--max_new_tokens defaults to 128, or to what fits in model.max_seq_len after the prompt.
+
 Temperature 0 (the default) is greedy, and refuses --top_k or --top_p (they
 only shape sampling). Generation uses a KV cache and runs
 sharded on the config's mesh. With --json the output ends with one line
@@ -29,11 +31,13 @@ from trainer.samples import check_request, completion, prompt_ids
 from trainer.storage import run_tokenizer
 from trainer.storage.resume import load_params
 
+DEFAULT_NEW = 128
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default the newest.")
 _PROMPT = flags.DEFINE_string("prompt", "", "Text to continue.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate at most.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, f"Tokens to generate at most; default {DEFAULT_NEW}, or what "
+                                 "fits in model.max_seq_len after the prompt.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0 = all).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample among the most likely tokens holding this probability mass.")
@@ -42,21 +46,25 @@ _JSON = flags.DEFINE_bool("json", False, "End with a JSON line {prompt, completi
 _CHAT = flags.DEFINE_bool("chat", False, "Talk through the chat template: --prompt, or lines of standard input.")
 
 
+NAMES = dict(new_tokens="--max_new_tokens", top_k="--top_k", top_p="--top_p", temperature="--temperature")
+
+
 def main():
     cfg = _CONFIG.value
-    if _MAX_NEW.value < 1 or _TEMPERATURE.value < 0 or not 0 < _TOP_P.value <= 1 or _TOP_K.value < 0:
+    if (_MAX_NEW.value or 1) < 1 or _TEMPERATURE.value < 0 or not 0 < _TOP_P.value <= 1 or _TOP_K.value < 0:
         raise ConfigError("need --max_new_tokens >= 1, --temperature >= 0, 0 < --top_p <= 1 and --top_k >= 0.")
     workdir = _WORKDIR.value or cli.default_workdir()
     cfg = run_tokenizer.settle(cfg, workdir)  # the run's own copy of its tokenizer
     tokenizer = load_tokenizer(cfg.data)
     if _CHAT.value:
         return talk(cfg, workdir, tokenizer)
-    names = dict(new_tokens="--max_new_tokens", top_k="--top_k", top_p="--top_p", temperature="--temperature")
-    check_request(cfg, tokenizer, _PROMPT.value, _MAX_NEW.value, names, _TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
+    prompt = prompt_ids(tokenizer, _PROMPT.value)
+    new = new_tokens(cfg, prompt)
+    check_request(cfg, tokenizer, _PROMPT.value, new, NAMES, _TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
     setup, step, params = load_params(cfg, workdir, _STEP.value)
-    prompt = prompt_ids(tokenizer, _PROMPT.value)[None]
+    prompt = prompt[None]
     generate = make_generate(
-        setup.spec, setup.shard, max_new_tokens=_MAX_NEW.value,
+        setup.spec, setup.shard, max_new_tokens=new,
         temperature=_TEMPERATURE.value, top_k=_TOP_K.value, top_p=_TOP_P.value,
     )  # fmt: skip
     text = completion(tokenizer, np.asarray(generate(params, prompt, _SEED.value))[0])
@@ -65,28 +73,32 @@ def main():
         print(json.dumps({"prompt": _PROMPT.value, "completion": text, "step": step}))
 
 
+def new_tokens(cfg, prompt: np.ndarray) -> int:
+    """--max_new_tokens, or by default DEFAULT_NEW or what fits after the prompt, whichever is fewer."""
+    return _MAX_NEW.value or max(1, min(DEFAULT_NEW, cfg.model.max_seq_len - len(prompt)))
+
+
 def talk(cfg, workdir: str, tokenizer) -> None:
-    """--chat: one reply to --prompt, or a conversation over standard input."""
+    """--chat: one reply to --prompt, or a conversation over standard input. The first message's prompt, as
+    the chat template renders it, is checked and sets the default number of new tokens."""
     template = chat.template_for(cfg.data, tokenizer)
-    names = dict(new_tokens="--max_new_tokens", top_k="--top_k", top_p="--top_p", temperature="--temperature")
-    check_request(cfg, tokenizer, "", _MAX_NEW.value, names, _TEMPERATURE.value, _TOP_K.value, _TOP_P.value)
-    setup, _, params = load_params(cfg, workdir, _STEP.value)
-    generate = make_generate(setup.spec, setup.shard, max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
-                             top_k=_TOP_K.value, top_p=_TOP_P.value)  # fmt: skip
     ends = chat.end_of_turn_ids(tokenizer, template)
     history: list[dict] = []
+    generate = params = new = None
     lines = [_PROMPT.value] if _PROMPT.value else (line.rstrip("\n") for line in sys.stdin)
     for turn, message in enumerate(lines):
         history.append({"role": "user", "content": message})
         ids = chat.prompt_ids(tokenizer, template, history)
-        while len(ids) + _MAX_NEW.value > cfg.model.max_seq_len and len(history) > 1:
+        if generate is None:
+            new = new_tokens(cfg, ids)
+            check_request(cfg, tokenizer, message, new, NAMES, _TEMPERATURE.value, _TOP_K.value, _TOP_P.value, ids)
+            setup, _, params = load_params(cfg, workdir, _STEP.value)
+            generate = make_generate(setup.spec, setup.shard, max_new_tokens=new, temperature=_TEMPERATURE.value,
+                                     top_k=_TOP_K.value, top_p=_TOP_P.value)  # fmt: skip
+        while len(ids) + new > cfg.model.max_seq_len and len(history) > 1:
             history = history[2:]  # the oldest exchange
             ids = chat.prompt_ids(tokenizer, template, history)
-        if len(ids) + _MAX_NEW.value > cfg.model.max_seq_len:
-            raise ConfigError(
-                f"the message and --max_new_tokens={_MAX_NEW.value} take {len(ids) + _MAX_NEW.value} tokens, more "
-                f"than model.max_seq_len={cfg.model.max_seq_len}; shorten it, or ask for fewer new tokens."
-            )
+        check_request(cfg, tokenizer, message, new, NAMES, _TEMPERATURE.value, _TOP_K.value, _TOP_P.value, ids)
         out = [int(i) for i in np.asarray(generate(params, ids[None], _SEED.value + turn))[0]]
         cut = min((out.index(i) for i in ends if i in out), default=len(out))
         reply = tokenizer.decode(out[:cut])

@@ -1,5 +1,7 @@
 """KV-cached generation against recomputing the whole prefix for every token."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,3 +101,37 @@ def test_a_request_the_model_cannot_make_as_asked_is_refused_in_one_sentence():
         check_request(cfg, tok, "", 8, names, top_k=50, top_p=0.95)
     with pytest.raises(ConfigError, match=r"^--top_p=0.9 would be ignored"):
         check_request(cfg, tok, "", 8, names, top_p=0.9)
+
+
+def test_the_documented_chat_command_runs_with_the_new_tokens_that_fit_and_says_a_number_that_works(tmp_path):
+    """generate.py --chat --prompt with no --max_new_tokens generates what fits after the message as the chat
+    template renders it; too many are refused naming that prompt's real length and a number that works, which
+    then runs."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO, cli_args
+
+    from trainer.training.loop import train
+
+    rows = [{"messages": [{"role": "user", "content": f"Reverse: {w}"}, {"role": "assistant", "content": w[::-1]}]}
+            for w in ("python", "abc", "stone", "north") * 50]  # fmt: skip
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = micro_config(data=dict(source="text_files", format="chat", name="reverse", paths=str(tmp_path / "chat.jsonl"),
+                                 data_dir=str(tmp_path / "tfds")),
+                       train=dict(steps=2), checkpoint={"every_steps": 2})  # fmt: skip
+    workdir = str(tmp_path / "run")
+    train(cfg, workdir)
+    command = [sys.executable, "scripts/generate.py", *cli_args(cfg), f"--workdir={workdir}", "--chat",
+               "--prompt=Reverse: python"]  # fmt: skip
+    fits = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert fits.returncode == 0 and not fits.stderr.strip(), fits.stderr[-2000:]
+    # <s><|user|>\nReverse: python\n<|assistant|>\n: 40 byte tokens, so 24 fit in max_seq_len=64
+    too_many = subprocess.run([*command, "--max_new_tokens=30"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    said = too_many.stdout + too_many.stderr
+    assert too_many.returncode != 0 and re.search(r"the prompt 'Reverse: python' \(40 tokens rendered through the chat "
+                                                  r"template\) and --max_new_tokens=30 make 70 tokens, more than "
+                                                  r"model.max_seq_len=64; ask for at most 24 new tokens", said), said
+    works = subprocess.run([*command, "--max_new_tokens=24"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert works.returncode == 0, works.stderr[-2000:]

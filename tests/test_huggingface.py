@@ -424,3 +424,17 @@ def test_deepseek_v3_imports_from_transformers_decodes_as_it_does_and_exports_ba
     cfg = micro_config(model=dict(n_layers=3, d_ff=96, n_kv_heads=4, norm_eps=1e-6, moe=moe, mtp=dict(depth=1),
                                   mla=dict(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=4, v_dim=12)))  # fmt: skip
     round_trip(model, cfg, tmp_path)
+
+
+def test_a_family_we_do_not_read_and_a_missing_extra_are_one_sentence_each(tmp_path, monkeypatch):
+    import sys
+
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=384))
+    gpt2.save_pretrained(str(tmp_path / "gpt2"))
+    with pytest.raises(ConfigError, match=r"^this Hugging Face model is of model_type 'gpt2', which this trainer does "
+                                          r"not read; it reads LlamaForCausalLM \(llama\), .*DeepseekV3ForCausalLM"):
+        import_checkpoint(str(tmp_path / "gpt2"), micro_config(), str(tmp_path / "run"))
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # as where the hf extra is not installed
+    with pytest.raises(ConfigError, match=r'needs the hf extra \(tokenizers is not installed\): pip install -e "\.\[hf\]"'):
+        export_checkpoint(micro_config(), str(tmp_path / "none"), None, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()

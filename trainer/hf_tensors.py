@@ -160,6 +160,11 @@ def model_keys_from_hf(config: dict) -> dict:
     """Our model.* values for a Hugging Face config of one of the FAMILIES; refuses what our model does not
     implement."""
     kind = config.get("model_type")
+    if kind not in FAMILIES:
+        raise ConfigError(
+            f"this Hugging Face model is of model_type {kind!r}, which this trainer does not read; it reads "
+            f"{', '.join(f'{c} ({k})' for k, c in FAMILIES.items())}."
+        )
     if kind == hf_deepseek.KIND:
         return hf_deepseek.model_keys(config)
     if kind == "gemma3_text":
@@ -176,7 +181,6 @@ def model_keys_from_hf(config: dict) -> dict:
     dense = sorted(config.get("mlp_only_layers") or [])
     step = config.get("decoder_sparse_step", 1)
     unsupported = {
-        "model_type": kind not in FAMILIES,
         "hidden_act": kind != "gemma3_text" and config.get("hidden_act", "silu") != "silu",
         "hidden_activation": kind == "gemma3_text" and config.get("hidden_activation") != "gelu_pytorch_tanh",
         "final_logit_softcapping": config.get("final_logit_softcapping") is not None,

@@ -157,6 +157,7 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
 
     from trainer.storage.resume import load_params
 
+    require_hf_extra()
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir} is not empty; export into a new directory.")
     if jax.process_count() > 1:
@@ -176,6 +177,16 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
     return step
 
 
+def require_hf_extra() -> None:
+    """What convert_hf.py needs beyond the trainer's own dependencies, asked for before anything is read."""
+    try:
+        import safetensors  # noqa: F401
+        import tokenizers  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"converting to or from Hugging Face's formats needs the hf extra ({e.name} is not "
+                          'installed): pip install -e ".[hf]".') from e  # fmt: skip
+
+
 def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     """Write the weights of a Hugging Face directory (one of hf_tensors.FAMILIES) as step 0 of a new run in
     `workdir`.
@@ -190,6 +201,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     from trainer.training.setup import build
     from trainer.training.state import param_shardings, state_from_params
 
+    require_hf_extra()
     wanted, have = model_keys_from_hf(read_config(hf_dir)), flatten(cfg)
     have["model.head_dim"] = Architecture.from_config(cfg).head_dim  # its 0 means d_model / n_heads
     differ = [f"model.{k}={v!r} (config has {have[f'model.{k}']!r})" for k, v in wanted.items()

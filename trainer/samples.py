@@ -31,20 +31,23 @@ def completion(tokenizer, ids) -> str:
 
 
 def check_request(cfg, tokenizer, text: str, new_tokens: int, names: dict[str, str], temperature: float = 0.0,
-                  top_k: int = 0, top_p: float = 1.0) -> None:  # fmt: skip
+                  top_k: int = 0, top_p: float = 1.0, ids: np.ndarray | None = None) -> None:  # fmt: skip
     """Refuse, in one sentence, a completion the model cannot make as asked: a prompt and `new_tokens` beyond
     model.max_seq_len, a top_k beyond the vocabulary, or top_k / top_p with temperature 0 (greedy, which
-    ignores them). `names` says what the caller calls new_tokens, top_k, top_p and temperature."""
-    prompt, limit = len(prompt_ids(tokenizer, text)), cfg.model.max_seq_len
+    ignores them). `names` says what the caller calls new_tokens, top_k, top_p and temperature. `ids`: the
+    prompt's token ids where they are not `text`'s own (a message rendered through the chat template)."""
+    prompt, limit = len(prompt_ids(tokenizer, text) if ids is None else ids), cfg.model.max_seq_len
     quoted = repr(text if len(text) <= 30 else text[:30] + "...")  # its start: enough to know which
+    how = "with its begin-of-document id" if ids is None else "rendered through the chat template"
     if prompt >= limit:
         raise ConfigError(
-            f"the prompt {quoted} ({prompt} tokens with its begin-of-document id) leaves no room in "
-            f"model.max_seq_len={limit} for a new token; shorten it to at most {limit - 2} tokens."
+            f"the prompt {quoted} ({prompt} tokens {how}) leaves no room in model.max_seq_len={limit} for a new "
+            f"token; shorten it {f'to at most {limit - 2}' if ids is None else f'by at least {prompt - limit + 1}'} "
+            "tokens."
         )
     if prompt + new_tokens > limit:
         raise ConfigError(
-            f"the prompt {quoted} ({prompt} tokens with its begin-of-document id) and {names['new_tokens']}="
+            f"the prompt {quoted} ({prompt} tokens {how}) and {names['new_tokens']}="
             f"{new_tokens} make {prompt + new_tokens} tokens, more than model.max_seq_len={limit}; ask for at most "
             f"{limit - prompt} new tokens, or shorten the prompt."
         )
