@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import REPO, micro_config
+from conftest import REPO, cli_args, micro_config
 from test_data import held_out
 
 from trainer.data import corpora, readers, streams
@@ -332,3 +332,21 @@ def test_token_files_of_few_documents_each_hold_out_the_asked_fraction_and_a_rea
                                           r"every 50 \(data.validation_fraction=0.02\) leaves the validation split "
                                           r"empty"):  # fmt: skip
         readers.open_split(stream, stream.name, "validation")
+
+
+def test_a_bad_row_under_beams_workers_is_our_sentence_alone(tmp_path):
+    """prepare_data.py --workers 2 on a chat corpus with a bad row: its sentence, and nothing of Beam's logging
+    or its workers' tracebacks."""
+    pytest.importorskip("apache_beam", reason="the beam extra is not installed: pip install -e '.[beam]'")
+    rows = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "ok"}]}
+            for i in range(20)]  # fmt: skip
+    rows[6] = {"text": "no messages here"}
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = micro_config(data=dict(source="text_files", format="chat", name="bad_rows", paths=str(tmp_path / "chat.jsonl"),
+                                 data_dir=str(tmp_path / "tfds")))  # fmt: skip
+    done = subprocess.run([sys.executable, "scripts/prepare_data.py", *cli_args(cfg), "--workers=2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode != 0
+    said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert len([line for line in said if "line 7 of" in line and "has neither a messages list" in line]) == 1, said
+    assert not [line for line in said if "Traceback" in line or "INFO" in line or "WARNING" in line], said[:20]

@@ -233,14 +233,16 @@ def run(units: list[Unit], plan: Plan, arguments: list[str] | None) -> None:
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
-    try:
-        # Beam's workers (processes of their own, with this stderr) log their start and end at length: kept
-        # aside, and shown only if the pipeline fails without a sentence of ours.
-        with stderr_held_back(), beam.Pipeline(options=PipelineOptions(arguments)) as pipeline:
-            _ = (pipeline | "units" >> beam.Create(units) | "spread" >> beam.Reshuffle()
-                 | "prepare" >> beam.Map(prepare_unit, plan))  # fmt: skip
-    except Exception as e:
-        said = [r["error"] for r in read_reports(plan.reports) if r.get("error")]
-        if said:  # a unit's own sentence (a line without the text field, say), not Beam's account of it
-            raise ConfigError(said[0]) from None
-        raise RuntimeError(f"the Beam pipeline failed: {' '.join(str(e).split())[:600]}") from e
+    # Beam's workers (processes of their own, with this stderr) log their start and end at length, and its
+    # runner each retry's traceback: kept aside, and shown only if the pipeline fails without a sentence of
+    # ours (the sentence is made inside, so that what is held back knows it was one).
+    with stderr_held_back():
+        try:
+            with beam.Pipeline(options=PipelineOptions(arguments)) as pipeline:
+                _ = (pipeline | "units" >> beam.Create(units) | "spread" >> beam.Reshuffle()
+                     | "prepare" >> beam.Map(prepare_unit, plan))  # fmt: skip
+        except Exception as e:
+            said = [r["error"] for r in read_reports(plan.reports) if r.get("error")]
+            if said:  # a unit's own sentence (a line without the text field, say), not Beam's account of it
+                raise ConfigError(said[0]) from None
+            raise RuntimeError(f"the Beam pipeline failed: {' '.join(str(e).split())[:600]}") from e
