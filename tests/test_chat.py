@@ -165,10 +165,23 @@ def test_a_conversation_corpus_prepares_into_a_tokenised_store_equal_to_renderin
             assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
         text = ByteTokenizer().decode(docs[True][0]["tokens"][docs[True][0]["loss_mask"] > 0])
         assert text in ("ANSWER: cba", "Hello.\n\nHow can I help?ANSWER: yx", "ANSWER: ba")
-        # Read as another format than it was prepared as: one sentence.
+        # Read as another format than it was prepared as: one sentence naming both, whether it is prepared
+        # again (the same command that prepared it) or read.
         base.data.format = "text"
-        with pytest.raises(ConfigError, match=f"prepared with data.format={format} and this config reads it with"):
-            corpora.check_prepared(base.data, "train")
+        for step in (lambda: corpora.prepare(base.data, say=lambda *_: None),
+                     lambda: corpora.check_prepared(base.data, "train")):  # fmt: skip
+            with pytest.raises(ConfigError, match=rf"prepared with data.format={format}, and this config reads it "
+                                                  rf"with data.format=text; set data.format={format}"):  # fmt: skip
+                step()
+    # And the other way: a text corpus read as conversations.
+    (rows / "t.jsonl").write_text("".join(json.dumps({"text": f"note {i}"}) + "\n" for i in range(40)))
+    text = micro_config(data=dict(source="text_files", paths=f"{rows}/t.jsonl", name="notes",
+                                  data_dir=str(tmp_path / "tfds")))  # fmt: skip
+    corpora.prepare(text.data, say=lambda *_: None)
+    text.data.format = "chat"
+    with pytest.raises(ConfigError, match=r"prepared with data.format=text, and this config reads it with "
+                                          r"data.format=chat; set data.format=text"):  # fmt: skip
+        corpora.prepare(text.data, say=lambda *_: None)
 
 
 def test_a_chat_template_file_is_kept_with_the_run_and_another_is_refused(tmp_path):

@@ -350,3 +350,15 @@ def test_a_bad_row_under_beams_workers_is_our_sentence_alone(tmp_path):
     said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
     assert len([line for line in said if "line 7 of" in line and "has neither a messages list" in line]) == 1, said
     assert not [line for line in said if "Traceback" in line or "INFO" in line or "WARNING" in line], said[:20]
+
+
+def test_a_relative_data_dir_not_made_yet_is_prepared_into(tmp_path):
+    """data.data_dir=tfds (relative, not there yet): preparing walked up from the build folder to the first
+    folder that exists, and a relative path's walk never ended."""
+    (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": f"note {i}"}) + "\n" for i in range(40)))
+    code = ("import sys; sys.path.insert(0, sys.argv[1] + '/tests'); import conftest; from trainer.data import corpora; "
+            "corpora.prepare(conftest.micro_config(data=dict(source='text_files', name='notes', paths='notes.jsonl', "
+            "data_dir='tfds')).data)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, REPO], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "tfds" / "text_files" / "notes" / "1.0.0" / "dataset_info.json").exists()

@@ -55,6 +55,11 @@ def fields(format: str) -> str:
     return ROW_FIELDS[format]
 
 
+def format_of(text_field: str) -> str:
+    """The data.format a corpus was prepared as, from the text field it records (any other field: text)."""
+    return next((f for f, v in ROW_FIELDS.items() if v == text_field), "text")
+
+
 # ---- rows ----
 
 

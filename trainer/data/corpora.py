@@ -24,9 +24,8 @@ import jax
 
 from parallelism.distributed import differing_from_first
 from trainer.data import preparation, readers
-from trainer.data.chat import ROW_FIELDS, fields
 from trainer.data.mixture import parse_mixture
-from trainer.data.preparation.split import MADE_FROM_FILE, TOKENIZER_FILE, check_made_with
+from trainer.data.preparation.split import MADE_FROM_FILE, TOKENIZER_FILE, check_format, check_made_with
 from trainer.data.tokenizers import load_tokenizer, made_with
 from trainer.errors import ConfigError
 
@@ -83,19 +82,13 @@ def _check_made_with(data_cfg) -> None:
 def _check_format(data_cfg) -> None:
     """Refuse a prepared corpus read as another data.format than it was prepared as (its rows are plain text,
     or conversations, or pairs)."""
-    wanted = data_cfg.text_key if data_cfg.format == "text" else fields(data_cfg.format)
     for corpus in corpora_read(data_cfg):
         if readers.kind(data_cfg, corpus) != "text_files":
             continue
-        record = readers.directory(data_cfg, readers.tfds_name(data_cfg, corpus)) / MADE_FROM_FILE
+        directory = readers.directory(data_cfg, readers.tfds_name(data_cfg, corpus))
+        record = directory / MADE_FROM_FILE
         made = json.loads(record.read_text())["text_key"] if record.exists() else data_cfg.text_key
-        rows = made in ROW_FIELDS.values()  # prepared as conversations or pairs
-        if rows != (data_cfg.format != "text") or (rows and made != wanted):
-            what = {v: f"data.format={k}" for k, v in ROW_FIELDS.items()}.get(made, "data.format=text")
-            raise ConfigError(
-                f"the corpus {corpus!r} was prepared with {what} and this config reads it with data.format="
-                f"{data_cfg.format}; set that data.format, or prepare the files under another data.name."
-            )
+        check_format(corpus, directory, made, data_cfg.format)
 
 
 def statement(data_cfg, splits: list[str]) -> str:

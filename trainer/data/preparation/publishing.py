@@ -69,7 +69,9 @@ def set_aside_unfinished(dirs: dict[str, epath.Path], say: Callable[[str], None]
 def staging(data_dir: str, name: str, in_bucket: bool):
     """A fresh directory to build in, removed afterwards whatever happens."""
     if not is_remote(data_dir):
-        where = os.path.join(data_dir, "text_files", f".{name}.building-{uuid.uuid4().hex[:8]}")
+        # Absolute: the walk up to the first folder that exists ends at '/', where a relative path's ends at
+        # '' for ever (a relative data.data_dir not made yet hung here).
+        where = os.path.join(os.path.abspath(data_dir), "text_files", f".{name}.building-{uuid.uuid4().hex[:8]}")
         made = where
         while not os.path.exists(os.path.dirname(made)):  # the first directory this build makes
             made = os.path.dirname(made)

@@ -16,6 +16,7 @@ import os
 
 from etils import epath
 
+from trainer.data.chat import format_of
 from trainer.data.preparation.inputs import InputFile
 from trainer.data.tokenizers import same_tokenizer
 from trainer.errors import ConfigError
@@ -94,6 +95,7 @@ def check_made_from(directory: str, wanted: dict, paths: str, name: str) -> None
     have = json.loads(record.read_text())
     if (have["text_key"], have["files"]) == (wanted["text_key"], wanted["files"]):
         return
+    check_format(name, directory, have["text_key"], format_of(wanted["text_key"]))
     files = {tuple(entry) for entry in have["files"]}
     selected = {tuple(entry) for entry in wanted["files"]}
     differ = f"{len(files - selected)} of its {len(files)} files are not among the {len(selected)} selected"
@@ -104,6 +106,18 @@ def check_made_from(directory: str, wanted: dict, paths: str, name: str) -> None
         f"data.text_key={wanted['text_key']!r} select ({differ}); give this corpus another data.name to prepare "
         "it from these, or move that directory away to rebuild it."
     )
+
+
+def check_format(name: str, directory, recorded: str, read_as: str) -> None:
+    """Refuse a prepared corpus read as another data.format than it was prepared as (`recorded`: the text
+    field its made_from.json names)."""
+    prepared_as = format_of(recorded)
+    if prepared_as != read_as:
+        raise ConfigError(
+            f"the corpus {name!r} ({directory}) was prepared with data.format={prepared_as}, and this config reads "
+            f"it with data.format={read_as}; set data.format={prepared_as}, or prepare the files under another "
+            "data.name."
+        )
 
 
 def check_made_with(directory: str, made_with: dict) -> None:
