@@ -355,7 +355,7 @@ def test_a_bad_row_under_beams_workers_is_our_sentence_alone(tmp_path):
 def test_a_relative_data_dir_not_made_yet_is_prepared_into(tmp_path):
     """data.data_dir=tfds (relative, not there yet): preparing walked up from the build folder to the first
     folder that exists, and a relative path's walk never ended."""
-    (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": f"note {i}"}) + "\n" for i in range(40)))
+    (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": f"note {i}"}) + "\n" for i in range(400)))
     code = ("import sys; sys.path.insert(0, sys.argv[1] + '/tests'); import conftest; from trainer.data import corpora; "
             "corpora.prepare(conftest.micro_config(data=dict(source='text_files', name='notes', paths='notes.jsonl', "
             "data_dir='tfds')).data)")  # fmt: skip
