@@ -1,7 +1,7 @@
 """gemma3_1b: Gemma 3 1B's architecture (text), for continued pretraining of its weights or a model of that
 shape from scratch.
 
-    python scripts/convert_hf.py import --config configs/gemma3_1b.py --hf_dir <gemma-3-1b-pt> --workdir runs/gemma3_1b
+    python scripts/convert_hf.py import --config configs/gemma3_1b.py --hf <gemma-3-1b-pt> --workdir runs/gemma3_1b
     python scripts/plan.py --config configs/gemma3_1b.py --target v5e-8   # the TPU compiler on a slice (tpu extra)
     python scripts/train.py --config configs/gemma3_1b.py --workdir runs/gemma3_1b
 

@@ -187,6 +187,13 @@ def test_the_scripts_print_their_json(trained, corpus_dir):
     assert gen.returncode == 0, gen.stderr[-2000:]
     line = json.loads(gen.stdout.strip().splitlines()[-1])
     assert line["prompt"] == "def f(" and isinstance(line["completion"], str)
+    # The run's own saved config, given back as --config (with an override on top): no --config.* flag
+    # repeated, and its workdir is the default.
+    again = subprocess.run([sys.executable, "scripts/eval.py", f"--config={trained}/config.json", "--max_batches=2",
+                            "--config.train.eval_batches=3"], cwd=REPO, capture_output=True, text=True,
+                           timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1])["loss"] == json.loads(ev.stdout.strip().splitlines()[-1])["loss"]
 
 
 def test_a_one_file_parquet_corpus_and_a_one_file_zstd_json_lines_corpus_train_and_evaluate(tmp_path):

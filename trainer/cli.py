@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from trainer import accelerators, config, last_words
 from trainer.errors import ConfigError, TrainingError
@@ -24,9 +25,30 @@ _PROCESS_ID = flags.DEFINE_integer("process_id", None, "Multi-process runs: this
 _MULTIHOST = flags.DEFINE_bool("multihost", False, "Join a multi-host run JAX finds by itself (a Cloud TPU VM slice).")
 
 
+class _ConfigParser(ConfigFileFlagParser):
+    """A configs/*.py recipe, or a run's saved config (<workdir>/config.json: every key as the run resolved
+    it), so that a command after an import or a run repeats none of its --config.* flags."""
+
+    def parse(self, path):
+        if not path.endswith(".json"):
+            return super().parse(path)
+        import json
+
+        try:
+            with open(path) as f:
+                saved = config.from_dict(json.load(f))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path} cannot be read as a run's saved config ({e})") from None
+        saved.lock()
+        return saved
+
+
 def define_config_flag(required: bool = True):
-    """--config configs/x.py, with --config.section.key=value overrides (locked: unknown keys fail)."""
-    flag = config_flags.DEFINE_config_file("config", None, "A configs/*.py recipe.", lock_config=True)
+    """--config configs/x.py (or a run's config.json), with --config.section.key=value overrides (locked:
+    unknown keys fail)."""
+    flag = config_flags.DEFINE_config_file("config", None, "A configs/*.py recipe, or a run's config.json.",
+                                           lock_config=True)  # fmt: skip
+    flags.FLAGS["config"].parser = _ConfigParser("config", lock_config=True)
     if required:
         flags.mark_flags_as_required(["config"])
     return flag
@@ -107,7 +129,11 @@ def config_path() -> str:
 
 
 def default_workdir() -> str:
-    return os.path.join("runs", os.path.splitext(os.path.basename(config_path()))[0])
+    """runs/<the config file's name>; for a run's own config.json, that run's workdir."""
+    path = config_path()
+    if os.path.basename(path) == "config.json":
+        return os.path.dirname(path) or "."
+    return os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
 
 
 def _parse(argv):
@@ -124,6 +150,8 @@ def _parse(argv):
         flag, _, says = str(e).removeprefix("flag ").partition(": ")
         typed = [a for a in argv if a.startswith(flag.split("=")[0] + "=")]  # as the user spelt the value
         sys.exit(f"error: {typed[-1] if typed else flag} {says}")
+    except flags.UnrecognizedFlagError as e:
+        sys.exit(f"error: {_unknown_flag(e.flagname)}")
     except OSError as e:
         # ml_collections' message spans several lines of search attempts; the path is what matters.
         path = e.filename or str(e).split("Attempted [Relative path]:")[-1].split()[0]
@@ -134,6 +162,17 @@ def _parse(argv):
             sys.exit(f"error: {unknown}")
         detail = " ".join(str(e).replace("\\n", " ").replace("\\", "").replace("'", "").split())
         sys.exit(f"error: a command-line flag could not be applied ({detail}); check it against trainer/config.py.")
+
+
+def _unknown_flag(name: str) -> str:
+    """A flag the script does not define, with the script's own flags (the closest first)."""
+    import difflib
+
+    script = os.path.basename(sys.argv[0])
+    own = sorted({f.name for f in flags.FLAGS.get_key_flags_for_module(sys.argv[0])} | ({"config"} & set(flags.FLAGS)))
+    close = difflib.get_close_matches(name, own, n=1, cutoff=0.3)
+    mean = f"did you mean --{close[0]}? " if close else ""
+    return f"--{name} is not a flag of {script}; {mean}its flags: {', '.join('--' + f for f in own)}."
 
 
 def _stop(sentence: str, distributed) -> None:
