@@ -36,8 +36,11 @@ _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step; default the newest.")
 _PROMPT = flags.DEFINE_string("prompt", "", "Text to continue.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", None, f"Tokens to generate at most; default {DEFAULT_NEW}, or what "
-                                 "fits in model.max_seq_len after the prompt.")
+_MAX_NEW = flags.DEFINE_integer(
+    "max_new_tokens",
+    None,
+    f"Tokens to generate at most; default {DEFAULT_NEW}, or what fits in model.max_seq_len after the prompt.",
+)
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample among the k most likely tokens (0 = all).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Sample among the most likely tokens holding this probability mass.")

@@ -101,7 +101,7 @@ def test_every_documented_override_applies_to_its_config():
     from absl import flags
     from ml_collections import config_flags
 
-    from trainer.config import command_line_form, command_line_lists
+    from trainer.cli import command_line_form, command_line_lists
 
     # and every `--config.key=value` in the prose, on its own
     prose = [(os.path.relpath(p, REPO), f"--config ... {m}") for p in PAGES

@@ -96,7 +96,9 @@ CASES = {
         lambda: micro_config(mesh=dict(rules=dict(mlp=("model",)))),
         "mesh axis 'model'",
     ),
-    "schedule longer than training": (lambda: micro_config(optim=dict(warmup_steps=30)), "exceeds train.steps=20"),
+    "schedule longer than training": (lambda: micro_config(optim=dict(warmup_steps=30)),
+                                     r"exceeds train.steps=20; lower --config.optim.warmup_steps, or raise "
+                                     r"--config.train.steps"),
     "vocabulary smaller than the tokenizer": (
         lambda: micro_config(model=dict(vocab_size=128), data=dict(source="text_files")),
         "259 ids but model.vocab_size=128",
@@ -462,3 +464,27 @@ def test_held_back_start_up_words_are_shown_when_the_start_up_fails(capfd, monke
     assert capfd.readouterr().err == "plugin: no driver\npython: the reason\n"
     print("after", file=sys.stderr, flush=True)  # stderr is this process's own again
     assert capfd.readouterr().err == "after\n"
+
+
+def test_a_json_line_that_is_not_json_is_named_by_its_files_line(tmp_path):
+    """The parser counts lines of the one line it was given (always 'line 1'): the sentence gives the file's
+    line, and the parser's column."""
+    from trainer.data import corpora
+
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}\n'
+    (tmp_path / "rows.jsonl").write_text(good * 2 + '{"messages": oops}\n')
+    data = micro_config(data=dict(source="text_files", format="chat", name="broken", paths=str(tmp_path / "rows.jsonl"),
+                                  data_dir=str(tmp_path / "tfds"))).data  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^line 3 of .*rows.jsonl is not JSON \(Expecting value at column 14\); "
+                                          r"fix or remove that line\.$"):  # fmt: skip
+        corpora.prepare(data, say=lambda *_: None)
+
+
+def test_the_data_line_says_whether_the_tokens_come_from_a_store_or_a_tokenizer():
+    from trainer.data import corpora
+
+    data = micro_config(data=dict(source="text_files", name="notes")).data
+    assert corpora.describe(data) == ("data: notes (text), tokenised on the fly by the byte tokenizer "
+                                      "(data.tokenized=true reads a tokenised store instead)")  # fmt: skip
+    data.tokenized = True
+    assert corpora.describe(data) == "data: notes (text), read from its tokenised store (data.tokenized=true)"

@@ -193,7 +193,8 @@ def test_the_scripts_print_their_json(trained, corpus_dir):
                             "--config.train.eval_batches=3"], cwd=REPO, capture_output=True, text=True,
                            timeout=300)  # fmt: skip
     assert again.returncode == 0, again.stderr[-2000:]
-    assert json.loads(again.stdout.strip().splitlines()[-1])["loss"] == json.loads(ev.stdout.strip().splitlines()[-1])["loss"]
+    last = [json.loads(run.stdout.strip().splitlines()[-1]) for run in (again, ev)]
+    assert last[0]["loss"] == last[1]["loss"]
 
 
 def test_a_one_file_parquet_corpus_and_a_one_file_zstd_json_lines_corpus_train_and_evaluate(tmp_path):

@@ -435,6 +435,6 @@ def test_a_family_we_do_not_read_and_a_missing_extra_are_one_sentence_each(tmp_p
                                           r"not read; it reads LlamaForCausalLM \(llama\), .*DeepseekV3ForCausalLM"):
         import_checkpoint(str(tmp_path / "gpt2"), micro_config(), str(tmp_path / "run"))
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as where the hf extra is not installed
-    with pytest.raises(ConfigError, match=r'needs the hf extra \(tokenizers is not installed\): pip install -e "\.\[hf\]"'):
+    with pytest.raises(ConfigError, match=r'needs the hf extra \(tokenizers is not installed\): pip install'):
         export_checkpoint(micro_config(), str(tmp_path / "none"), None, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()

@@ -342,8 +342,8 @@ def test_a_bad_row_under_beams_workers_is_our_sentence_alone(tmp_path):
             for i in range(20)]  # fmt: skip
     rows[6] = {"text": "no messages here"}
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cfg = micro_config(data=dict(source="text_files", format="chat", name="bad_rows", paths=str(tmp_path / "chat.jsonl"),
-                                 data_dir=str(tmp_path / "tfds")))  # fmt: skip
+    cfg = micro_config(data=dict(source="text_files", format="chat", name="bad_rows",
+                                 paths=str(tmp_path / "chat.jsonl"), data_dir=str(tmp_path / "tfds")))  # fmt: skip
     done = subprocess.run([sys.executable, "scripts/prepare_data.py", *cli_args(cfg), "--workers=2"], cwd=REPO,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode != 0
@@ -356,9 +356,10 @@ def test_a_relative_data_dir_not_made_yet_is_prepared_into(tmp_path):
     """data.data_dir=tfds (relative, not there yet): preparing walked up from the build folder to the first
     folder that exists, and a relative path's walk never ended."""
     (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": f"note {i}"}) + "\n" for i in range(400)))
-    code = ("import sys; sys.path.insert(0, sys.argv[1] + '/tests'); import conftest; from trainer.data import corpora; "
-            "corpora.prepare(conftest.micro_config(data=dict(source='text_files', name='notes', paths='notes.jsonl', "
-            "data_dir='tfds')).data)")  # fmt: skip
+    code = ("import sys; sys.path.insert(0, sys.argv[1] + '/tests'); import conftest; "
+            "from trainer.data import corpora; "
+            "corpora.prepare(conftest.micro_config(data=dict(source='text_files', name='notes', "
+            "paths='notes.jsonl', data_dir='tfds')).data)")
     done = subprocess.run([sys.executable, "-c", code, REPO], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "tfds" / "text_files" / "notes" / "1.0.0" / "dataset_info.json").exists()

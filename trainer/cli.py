@@ -136,15 +136,43 @@ def default_workdir() -> str:
     return os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
 
 
+NUMBER_LISTS = ("train.profile_steps", "debug.poison_batches", "debug.lr_spike")  # every other list holds strings
+
+
+def command_line_form(args: list[str]) -> list[str]:
+    """The command line with each list of strings given in the documented comma form
+    (`--config.data.mixture=python_stdlib:3,notes:1`) spelt as the tuple the flag parser reads, which takes bare
+    words alone (a ':' or a space in an element stops it). A value already in brackets or quotes is left as
+    it is (a sample prompt with a comma in it: `--config.train.sample_prompts="('f(a, b',)"`)."""
+    lists = {k for k, v in config.flatten(config.defaults()).items() if isinstance(v, tuple) and k not in NUMBER_LISTS}
+    out = []
+    for arg in args:
+        key, eq, value = arg.removeprefix("--config.").partition("=")
+        if arg.startswith("--config.") and eq and key in lists and not value.startswith(("(", "[", "'", '"')):
+            parts = value.split(",") if key == "train.sample_prompts" else [p.strip() for p in value.split(",")]
+            arg = f"--config.{key}={tuple(p for p in parts if p)!r}"  # a prompt's spaces are the prompt's
+        out.append(arg)
+    return out
+
+
+def command_line_lists(cfg) -> None:
+    """Split, in place, what the flag parser leaves of a list as one string ('data,fsdp' -> ('data', 'fsdp'),
+    '' -> ()); numbers arrive as tuples already."""
+    for key, value in config.flatten(cfg).items():
+        if isinstance(value, tuple) and any(isinstance(v, str) and ("," in v or not v) for v in value):
+            parts = tuple(p.strip() for v in value for p in str(v).split(",") if p.strip())
+            config.with_changes(cfg, {key: parts}, in_place=True)
+
+
 def _parse(argv):
     for arg in argv[1:]:
         key = arg.removeprefix("--config.").split("=")[0]
         if arg.startswith("--config.") and key in config.RENAMED:
             sys.exit(f"error: --config.{key} is now --config.{config.RENAMED[key]}; use the new name.")
     try:
-        rest = flags.FLAGS(config.command_line_form(argv))
+        rest = flags.FLAGS(command_line_form(argv))
         if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
-            config.command_line_lists(flags.FLAGS["config"].value)
+            command_line_lists(flags.FLAGS["config"].value)
         return rest
     except flags.IllegalFlagValueError as e:  # at_least's refusals: "flag --name=value: says"
         flag, _, says = str(e).removeprefix("flag ").partition(": ")

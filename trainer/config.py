@@ -6,7 +6,7 @@ returned dict is locked, so a misspelt key in a recipe or on the command line
 (`--config.optim.lrr=1`) is refused by name instead of silently ignored; a key
 that was renamed is refused with its new name. Lists are tuples: on the command
 line `--config.debug.poison_batches=12,13` or `--config.mesh.rules.batch=data,fsdp`
-(`command_line_lists` splits what the flag parser leaves as one string). The
+(trainer/cli.py splits what the flag parser leaves as one string). The
 checks that a config can work live in trainer/validation.py.
 """
 
@@ -384,34 +384,6 @@ def _walk(node, prefix=""):
 def microbatch_size(cfg) -> int:
     """Sequences in one microbatch: what a step computes at once (train.grad_accum_steps of them make a batch)."""
     return cfg.train.global_batch_size // cfg.train.grad_accum_steps
-
-
-NUMBER_LISTS = ("train.profile_steps", "debug.poison_batches", "debug.lr_spike")  # every other list holds strings
-
-
-def command_line_form(args: list[str]) -> list[str]:
-    """The command line with each list of strings given in the documented comma form
-    (`--config.data.mixture=python_stdlib:3,notes:1`) spelt as the tuple the flag parser reads, which takes bare
-    words alone (a ':' or a space in an element stops it). A value already in brackets or quotes is left as
-    it is (a sample prompt with a comma in it: `--config.train.sample_prompts="('f(a, b',)"`)."""
-    lists = {k for k, v in flatten(defaults()).items() if isinstance(v, tuple) and k not in NUMBER_LISTS}
-    out = []
-    for arg in args:
-        key, eq, value = arg.removeprefix("--config.").partition("=")
-        if arg.startswith("--config.") and eq and key in lists and not value.startswith(("(", "[", "'", '"')):
-            parts = value.split(",") if key == "train.sample_prompts" else [p.strip() for p in value.split(",")]
-            arg = f"--config.{key}={tuple(p for p in parts if p)!r}"  # a prompt's spaces are the prompt's
-        out.append(arg)
-    return out
-
-
-def command_line_lists(cfg: ml_collections.ConfigDict) -> None:
-    """Split, in place, what the flag parser leaves of a list as one string ('data,fsdp' -> ('data', 'fsdp'),
-    '' -> ()); numbers arrive as tuples already."""
-    for key, value in flatten(cfg).items():
-        if isinstance(value, tuple) and any(isinstance(v, str) and ("," in v or not v) for v in value):
-            parts = tuple(p.strip() for v in value for p in str(v).split(",") if p.strip())
-            with_changes(cfg, {key: parts}, in_place=True)
 
 
 def to_json(cfg: ml_collections.ConfigDict) -> str:

@@ -132,7 +132,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if o.warmup_steps + decay_steps > t.steps:
         raise ConfigError(
             f"optim.warmup_steps={o.warmup_steps}{f' + optim.decay_steps={decay_steps}' * bool(decay_steps)} "
-            f"exceed{'s' * (not decay_steps)} train.steps={t.steps}; shorten the schedule or train longer."
+            f"exceed{'s' * (not decay_steps)} train.steps={t.steps}; lower --config.optim.warmup_steps"
+            f"{' or --config.optim.decay_steps' * bool(decay_steps)}, or raise --config.train.steps."
         )
     if cfg.checkpoint.reset_optimizer and cfg.checkpoint.init_from:
         raise ConfigError(

@@ -40,6 +40,26 @@ def prepare(data_cfg, workers: int = 1, beam_options: str = "", say=print) -> No
         preparation.prepare(data_cfg, data_dir(data_cfg), workers=workers, beam_options=beam_options, say=say)
 
 
+def describe(data_cfg) -> str:
+    """The run's data line: what it reads, and whether its tokens come from a tokenised store or a tokenizer
+    in the loader (data.tokenized picks it for a text_files corpus)."""
+    if data_cfg.source == "synthetic":
+        return "data: synthetic tokens (data.source=synthetic)"
+    parts = []
+    for corpus in corpora_read(data_cfg):
+        which = readers.kind(data_cfg, corpus)
+        if which in ("megatron", "dolma"):
+            how = f"token ids read as they are ({'Megatron .bin/.idx' if which == 'megatron' else 'Dolma .npy'})"
+        elif which == "text_files" and data_cfg.tokenized:
+            how = "read from its tokenised store (data.tokenized=true)"
+        else:
+            how = f"tokenised on the fly by the {data_cfg.tokenizer} tokenizer" + (
+                " (data.tokenized=true reads a tokenised store instead)" if which == "text_files" else ""
+            )
+        parts.append(f"{corpus} ({data_cfg.format}), {how}")
+    return "data: " + "; ".join(parts)
+
+
 def text_feature(data_cfg) -> str:
     """The prepared examples' text feature: a text_files corpus stores `text`, whichever field of its
     files held it (data.text_key); a TFDS dataset has its own."""

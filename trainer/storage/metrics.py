@@ -16,6 +16,8 @@ import json
 import math
 import os
 
+import numpy as np
+
 from trainer.errors import ConfigError
 from trainer.storage import workdir as wd
 from trainer.storage.trackers import TensorBoard, WandB
@@ -142,3 +144,15 @@ class MetricsWriter:
             self._jsonl.close()
             for tracker in self._trackers:
                 tracker.close()
+
+
+def floats(values: dict) -> dict[str, float]:
+    """Scalars as floats; a vector (per-layer norms) as one entry per element."""
+    out = {}
+    for name, v in values.items():
+        v = np.asarray(v)
+        if v.ndim == 0:
+            out[name] = float(v)
+        else:
+            out.update({f"{name}/{i}": float(x) for i, x in enumerate(v)})
+    return out

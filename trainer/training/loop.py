@@ -27,7 +27,7 @@ import numpy as np
 from parallelism.distributed import fetch, wait_if_a_process_died
 from trainer import compile_cache, harness, samples
 from trainer.config import from_dict, microbatch_size
-from trainer.data import streams, workers
+from trainer.data import corpora, streams, workers
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, inactive_params, peak_flops
@@ -35,7 +35,7 @@ from trainer.storage import resume
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.local_tier import LocalTier
-from trainer.storage.metrics import MetricsWriter
+from trainer.storage.metrics import MetricsWriter, floats
 from trainer.training import batch_ramp, clock, preflight, stability
 from trainer.training.goodput import Goodput, duration
 from trainer.training.hang import HangWatch
@@ -241,6 +241,7 @@ class Run:
             f"{active}), "
             f"{self.flops_per_token / 1e6:.1f} MFLOPs/token; mesh {dict(setup.mesh.shape)}"
         )
+        self.say(corpora.describe(cfg.data))
         self._step_fn(batch_ramp.step_size(cfg, self.data_read))
         self.goodput.enter("step")
         self._mark()
@@ -291,7 +292,7 @@ class Run:
         values = fetch(metrics)  # waits for that step only: the next one is already queued
         trained = clock.value({"batches": values.pop("sequences_batches"), "rows": values.pop("sequences_rows")},
                               self.batch)  # fmt: skip
-        values = {**_floats(values), "sequences": trained}
+        values = {**floats(values), "sequences": trained}
         elapsed = time.perf_counter() - self.mark_time
         tokens = sum(n for s, n in self.dispatched if s <= step)
         self.dispatched = [(s, n) for s, n in self.dispatched if s > step]
@@ -433,18 +434,6 @@ class Run:
             self.files.close()
         if self.hang is not None:  # last: the final checkpoint's commit and the files' upload are watched too
             self.hang.close()
-
-
-def _floats(values: dict) -> dict[str, float]:
-    """Scalars as floats; a vector (per-layer norms) as one entry per element."""
-    out = {}
-    for name, v in values.items():
-        v = np.asarray(v)
-        if v.ndim == 0:
-            out[name] = float(v)
-        else:
-            out.update({f"{name}/{i}": float(x) for i, x in enumerate(v)})
-    return out
 
 
 def _console_line(step: int, batches: float, total: int, m: dict) -> str:

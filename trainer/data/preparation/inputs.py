@@ -124,7 +124,8 @@ def _rows(file: InputFile) -> Iterator[tuple[int, object, int]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ConfigError(f"line {i + 1} of {path} is not JSON ({e}); fix or remove that line.") from e
+                    raise ConfigError(f"line {i + 1} of {path} is not JSON ({_where(e)}); fix or remove that "
+                                      "line.") from e  # fmt: skip
                 yield i, row, raw.tell()
 
 
@@ -142,6 +143,11 @@ def _opened(path: str):
     else:
         stream = raw
     return raw, io.TextIOWrapper(stream, encoding="utf-8", errors="replace")
+
+
+def _where(error: json.JSONDecodeError) -> str:
+    """The parser's complaint, placed by column: its own 'line 1' is a line of the one line it was given."""
+    return f"{error.msg} at column {error.colno}"
 
 
 def _field(line: str, key: str, path: str, number: int) -> str:
@@ -178,7 +184,8 @@ def check_text_key(path: str, key: str, format: str = "text") -> None:
         try:
             names = list(json.loads(first))
         except (json.JSONDecodeError, TypeError) as e:
-            raise ConfigError(f"the first line of {path} is not a JSON object ({e}); fix or remove the file.") from e
+            why = _where(e) if isinstance(e, json.JSONDecodeError) else "not an object"
+            raise ConfigError(f"the first line of {path} is not a JSON object ({why}); fix or remove the file.") from e
     else:
         return
     if key not in names:
