@@ -76,6 +76,8 @@ def quick(corpus_dir, out):
             ["--configs=tiny", "--targets=v5e-4", "--remats=none", "--meshes=fsdp=4", f"--out={out}"],
             None,
         ),  # fmt: skip
+        # Its GPU parts shrunk to run here (a CPU stands in for the card): every part runs and gives its row.
+        ("gpu_proof.py", ["--small", "--checks=2", "--variants=full_b8", "--torch=0", f"--out={out}.gpu"], "gpu_proof"),
         # Its compiles need a MaxText checkout and its own Python (not in CI): the table of the recorded ones.
         ("vs_maxtext.py", ["--table"], "vs_maxtext"),
     ]
@@ -117,6 +119,11 @@ def test_every_benchmark_runs_and_prints_what_results_records(corpus_dir, tmp_pa
             ]
             assert all(r["xla"]["total"] > 0 for r in lines)
             assert run.stdout.count("| tiny | none |") == 1
+            continue
+        if name == "gpu_proof":  # its rows: every part ran, none failed or was skipped
+            rows = [json.loads(line) for line in open(f"{out}.gpu/gpu_proof.jsonl")]
+            assert [r["part"] for r in rows] == ["env", "matmul", "llm_full_b8"], rows
+            assert all(r["tokens_per_s"] > 0 and r["xla_gib"] > 0 for r in rows[2:]), rows
             continue
         if name == "vs_maxtext":  # a row of the table for each recorded compile, both trainers side by side
             with open(os.path.join(REPO, "benchmarks", "report", "vs_maxtext.jsonl")) as f:
