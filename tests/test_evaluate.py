@@ -95,7 +95,7 @@ def test_an_evaluation_never_overwrites_another(trained, corpus_dir, capsys):
 def todays_batches(stream, split, rows):
     """The reference: the batches of a whole-split evaluation before they were packed (issue 52): row r of B
     concatenates documents r, r+B, ... and Grain's ConcatThenSplit cuts them into windows; a row whose documents
-    are done is padding."""
+    are done is padding, until every row's are."""
     import grain
     from grain.experimental import ConcatThenSplitIterDataset
 
@@ -105,7 +105,10 @@ def todays_batches(stream, split, rows):
     padding = {k: np.zeros(stream.seq_len, np.int32) for k in ("tokens", "tokens_segment_ids", "tokens_positions")}
     assert isinstance(docs, grain.MapDataset)
     while True:
-        yield streams._stack([next(windows[r], padding) for r in rows])
+        batch = [next(windows[r], None) for r in rows]
+        if all(row is None for row in batch):
+            return
+        yield streams._stack([padding if row is None else row for row in batch])
 
 
 def test_a_whole_split_fills_its_batches_and_scores_as_its_rows_did(tmp_path):
