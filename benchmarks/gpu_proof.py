@@ -56,7 +56,8 @@ def llm_config(overrides: dict, small: bool):
     from trainer.config import from_file, with_changes
 
     cfg = from_file(os.path.join(REPO, "configs", "llm_1b.py"))
-    changes = {"data.source": "synthetic", "mesh.fsdp": 1, "train.grad_accum_steps": 1, **overrides}
+    # Every device the process has: the card alone on the GPU host, the simulated ones of a test's CPU.
+    changes = {"data.source": "synthetic", "mesh.fsdp": -1, "train.grad_accum_steps": 1, **overrides}
     if small:
         changes.update({"model.n_layers": 2, "model.d_model": 256, "model.n_heads": 4, "model.n_kv_heads": 2,
                         "model.d_ff": 512, "model.vocab_size": 1024, "model.max_seq_len": 256,
@@ -127,7 +128,7 @@ def part_cudnn(small: bool) -> dict:
     fused = "dot_product" if small else "cudnn"  # on a CPU, jax.nn's XLA kernel stands in for cuDNN's
     base = {"model.n_layers": 2, "model.d_model": 512, "model.n_heads": 8, "model.n_kv_heads": 4,
             "model.d_ff": 1024, "model.vocab_size": 4096, "model.max_seq_len": 512, "data.seq_len": 512,
-            "train.global_batch_size": 4}  # fmt: skip
+            "train.global_batch_size": 8}  # fmt: skip
     results = {}
     for name, impl, dtype in (("fp32", "xla", "float32"), ("xla", "xla", "bfloat16"), ("fused", fused, "bfloat16")):
         cfg = llm_config({**base, "model.attention": impl, "precision.compute_dtype": dtype}, small=False)

@@ -96,9 +96,11 @@ CASES = {
         lambda: micro_config(mesh=dict(rules=dict(mlp=("model",)))),
         "mesh axis 'model'",
     ),
-    "schedule longer than training": (lambda: micro_config(optim=dict(warmup_steps=30)),
-                                     r"exceeds train.steps=20; lower --config.optim.warmup_steps, or raise "
-                                     r"--config.train.steps"),
+    "schedule longer than training": (
+        lambda: micro_config(optim=dict(warmup_steps=30)),
+        r"exceeds train.steps=20; lower --config.optim.warmup_steps, or raise "
+        r"--config.train.steps",
+    ),
     "vocabulary smaller than the tokenizer": (
         lambda: micro_config(model=dict(vocab_size=128), data=dict(source="text_files")),
         "259 ids but model.vocab_size=128",

@@ -130,8 +130,11 @@ def test_the_documented_chat_command_runs_with_the_new_tokens_that_fit_and_says_
     # <s><|user|>\nReverse: python\n<|assistant|>\n: 40 byte tokens, so 24 fit in max_seq_len=64
     too_many = subprocess.run([*command, "--max_new_tokens=30"], cwd=REPO, capture_output=True, text=True, timeout=300)
     said = too_many.stdout + too_many.stderr
-    assert too_many.returncode != 0 and re.search(r"the prompt 'Reverse: python' \(40 tokens rendered through the chat "
-                                                  r"template\) and --max_new_tokens=30 make 70 tokens, more than "
-                                                  r"model.max_seq_len=64; ask for at most 24 new tokens", said), said
+    assert too_many.returncode != 0 and re.search(
+        r"the prompt 'Reverse: python' \(40 tokens rendered through the chat "
+        r"template\) and --max_new_tokens=30 make 70 tokens, more than "
+        r"model.max_seq_len=64; ask for at most 24 new tokens",
+        said,
+    ), said
     works = subprocess.run([*command, "--max_new_tokens=24"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert works.returncode == 0, works.stderr[-2000:]

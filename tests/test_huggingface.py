@@ -369,10 +369,21 @@ def test_gemma3_reads_every_published_form_of_its_config_as_transformers_does(tm
     (layer_types with the two thetas): transformers loads each into the same model, and our import of each
     gives its logits (local layers at a RoPE base of 1e4, global ones at 1e6)."""
     torch.manual_seed(0)
-    config = transformers.Gemma3TextConfig(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
-                                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                           query_pre_attn_scalar=24, sliding_window=6, sliding_window_pattern=3,
-                                           max_position_embeddings=64, rms_norm_eps=1e-6, initializer_range=0.2)
+    config = transformers.Gemma3TextConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=6,
+        sliding_window_pattern=3,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+    )
     model = transformers.Gemma3ForCausalLM(config)
     model.save_pretrained(str(tmp_path / "hf"))
     with open(tmp_path / "hf" / "config.json") as f:
@@ -431,10 +442,13 @@ def test_a_family_we_do_not_read_and_a_missing_extra_are_one_sentence_each(tmp_p
 
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=384))
     gpt2.save_pretrained(str(tmp_path / "gpt2"))
-    with pytest.raises(ConfigError, match=r"^this Hugging Face model is of model_type 'gpt2', which this trainer does "
-                                          r"not read; it reads LlamaForCausalLM \(llama\), .*DeepseekV3ForCausalLM"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^this Hugging Face model is of model_type 'gpt2', which this trainer does "
+        r"not read; it reads LlamaForCausalLM \(llama\), .*DeepseekV3ForCausalLM",
+    ):
         import_checkpoint(str(tmp_path / "gpt2"), micro_config(), str(tmp_path / "run"))
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as where the hf extra is not installed
-    with pytest.raises(ConfigError, match=r'needs the hf extra \(tokenizers is not installed\): pip install'):
+    with pytest.raises(ConfigError, match=r"needs the hf extra \(tokenizers is not installed\): pip install"):
         export_checkpoint(micro_config(), str(tmp_path / "none"), None, str(tmp_path / "out"))
     assert not (tmp_path / "out").exists() and not (tmp_path / "run").exists()

@@ -356,10 +356,12 @@ def test_a_relative_data_dir_not_made_yet_is_prepared_into(tmp_path):
     """data.data_dir=tfds (relative, not there yet): preparing walked up from the build folder to the first
     folder that exists, and a relative path's walk never ended."""
     (tmp_path / "notes.jsonl").write_text("".join(json.dumps({"text": f"note {i}"}) + "\n" for i in range(400)))
-    code = ("import sys; sys.path.insert(0, sys.argv[1] + '/tests'); import conftest; "
-            "from trainer.data import corpora; "
-            "corpora.prepare(conftest.micro_config(data=dict(source='text_files', name='notes', "
-            "paths='notes.jsonl', data_dir='tfds')).data)")
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1] + '/tests'); import conftest; "
+        "from trainer.data import corpora; "
+        "corpora.prepare(conftest.micro_config(data=dict(source='text_files', name='notes', "
+        "paths='notes.jsonl', data_dir='tfds')).data)"
+    )
     done = subprocess.run([sys.executable, "-c", code, REPO], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "tfds" / "text_files" / "notes" / "1.0.0" / "dataset_info.json").exists()

@@ -51,8 +51,8 @@ def train(cfg, workdir: str) -> dict:
     """Train, or resume from the newest readable checkpoint in `workdir`; returns the last logged values."""
     account = Goodput()  # the launch's clock starts here: its checks and start-up are timed too
     compile_cache.use(compile_cache.place(cfg.train.compile_cache, workdir))
-    setup, init, inputs = preflight.prepare_run(cfg, workdir)
-    run = Run(setup.cfg, workdir, setup, init, account, inputs)
+    setup, init, inputs, identity = preflight.prepare_run(cfg, workdir)
+    run = Run(setup.cfg, workdir, setup, init, account, inputs, identity)
     try:
         if run.finished():
             run.say(f"already trained to step {run.step}; raise train.steps to go on")
@@ -92,14 +92,14 @@ class Run:
     """One training run's moving parts, so that train() reads as the loop it is."""
 
     def __init__(self, cfg, workdir: str, setup: Setup, init: tuple | None = None, account: Goodput | None = None,
-                 inputs: tuple = ()):  # fmt: skip
+                 inputs: tuple = (), identity: str = ""):  # fmt: skip
         """Everything it opens (threads, worker processes, the checkpoint manager, the bucket copier) is
         closed again if a later part of the start-up fails: a long-lived process (the scaling sweep trains
         many runs in one) keeps nothing of a run that did not start."""
         self.ckpt = self.local = self.data = self.row_batches = self.workers = None
         self.files = self.writer = self.profiler = self.hang = None
         self.goodput = account or Goodput()
-        self.inputs = inputs  # the step's inputs after the batch (DPO's reference weights)
+        self.inputs, self.identity = inputs, identity  # the step's inputs after the batch; the run's identity
         try:
             self._open(cfg, workdir, setup, init)
         except BaseException:
@@ -126,7 +126,7 @@ class Run:
         self.abstract = setup.abstract_state()
         c = cfg.checkpoint
         if c.local_dir:
-            self.local = LocalTier(c.local_dir, workdir, wd.run_id(workdir), c.local_keep, c["async"], setup.mesh,
+            self.local = LocalTier(c.local_dir, workdir, self.identity, c.local_keep, c["async"], setup.mesh,
                                    cfg.to_dict())  # fmt: skip
 
         def restore(step: int):
@@ -154,6 +154,8 @@ class Run:
             self.state, data = setup.new_state(), self._new_data()
         if self.primary:  # once the checkpoint is accepted: a refusal leaves the workdir as it was
             wd.write_config(workdir, cfg)
+            if self.identity and wd.run_id(workdir) != self.identity:
+                wd.write_run_id(workdir, self.identity)
         self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
         if cfg.data.workers:  # the rows' reading and tokenising in processes of their own, from this state
             state = data.get_state()

@@ -20,12 +20,13 @@ from trainer.training.setup import Setup, build
 from trainer.validation import unread_settings
 
 
-def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple]:
+def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
     """Every check that can fail, before anything is compiled; the workdir is created last.
 
     Returns the setup (whose config reads the run's copy of its tokenizer, trainer/storage/run_tokenizer.py),
     for a new run with `checkpoint.init_from` the weights to start from, and the train step's inputs after
-    the batch (DPO's reference weights; its config then pins init_from to DIR@STEP).
+    the batch (DPO's reference weights; its config then pins init_from to DIR@STEP), and the run's identity
+    (written to the workdir with its config, once a checkpoint is accepted: trainer/training/loop.py).
     """
     setup = build(cfg)
     primary = jax.process_index() == 0
@@ -58,20 +59,18 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple]:
         reference, pinned = resume.load_reference(cfg, setup, workdir, init)
         inputs, cfg = (reference,), with_changes(cfg, {"checkpoint.init_from": pinned})
     # The run's identity: its workdir's, or a new one (a new run, or its workdir deleted and made again),
-    # which no local checkpoint of an earlier run carries.
+    # which no local checkpoint of an earlier run carries; the same on every process (process 0's).
     run = first_process_says(bytes.fromhex(wd.run_id(workdir) or uuid.uuid4().hex)).hex()
     if cfg.checkpoint.local_dir:  # before the workdir is made: a refusal leaves it as it was
         local_tier.check_writable(cfg.checkpoint.local_dir, workdir, run)
     wd.check_writable(workdir)
-    if primary and wd.run_id(workdir) != run:
-        wd.write_run_id(workdir, run)
     devices = setup.mesh.devices.size
     if setup.mesh.devices.flat[0].platform == "cpu":  # said once: the plugins' own words are held back
         say(f"running on the CPU ({devices} device{'s' * (devices > 1)}): no GPU or TPU is in use")
     if primary:
         run_tokenizer.store(cfg, workdir)
     barrier("tokenizer stored")
-    return dataclasses.replace(setup, cfg=run_tokenizer.use_copy(cfg, workdir)), init, inputs
+    return dataclasses.replace(setup, cfg=run_tokenizer.use_copy(cfg, workdir)), init, inputs, run
 
 
 def _quiet(*_args, **_kwargs) -> None:
