@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallelism.rules import LogicalSharding
-from trainer.model.layers import Block, RMSNorm, param
+from trainer.model.layers import Block
 from trainer.model.loss import chunked_loss_sums, target_weights
+from trainer.model.primitives import RMSNorm, param
 from trainer.model.spec import ModelSpec
 
 
