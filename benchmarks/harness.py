@@ -1,5 +1,5 @@
-"""lm-eval `loglikelihood` requests per second: ours (trainer/harness/evaluation.py, on this host's devices) against the
-harness's own `hf` backend on the same weights exported, in one run.
+"""lm-eval `loglikelihood` requests per second: ours (trainer/interop/harness/evaluation.py, on this host's
+devices) against the harness's own `hf` backend on the same weights exported, in one run.
 
     python benchmarks/harness.py --config configs/tiny.py [--requests 512] [--append]
 
@@ -61,9 +61,9 @@ def main():
     from lm_eval.models.huggingface import HFLM
 
     from trainer.data.tokenizers import load_tokenizer
-    from trainer.harness.evaluation import HarnessLM
-    from trainer.huggingface import export_checkpoint
-    from trainer.scoring import Scorer
+    from trainer.interop.harness.evaluation import HarnessLM
+    from trainer.interop.huggingface import export_checkpoint
+    from trainer.interop.scoring import Scorer
     from trainer.storage.resume import load_params
     from trainer.training.loop import train
 

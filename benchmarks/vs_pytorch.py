@@ -4,7 +4,7 @@
     python benchmarks/vs_pytorch.py --config configs/llm_1b.py --torch_device cuda --torch_compile   # on a GPU
 
 PyTorch's side is Hugging Face's `LlamaForCausalLM` built from our model's
-shapes (trainer/huggingface.py writes the same config for export), trained with
+shapes (trainer/interop/huggingface.py writes the same config for export), trained with
 `torch.optim.AdamW` and global-norm clipping, with SDPA attention; on a GPU,
 `--torch_compile` wraps it in `torch.compile` and runs bf16 autocast when our
 config computes in bf16. Ours is `Setup.train_step()` on this host's devices.
@@ -40,7 +40,7 @@ def torch_trainer(cfg, spec, tokens_np):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainer.huggingface import hf_config
+    from trainer.interop.huggingface import hf_config
 
     device = torch.device(_DEVICE.value)
     config = LlamaConfig(**hf_config(spec.arch, cfg.model.max_seq_len))

@@ -37,7 +37,7 @@ import time
 import jax
 import numpy as np
 
-from parallelism.errors import ConfigError
+from parallelism.config_error import ConfigError
 
 LOST_SECONDS = 20  # a process silent this long is dead (a compile or a pause never silences the beating thread)
 STOPPED = "trainer/stopped/"  # + process index: why that process stopped

@@ -18,7 +18,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from parallelism.errors import ConfigError
+from parallelism.config_error import ConfigError
 
 # Outermost to innermost: tensor parallelism talks most, so it gets the
 # closest devices (the last axis is laid over neighbours); pipeline stages

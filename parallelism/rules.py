@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from parallelism.errors import ConfigError
+from parallelism.config_error import ConfigError
 
 # The default placement: FSDP shards the model dimension of every weight,
 # tensor parallelism splits MLP width, heads and vocabulary (Megatron style),

@@ -14,7 +14,7 @@ from absl import flags
 
 from trainer import cli
 from trainer.errors import ConfigError
-from trainer.huggingface import export_checkpoint, import_checkpoint
+from trainer.interop.huggingface import export_checkpoint, import_checkpoint
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")

@@ -16,7 +16,7 @@ trl = pytest.importorskip("trl", reason="the post extra (TRL's real chat templat
 from trainer.data import chat, corpora  # noqa: E402
 from trainer.data.tokenizers import ByteTokenizer, load_tokenizer, train_sentencepiece  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.huggingface import write_tokenizer  # noqa: E402
+from trainer.interop.huggingface import write_tokenizer  # noqa: E402
 
 TEMPLATES = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
 # Two families: ChatML (Qwen 2.5: a default system turn, <|im_end|> after every turn) and Llama 3 (headers,

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra is not i
 from trainer.data.tokenizers import BOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.evaluate import evaluate_checkpoint  # noqa: E402
-from trainer.huggingface import export_checkpoint, import_checkpoint, write_tokenizer  # noqa: E402
+from trainer.interop.huggingface import export_checkpoint, import_checkpoint, write_tokenizer  # noqa: E402
 from trainer.model.sampling import make_generate  # noqa: E402
 from trainer.storage.resume import load_params  # noqa: E402
 from trainer.training.loop import train  # noqa: E402

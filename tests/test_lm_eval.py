@@ -24,8 +24,8 @@ pytest.importorskip("transformers", reason="the hf extra is not installed: pip i
 import lm_eval  # noqa: E402
 
 from trainer.errors import ConfigError  # noqa: E402
-from trainer.harness import evaluation as harness  # noqa: E402
-from trainer.huggingface import export_checkpoint  # noqa: E402
+from trainer.interop.harness import evaluation as harness  # noqa: E402
+from trainer.interop.huggingface import export_checkpoint  # noqa: E402
 from trainer.training.loop import train  # noqa: E402
 
 TASKS = "tests/lm_eval_tasks"  # read relative to the repository, where the tests run
@@ -192,14 +192,14 @@ def test_in_the_loop_on_a_pipeline_mesh_it_logs_each_task_and_resume_stays_bit_e
 
 
 def test_an_unknown_task_or_one_whose_data_is_out_of_reach_is_one_sentence(trained, monkeypatch):
-    import trainer.harness
+    import trainer.interop.harness
 
     with monkeypatch.context() as m:  # as without the eval extra
         m.setitem(sys.modules, "lm_eval", None)
-        m.delitem(sys.modules, "trainer.harness.evaluation")
-        m.delattr(trainer.harness, "evaluation")
+        m.delitem(sys.modules, "trainer.interop.harness.evaluation")
+        m.delattr(trainer.interop.harness, "evaluation")
         with pytest.raises(ConfigError, match=r'lm-evaluation-harness is not installed .*pip install -e ".\[eval\]"'):
-            trainer.harness.load()
+            trainer.interop.harness.load()
     with pytest.raises(ConfigError, match=r"lm-eval knows no task 'tiny_choise' \(did you mean tiny_choice"):
         harness.load_tasks(harness.task_manager(TASKS), ["tiny_choise"])
     # A task whose data is on the Hub, on a machine without a network (and no HF_HUB_OFFLINE set), from the
@@ -230,7 +230,7 @@ def test_requests_are_tokenized_as_the_hf_backend_tokenizes_them_with_the_export
     from test_huggingface import llama3_style_tokenizer
 
     from trainer.data.tokenizers import load_tokenizer, train_sentencepiece
-    from trainer.huggingface import write_tokenizer
+    from trainer.interop.huggingface import write_tokenizer
 
     if kind == "sentencepiece":
         path = str(tmp_path / "spm.model")

@@ -10,7 +10,7 @@ from flax import nnx
 
 from parallelism.rules import DEFAULT_RULES
 from trainer.model.decoder import NO_SHARDING, Decoder, ModelDef
-from trainer.model.layers import apply_rope, rope_tables
+from trainer.model.primitives import apply_rope, rope_tables
 from trainer.model.spec import Architecture, Execution, ModelSpec, RopeScaling
 
 ARCH = Architecture(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96)

@@ -17,7 +17,7 @@ from test_context import packed_batch
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding
 from trainer.errors import ConfigError
-from trainer.hf_tensors import to_hf_tensors
+from trainer.interop.families import to_hf_tensors
 from trainer.model import moe
 from trainer.model.sampling import make_generate
 from trainer.model.spec import Execution
@@ -210,7 +210,7 @@ def test_moe_tiny_learns_through_the_script_on_an_expert_axis(tmp_path, corpus_d
 def test_an_export_with_no_hugging_face_form_is_one_sentence():
     """Shared experts, and Mixtral's form with dense layers, have no transformers class here: refused by name
     (a moved router bias's refusal is in the run above)."""
-    from trainer.hf_tensors import hf_config
+    from trainer.interop.families import hf_config
     from trainer.model.spec import Architecture, Experts
 
     base = dict(vocab_size=384, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128)
@@ -229,7 +229,7 @@ def test_a_capacity_model_scores_and_writes_each_request_as_if_alone():
     request scored alone and batched behind longer ones (and their padding) gets the same log-likelihood, and
     a prompt decoded beside others the same greedy tokens: outside training no token loses its experts to
     another's, and padding is routed nowhere."""
-    from trainer.scoring import Scorer
+    from trainer.interop.scoring import Scorer
 
     cfg = micro_config(model=dict(n_layers=2, moe={**EXPERTS, "dense_layers": 0, "impl": "capacity",
                                                    "capacity_factor": 0.5}))  # fmt: skip

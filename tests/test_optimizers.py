@@ -12,7 +12,7 @@ from conftest import cli_args, micro_config
 
 from trainer import experiments
 from trainer.errors import ConfigError
-from trainer.model.loss import chunked_loss_sums, target_weights
+from trainer.objectives.language_model import chunked_loss_sums, target_weights
 from trainer.optim.optimizer import make_optimizer, with_hyperparams
 from trainer.training.setup import build
 

@@ -229,7 +229,7 @@ def format_rate(setup, params, prompts_words) -> float:
 @pytest.mark.slow  # 63 s: pretraining, SFT, an export and a generate.py process, end to end (CI runs -m slow)
 def test_sft_teaches_a_format_the_base_model_does_not_follow_and_its_export_chats_alike(rows, tmp_path, corpus_dir):
     transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
-    from trainer.huggingface import export_checkpoint
+    from trainer.interop.huggingface import export_checkpoint
     from trainer.storage.resume import load_params
 
     pretrain = micro_config(data=dict(source="text_files", data_dir=corpus_dir, seq_len=64),

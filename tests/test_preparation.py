@@ -14,7 +14,7 @@ from conftest import REPO, cli_args, micro_config
 from test_data import held_out
 
 from trainer.data import corpora, readers, streams
-from trainer.data.preparation import pipeline, progress
+from trainer.data.preparation import progress, work
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer
 from trainer.errors import ConfigError
 
@@ -58,7 +58,7 @@ def test_a_corpus_is_the_same_whatever_prepares_it_and_holds_out_by_each_documen
     apart from the code (test_data.held_out), in file order; the tokens are BOS, the text's bytes, EOS."""
     pytest.importorskip("apache_beam", reason="the beam extra is not installed: pip install -e '.[beam]'")
     made = mixed_corpus(tmp_path / "corpus")
-    monkeypatch.setattr(pipeline, "UNIT_BYTES", 20_000)
+    monkeypatch.setattr(work, "UNIT_BYTES", 20_000)
     prepared = {}
     for workers in (1, 2):
         data = micro_config(data=dict(source="text_files", name="mixed", paths=f"{tmp_path}/corpus/*",
@@ -108,14 +108,14 @@ def test_a_documents_side_does_not_move_when_another_directory_joins(tmp_path):
 SLOW_UNITS = """
 import os, time
 if os.environ.get("PREPARE_SLOWLY"):
-    from trainer.data.preparation import pipeline
-    prepare_unit = pipeline.prepare_unit
+    from trainer.data.preparation import work
+    prepare_unit = work.prepare_unit
 
     def slowly(unit, plan):
         time.sleep(float(os.environ["PREPARE_SLOWLY"]))
         return prepare_unit(unit, plan)
 
-    pipeline.prepare_unit = slowly
+    work.prepare_unit = slowly
 """
 
 
@@ -148,15 +148,15 @@ def test_a_long_preparation_says_how_far_it_has_got(tmp_path, monkeypatch):
     far, its rate and the time left; then the prepared totals."""
     mixed_corpus(tmp_path / "corpus")
     monkeypatch.setattr(progress, "EVERY_SECONDS", 0.2)
-    monkeypatch.setattr(pipeline, "REPORT_SECONDS", 0.0)
-    slow = pipeline.documents
+    monkeypatch.setattr(work, "REPORT_SECONDS", 0.0)
+    slow = work.documents
 
     def documents(*args):
         for document in slow(*args):
             yield document
             __import__("time").sleep(0.003)
 
-    monkeypatch.setattr(pipeline, "documents", documents)
+    monkeypatch.setattr(work, "documents", documents)
     said = []
     data = micro_config(data=dict(source="text_files", name="slow", paths=f"{tmp_path}/corpus/*",
                                   data_dir=str(tmp_path / "tfds"), tokenized=True)).data  # fmt: skip

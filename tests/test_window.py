@@ -18,7 +18,7 @@ from parallelism.rules import LogicalSharding
 from trainer.config import from_file
 from trainer.errors import ConfigError
 from trainer.flops import attention_forward_flops
-from trainer.hf_tensors import hf_config
+from trainer.interop.families import hf_config
 from trainer.model.attention import _jax_nn_attention, xla_attention
 from trainer.model.decoder import layer_plan
 from trainer.model.spec import Architecture, Experts

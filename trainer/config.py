@@ -70,7 +70,7 @@ def _declared() -> dict[str, dict]:
         rope_theta=Num(10_000.0, "(1, inf)"),
         # Llama 3's RoPE frequency scaling for long context: factor 1 = none. Wavelengths above
         # original_max_len / low_freq_factor are stretched by `factor`, those below original_max_len /
-        # high_freq_factor kept, those between blended (trainer/model/layers.py rope_frequencies).
+        # high_freq_factor kept, those between blended (trainer/model/primitives.py rope_frequencies).
         rope_scaling=dict(
             factor=Num(1.0, "[1, inf)"),
             low_freq_factor=Num(1.0, "(0, inf)"),

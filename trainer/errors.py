@@ -1,6 +1,6 @@
 """Input the user must fix (ConfigError) and runs that cannot go on by themselves (TrainingError)."""
 
-from parallelism.errors import ConfigError
+from parallelism.config_error import ConfigError
 
 __all__ = ["ConfigError", "StorageError", "TrainingError"]
 

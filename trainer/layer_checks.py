@@ -66,7 +66,7 @@ def _check_mtp(cfg: ml_collections.ConfigDict) -> None:
 
 
 def _check_window(cfg: ml_collections.ConfigDict) -> None:
-    """What local layers and Gemma's MLP need (trainer/model/attention.py, layers.py)."""
+    """What local layers and Gemma's MLP need (trainer/model/attention.py, primitives.py)."""
     m = cfg.model
     choice("model.mlp_activation", m.mlp_activation, ACTIVATIONS)
     if m.moe.num_experts and m.mlp_activation != "silu":

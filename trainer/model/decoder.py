@@ -29,10 +29,11 @@ from flax import nnx
 from parallelism import pipeline
 from parallelism.rules import LogicalSharding
 from trainer.model.context import ways, zigzag
-from trainer.model.layers import RESIDUAL, Block, RMSNorm, param, rope_tables
-from trainer.model.loss import chunked_loss_sums, chunked_target_logprobs, target_weights
+from trainer.model.layers import RESIDUAL, Block
 from trainer.model.mtp import MTPModule, mtp_sums
+from trainer.model.primitives import RMSNorm, param, rope_tables
 from trainer.model.spec import LAYERS, REMAT, Architecture, ModelSpec
+from trainer.objectives.language_model import chunked_loss_sums, chunked_target_logprobs, target_weights
 
 NO_SHARDING = LogicalSharding.create(None)
 

@@ -21,12 +21,12 @@ from flax import nnx
 
 from parallelism.rules import LogicalSharding
 from trainer.model.attention import attend, masked_attention
+from trainer.model.primitives import RMSNorm, apply_rope, param
 from trainer.model.spec import ModelSpec
 
 
 class LatentAttention(nnx.Module):
     def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs):
-        from trainer.model.layers import RMSNorm, param  # layers.py builds blocks out of this module
 
         a, m = spec.arch, spec.arch.mla
         d, n = a.d_model, a.n_heads
@@ -50,7 +50,6 @@ class LatentAttention(nnx.Module):
     def __call__(self, x, tables, segment_ids, cache=None):
         """As layers.Attention: `tables` {"global": RoPE tables of rope_dim}; with `cache` = (latents,
         rope keys, positions), writes this call's at `positions` and attends over the cache."""
-        from trainer.model.layers import apply_rope
 
         dt = self.execution.compute_dtype
         nope, rope, v_dim = self.dims

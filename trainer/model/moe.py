@@ -35,6 +35,7 @@ from flax import nnx
 from jax.experimental.pallas.ops.tpu.megablox.ops import gmm
 
 from parallelism.rules import LogicalSharding
+from trainer.model.primitives import MLP, param
 
 AXIS = "expert"  # the mesh axis the experts are split over
 TOKENS = ("batch", "seq", None)
@@ -257,7 +258,6 @@ class MoE(nnx.Module):
     """The routed experts and any shared ones, in place of a block's MLP; returns (output, statistics)."""
 
     def __init__(self, spec, shard: LogicalSharding, rngs: nnx.Rngs):
-        from trainer.model.layers import MLP, param  # layers.py builds blocks out of this module
 
         a, m = spec.arch, spec.arch.moe
         d, f, e = a.d_model, a.expert_d_ff, m.num_experts

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallelism.rules import LogicalSharding
-from trainer.model.layers import Block, RMSNorm, param
-from trainer.model.loss import chunked_loss_sums, target_weights
+from trainer.model.layers import Block
+from trainer.model.primitives import RMSNorm, param
 from trainer.model.spec import ModelSpec
+from trainer.objectives.language_model import chunked_loss_sums, target_weights
 
 
 class MTPModule(nnx.Module):

@@ -5,7 +5,7 @@ only under the same architecture, so a resume compares it. The execution
 (remat, scan, attention kernel, compute dtype, loss chunking, pipeline stages)
 may change between any two runs of the same weights.
 
-Every weight carries logical axis names (trainer/model/layers.py); whether a
+Every weight carries logical axis names (trainer/model/primitives.py); whether a
 weight is a matrix, and a hidden one, is read from them here, once, for weight
 decay, muP and Muon.
 """

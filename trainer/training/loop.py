@@ -25,12 +25,13 @@ import jax
 import numpy as np
 
 from parallelism.distributed import fetch, wait_if_a_process_died
-from trainer import compile_cache, harness, samples
+from trainer import compile_cache, samples
 from trainer.config import from_dict, microbatch_size
 from trainer.data import corpora, streams, workers
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluate import Evaluator
 from trainer.flops import count_params, flops_per_token, inactive_params, peak_flops
+from trainer.interop import harness
 from trainer.storage import resume
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer

@@ -9,10 +9,11 @@ import uuid
 import jax
 
 from parallelism.distributed import barrier, first_process_says
-from trainer import harness, samples
+from trainer import samples
 from trainer.config import with_changes
 from trainer.data import corpora
 from trainer.data.tokenizers import load_tokenizer
+from trainer.interop import harness
 from trainer.storage import local_tier, resume, run_tokenizer
 from trainer.storage import workdir as wd
 from trainer.storage.metrics import check_fresh_start

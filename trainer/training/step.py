@@ -33,9 +33,10 @@ from parallelism import microbatches
 from parallelism.rules import LogicalSharding
 from trainer.model.decoder import ModelDef
 from trainer.model.moe import empty_statistics
+from trainer.objectives import dpo
 from trainer.optim.optimizer import applied_learning_rate, with_hyperparams
 from trainer.optim.schedules import make_schedule
-from trainer.training import clock, dpo, stability
+from trainer.training import clock, stability
 from trainer.training.precision import LossScaling
 from trainer.training.state import TrainState, param_shardings
 
@@ -50,7 +51,7 @@ def batch_keys(cfg) -> tuple[str, ...]:
 
 def _sums(model: ModelDef, params, batch, z_loss: float, moe=None, mtp_weight: float = 0.0):
     """(objective sum, (cross-entropy sum, target token count, largest |logit|, MoE statistics, {})) over the
-    batch (the empty dict: DPO's metric sums, trainer/training/dpo.py).
+    batch (the empty dict: DPO's metric sums, trainer/objectives/dpo.py).
 
     The MoE layers' auxiliary losses (means over the batch's positions, summed over layers) enter the sum
     times the batch's positions, so that the step's division by them leaves `aux_loss` x balance and

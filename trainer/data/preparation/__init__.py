@@ -4,7 +4,7 @@ and with `data.tokenized` its tokenised store, written in that same pass.
     inputs.py    the files (globs, their roots) and the documents in them
     split.py     which documents are held out; what a corpus records of what it was made from
     shards.py    the corpus on disk: TFDS array_record shards and dataset_info.json
-    pipeline.py  the pass: units of files, each writing its own shards, in this process or on Apache Beam
+    work.py      the pass: units of files, each writing its own shards, in this process or on Apache Beam
     progress.py  what a long preparation says while it runs
     publishing.py  staging, publishing whole, one builder at a time
 
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 from trainer.data import chat
-from trainer.data.preparation import inputs, pipeline, publishing, shards, split
+from trainer.data.preparation import inputs, publishing, shards, split, work
 from trainer.data.preparation.progress import Progress
 from trainer.data.tokenizers import load_tokenizer, made_with
 from trainer.errors import ConfigError
@@ -41,7 +41,7 @@ def prepare(data_cfg, data_dir: str, *, workers: int = 1, beam_options: str = ""
     rule = split.settled_rule(list(dirs.values()), d.validation_fraction)
     record = split.made_from(files, d.text_key if d.format == "text" else chat.fields(d.format), rule)
     tokenizer = (load_tokenizer(d), made_with(d)) if d.tokenized else None
-    arguments = None if workers <= 1 and not beam_options else pipeline.beam_arguments(workers, beam_options)
+    arguments = None if workers <= 1 and not beam_options else work.beam_arguments(workers, beam_options)
     with publishing.one_builder(data_dir, d.name, say):
         publishing.set_aside_unfinished(dirs, say)
         missing = [name for name in wanted if not (dirs[name] / "dataset_info.json").exists()]
@@ -53,9 +53,9 @@ def prepare(data_cfg, data_dir: str, *, workers: int = 1, beam_options: str = ""
             return
         for f in files:
             inputs.check_text_key(f.path, d.text_key, d.format)
-        runner = pipeline.runner_name(arguments) if arguments is not None else "this process"
+        runner = work.runner_name(arguments) if arguments is not None else "this process"
         if arguments is not None:
-            pipeline.check_runner(runner)
+            work.check_runner(runner)
         remote_runner = runner not in ("this process", "DirectRunner")
         if remote_runner and not is_remote(data_dir):
             raise ConfigError(
@@ -75,12 +75,12 @@ def _build(d, data_dir, files, rule, record, tokenizer, missing, dirs, arguments
             raise ConfigError(
                 f"cannot write the corpus into data.data_dir={data_dir} ({e}); give a bucket this machine may write."
             ) from e
-    units = pipeline.units_of(files)
+    units = work.units_of(files)
     with publishing.staging(data_dir, d.name, remote_runner) as staging:
         tokenizing = any(name.endswith(shards.TOKENS_SUFFIX) for name in missing)
         # Conversations are rendered as they are prepared, so a row the template cannot render is named now.
         rendering = tokenizing or d.format != "text"
-        plan = pipeline.Plan(
+        plan = work.Plan(
             text_key=d.text_key, rule=rule, targets=tuple((name, f"{staging}/{name}") for name in missing),
             tokenizer=(d.tokenizer, d.tokenizer_path, d.chat_template) if rendering else None,
             units=len(units), reports=f"{staging}/reports", format=d.format, loss_on=d.loss_on,
@@ -95,7 +95,7 @@ def _build(d, data_dir, files, rule, record, tokenizer, missing, dirs, arguments
         progress.start()
         started = time.monotonic()
         try:
-            pipeline.run(units, plan, arguments)
+            work.run(units, plan, arguments)
         finally:
             progress.stop()
         lengths = _lengths(plan)
@@ -109,9 +109,9 @@ def _build(d, data_dir, files, rule, record, tokenizer, missing, dirs, arguments
             + f" in {time.monotonic() - started:.1f} s into {data_dir}")  # fmt: skip
 
 
-def _lengths(plan: pipeline.Plan) -> dict[str, dict[str, tuple[list[int], list[int]]]]:
+def _lengths(plan: work.Plan) -> dict[str, dict[str, tuple[list[int], list[int]]]]:
     """{dataset: {split: (each shard's examples, each shard's bytes)}} from the units' final reports."""
-    reports = sorted((r for r in pipeline.read_reports(plan.reports) if r.get("done")),
+    reports = sorted((r for r in work.read_reports(plan.reports) if r.get("done")),
                      key=lambda r: r["unit"])  # fmt: skip
     if len(reports) != plan.units:
         raise RuntimeError(f"{plan.units - len(reports)} of {plan.units} units reported no result")

@@ -1,6 +1,6 @@
 """What a long preparation says while it runs: documents, bytes, tokens, rate and time left.
 
-A thread of the preparing process reads the units' reports (trainer/data/preparation/pipeline.py) and
+A thread of the preparing process reads the units' reports (trainer/data/preparation/work.py) and
 prints a line every `every` seconds; when the output is a terminal it also redraws a progress bar in
 place every second. The rate is of input read (the files' own bytes, compressed or not), so the time left
 is the input left at that rate.
@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from trainer.data.preparation.pipeline import read_reports
+from trainer.data.preparation.work import read_reports
 from trainer.training.goodput import duration
 
 EVERY_SECONDS = 30.0  # between two progress lines

@@ -2,7 +2,7 @@
 
 The corpus `name` lives at <data_dir>/text_files/<name>/1.0.0 (documents' text) and its tokenised store at
 <data_dir>/text_files/<name>-tokens/1.0.0 (each document's token ids, begin and end marks included). Each
-split has one shard per unit of the preparation (trainer/data/preparation/pipeline.py), named as TFDS
+split has one shard per unit of the preparation (trainer/data/preparation/work.py), named as TFDS
 names them (`text_files-train.array_record-00003-of-00016`), so the number of shards is known before any
 is written and no shard is ever renamed; a unit with nothing for a split writes an empty shard. Examples
 are serialised with TFDS's own serializer for the dataset's features, and `dataset_info.json`, written
@@ -59,10 +59,10 @@ class TextFiles(tfds.core.GeneratorBasedBuilder):
         return tfds.core.DatasetInfo(builder=self, features=features)
 
     def _split_generators(self, dl_manager):
-        raise NotImplementedError("prepared by trainer/data/preparation/pipeline.py")
+        raise NotImplementedError("prepared by trainer/data/preparation/work.py")
 
     def _generate_examples(self):
-        raise NotImplementedError("prepared by trainer/data/preparation/pipeline.py")
+        raise NotImplementedError("prepared by trainer/data/preparation/work.py")
 
 
 def builder(config_name: str, data_dir: str, format: str = "text") -> TextFiles:

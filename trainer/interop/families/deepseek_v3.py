@@ -1,5 +1,5 @@
-"""DeepSeek-V3 (`DeepseekV3ForCausalLM`) as a Hugging Face config and tensors, and back: what differs from
-the families in trainer/hf_tensors.py.
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`): latent attention, the sigmoid router with its correction bias and
+groups, shared experts.
 
 Latent attention (trainer/model/latent.py) maps weight for weight: q_a_proj / q_a_layernorm / q_b_proj
 (or q_proj), kv_a_proj_with_mqa (the latent's rows, then the shared RoPE key's), kv_a_layernorm,
@@ -16,14 +16,18 @@ from __future__ import annotations
 import numpy as np
 
 from trainer.errors import ConfigError
+from trainer.interop.families import core
 from trainer.model.spec import Architecture
 
 KIND = "deepseek_v3"
 CLASS = "DeepseekV3ForCausalLM"
+CLASSES = {KIND: CLASS}
 
 
-def check(spec: Architecture) -> None:
-    """Refuse a latent-attention model that DeepSeek-V3's form cannot hold."""
+def claims(spec: Architecture) -> str | None:
+    """The family of latent attention; one it cannot hold is refused."""
+    if not spec.mla.kv_rank:
+        return None
     m = spec.moe
     bad = {"moe.router": m.num_experts and m.router != "sigmoid", "moe.every": m.num_experts and m.every != 1,
            "moe.shared_experts": m.num_experts and not m.shared_experts,
@@ -33,6 +37,7 @@ def check(spec: Architecture) -> None:
         raise ConfigError(f"{said}: DeepSeek-V3, the only family here with latent attention, has a sigmoid router "
                           "on every layer after its dense ones, shared experts, no RoPE scaling of Llama 3's and "
                           "an untied head; this model has no Hugging Face form.")  # fmt: skip
+    return KIND
 
 
 def config(spec: Architecture, common: dict) -> dict:
@@ -157,13 +162,10 @@ def attention_from_hf(t: dict, numbers: list[int], spec: Architecture, interleav
     return out
 
 
-SHARED = (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))
-
-
 def moe_extras_to_hf(moe: dict, n: int, prefix: str) -> dict:
     """Layer `n`'s router bias and shared experts under DeepSeek-V3's names."""
     out = {prefix + "mlp.gate.e_score_correction_bias": moe["router_bias"][n]}
-    for ours, theirs in SHARED:
+    for ours, theirs in core.MLP:
         out[prefix + f"mlp.shared_experts.{theirs}.weight"] = moe["shared"][ours][n].T
     return out
 
@@ -172,5 +174,9 @@ def moe_extras_from_hf(t: dict, numbers: list[int]) -> dict:
     return {
         "router_bias": np.stack([t[f"model.layers.{i}.mlp.gate.e_score_correction_bias"] for i in numbers]),
         "shared": {ours: np.stack([t[f"model.layers.{i}.mlp.shared_experts.{theirs}.weight"].T for i in numbers])
-                   for ours, theirs in SHARED},
+                   for ours, theirs in core.MLP},
     }  # fmt: skip
+
+
+LAYOUT = core.Layout(attention_to_hf=attention_to_hf, attention_from_hf=attention_from_hf,
+                     moe_extras_to_hf=moe_extras_to_hf, moe_extras_from_hf=moe_extras_from_hf)  # fmt: skip

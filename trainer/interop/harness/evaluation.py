@@ -1,7 +1,7 @@
 """Downstream tasks through EleutherAI's lm-evaluation-harness (the `eval` extra): after training
 (scripts/lm_eval.py) and in the training loop (train.harness_tasks).
 
-Our model is an lm-eval `TemplateLM`; the scoring is trainer/scoring.py's, on the run's mesh:
+Our model is an lm-eval `TemplateLM`; the scoring is trainer/interop/scoring.py's, on the run's mesh:
 - loglikelihood: the context begins with the tokenizer's begin-of-document id, as every document in
   training did (an empty context is that id alone); the continuation's tokens are what the whole text's
   tokenization has after the context's. A request longer than the model's context (data.seq_len + 1
@@ -44,7 +44,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_
 
 from trainer.data.tokenizers import load_tokenizer
 from trainer.errors import ConfigError
-from trainer.scoring import Scorer
+from trainer.interop.scoring import Scorer
 from trainer.storage import run_tokenizer
 from trainer.storage.resume import load_params
 from trainer.storage.workdir import path, write_file
@@ -56,7 +56,7 @@ LOCAL_DATA = (
 
 
 class HarnessLM(TemplateLM):
-    """lm-eval's view of `params`, scored by `scorer` (trainer/scoring.py), with the run's tokenizer."""
+    """lm-eval's view of `params`, scored by `scorer` (trainer/interop/scoring.py), with the run's tokenizer."""
 
     def __init__(self, scorer: Scorer, params, tokenizer):
         super().__init__()

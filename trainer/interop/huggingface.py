@@ -1,5 +1,5 @@
 """Checkpoints and tokenizers to and from Hugging Face's formats (Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE,
-Gemma 3, DeepSeek-V3: how our weights map onto theirs is trainer/hf_tensors.py).
+Gemma 3, DeepSeek-V3: how our weights map onto theirs is trainer/interop/families/).
 
 Files are written with safetensors' numpy API:
 exporting needs neither torch nor transformers, only `safetensors` and (for the
@@ -19,7 +19,7 @@ from trainer.config import flatten
 from trainer.data.chat import template_for
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer
 from trainer.errors import ConfigError
-from trainer.hf_tensors import from_hf_tensors, hf_config, model_keys_from_hf, to_hf_tensors
+from trainer.interop.families import from_hf_tensors, hf_config, model_keys_from_hf, to_hf_tensors
 from trainer.model.spec import Architecture
 from trainer.storage import run_tokenizer
 
@@ -188,8 +188,8 @@ def require_hf_extra() -> None:
 
 
 def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
-    """Write the weights of a Hugging Face directory (one of hf_tensors.FAMILIES) as step 0 of a new run in
-    `workdir`.
+    """Write the weights of a Hugging Face directory (a family of trainer/interop/families/) as step 0 of a new
+    run in `workdir`.
 
     The optimiser state starts fresh and the data from the beginning: train.py
     continues from it, eval.py evaluates it.

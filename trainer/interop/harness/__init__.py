@@ -1,13 +1,13 @@
-"""EleutherAI's lm-evaluation-harness on our checkpoints (trainer/harness/evaluation.py), which needs the `eval`
+"""EleutherAI's lm-evaluation-harness on our checkpoints (trainer/interop/harness/evaluation.py), which needs the `eval`
 extra: `load()` imports it, or says in one sentence how to install it."""
 
 from trainer.errors import ConfigError
 
 
 def load():
-    """trainer/harness/evaluation.py, imported only where the harness is asked for."""
+    """trainer/interop/harness/evaluation.py, imported only where the harness is asked for."""
     try:
-        from trainer.harness import evaluation
+        from trainer.interop.harness import evaluation
     except ImportError as e:
         raise ConfigError(
             f'lm-evaluation-harness is not installed ({e}): pip install -e ".[eval]" (scripts/lm_eval.py and '

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from trainer.model.loss import target_weights
+from trainer.objectives.language_model import target_weights
 
 METRICS = ("chosen_rewards", "rejected_rewards", "margins", "accuracy", "chosen_logps", "rejected_logps")
 

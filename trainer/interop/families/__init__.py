@@ -1,0 +1,76 @@
+"""The Hugging Face families a model imports from and exports to, one module each, over a shared core
+(core.py: the config keys they all have, and the walk from our weights to a family's tensors and back).
+
+A family module has:
+    CLASSES         {model_type: the transformers class} of the forms it covers (Qwen3's covers Qwen3-MoE)
+    LAYOUT          a core.Layout: what its tensors are named and shaped like where the core's defaults differ
+    claims(spec)    the model_type it gives our architecture, None if not its, or a sentence (ConfigError)
+                    for a model that has its details but cannot take its form
+    config(spec, common) -> its config.json, from the keys every family shares (core.common_config)
+    model_keys(config)   -> our model.* values for its config.json, refusing what our models lack
+
+Which family a model is follows from its architecture: FAMILIES are asked in order, and the first that
+claims it gives its form. Adding a family is a module and its line in FAMILIES (docs/model_families.md).
+"""
+
+from __future__ import annotations
+
+from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
+from trainer.errors import ConfigError
+from trainer.interop.families import core, deepseek_v3, gemma3, llama, mistral, mixtral, qwen3
+from trainer.model.spec import Architecture
+
+FAMILIES = (
+    deepseek_v3,  # latent attention
+    gemma3,  # Gemma's norms, GeGLU, scaled embeddings; local and global layers
+    mistral,  # a window on every layer
+    mixtral,  # experts, no query/key norms
+    qwen3,  # query/key norms, with or without experts
+    llama,  # none of these
+)
+
+
+def classes() -> dict[str, str]:
+    """{model_type: transformers class} of every form read and written here."""
+    return {kind: name for family in reversed(FAMILIES) for kind, name in family.CLASSES.items()}
+
+
+def family_of(spec: Architecture):
+    """(the family's module, the model_type) of this architecture; refuses one no family has."""
+    if spec.attention_sinks:
+        raise ConfigError("model.attention_sinks: none of the Hugging Face families here (gpt-oss's is not among "
+                          "them) has attention sinks, so this model has no Hugging Face form.")  # fmt: skip
+    for family in FAMILIES:
+        kind = family.claims(spec)
+        if kind:
+            return family, kind
+    core.refuse_unclaimed(spec)
+
+
+def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int] = (BOS_ID, EOS_ID, PAD_ID)) -> dict:
+    """The config.json of this architecture's family; `special`: the tokenizer's (begin, end, padding) ids."""
+    family, kind = family_of(spec)
+    return family.config(spec, core.common_config(spec, max_seq_len, kind, family.CLASSES[kind], special))
+
+
+def model_keys_from_hf(config: dict) -> dict:
+    """Our model.* values for a Hugging Face config.json of one of the families."""
+    kind = config.get("model_type")
+    for family in FAMILIES:
+        if kind in family.CLASSES:
+            return family.model_keys(config)
+    raise ConfigError(
+        f"this Hugging Face model is of model_type {kind!r}, which this trainer does not read; it reads "
+        f"{', '.join(f'{name} ({k})' for k, name in classes().items())}."
+    )
+
+
+def to_hf_tensors(params: dict, spec: Architecture) -> dict:
+    family, kind = family_of(spec)
+    return core.to_hf_tensors(params, spec, family.LAYOUT, family.CLASSES[kind])
+
+
+def from_hf_tensors(tensors: dict, spec: Architecture, interleaved: bool = False) -> dict:
+    """Our parameters from a family's tensors; `interleaved`: DeepSeek's RoPE rows in interleaved pairs."""
+    family, _ = family_of(spec)
+    return core.from_hf_tensors(tensors, spec, family.LAYOUT, interleaved)

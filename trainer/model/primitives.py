@@ -1,0 +1,83 @@
+"""The parts every layer is built from: a parameter with its logical axis names, RMSNorm, rotary position
+embeddings, and the gated MLP. They sit below every block that uses them (layers.py's attention and block,
+latent.py's latent attention, moe.py's shared experts, mtp.py's modules), which import them from here alone.
+
+Parameters stay in fp32; each matmul runs in the execution's compute dtype, while norms are fp32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from parallelism.rules import LogicalSharding
+from trainer.model.spec import ModelSpec, RopeScaling
+
+
+def param(rngs: nnx.Rngs, shape, names, std: float) -> nnx.Param:
+    # eager_sharding=False: placement is decided once, by jit out_shardings, not at creation.
+    value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, axis: str = "embed"):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding_names=(axis,), eager_sharding=False)
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * self.scale[...]).astype(x.dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> jax.Array:
+    """The rotation frequencies of the head_dim/2 pairs, with Llama 3's scaling for long context: a pair
+    whose wavelength exceeds original_max_len / low_freq_factor turns `factor` times slower (positions up to
+    factor x the original length look like the original's), one shorter than original_max_len /
+    high_freq_factor keeps its frequency (local order stays sharp), and those between blend the two."""
+    freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if scaling.factor == 1:
+        return freq
+    wavelength = 2 * jnp.pi / freq
+    low, high, original = scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_len
+    blend = (original / wavelength - low) / (high - low)
+    blended = (1 - blend) * freq / scaling.factor + blend * freq
+    return jnp.where(wavelength > original / low, freq / scaling.factor,
+                     jnp.where(wavelength < original / high, freq, blended))  # fmt: skip
+
+
+def rope_tables(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling):
+    """cos and sin of shape (batch, seq, 1, head_dim/2) for the given positions."""
+    angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(head_dim, theta, scaling)
+    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def apply_rope(x: jax.Array, tables) -> jax.Array:
+    """Rotate pairs (i, i + head_dim/2), the layout Hugging Face's Llama uses."""
+    cos, sin = tables
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+class MLP(nnx.Module):
+    def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs, width: int = 0):
+        a, std = spec.arch, spec.hidden_init_std
+        out_std = std / (2 * a.n_layers) ** 0.5
+        width = width or a.d_ff
+        self.w_gate = param(rngs, (a.d_model, width), ("embed", "mlp"), std)
+        self.w_up = param(rngs, (a.d_model, width), ("embed", "mlp"), std)
+        self.w_down = param(rngs, (width, a.d_model), ("mlp", "embed"), out_std)
+        self.activation = a.mlp_activation
+        self.execution, self.shard = spec.execution, shard
+
+    def __call__(self, x):
+        dt = self.execution.compute_dtype
+        gate = x @ self.w_gate[...].astype(dt)
+        up = x @ self.w_up[...].astype(dt)
+        hidden = self.shard.constrain(ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp"))
+        return hidden @ self.w_down[...].astype(dt)
