@@ -192,9 +192,7 @@ class Run:
         data = self._new_data()
         asked = resume.reset_label(self.cfg.checkpoint.reset_optimizer)
 
-        def check(config: dict) -> None:
-            resume.check_resume(workdir, self.cfg, self.setup, from_dict(config))
-
+        check = lambda config: resume.check_resume(workdir, self.cfg, self.setup, from_dict(config))  # noqa: E731
         try:
             found = self.local.restore(max(self.ckpt.steps(), default=-1), self.abstract, data, asked, self.say,
                                        check)  # fmt: skip
