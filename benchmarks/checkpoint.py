@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Save/restore rounds; the median is reported.")
@@ -33,7 +33,7 @@ def main():
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_SIMULATE.value}"
     import jax
 
-    from trainer.flops import count_params
+    from trainer.model.flops import count_params
     from trainer.storage.checkpoint import Checkpointer
     from trainer.training.setup import build
 

@@ -17,7 +17,7 @@ The parts:
   inside each) through cuDNN's fused kernel, against the xla kernel at the same bf16 compute, both against
   the xla kernel in float32: cuDNN's error must be of bf16's size.
 - llm_<name>: llm_1b (seq 2048, bf16 compute, fp32 AdamW) on the one card: compile time, step time,
-  tokens/s, MFU (model FLOPs per token, trainer/flops.py, over 989 TFLOP/s dense bf16), and memory: the
+  tokens/s, MFU (model FLOPs per token, trainer/model/flops.py, over 989 TFLOP/s dense bf16), and memory: the
   planner's arithmetic (trainer/planning/memory.py), XLA:GPU's compiled peak, and the card's own peak
   (`device.memory_stats()`).
 - torch: benchmarks/vs_pytorch.py on the fastest llm_ configuration, at a batch both sides hold at once.
@@ -162,7 +162,7 @@ def part_llm(small: bool, overrides: dict) -> dict:
     import jax
     from timing import synthetic_batch
 
-    from trainer.flops import flops_per_token
+    from trainer.model.flops import flops_per_token
     from trainer.planning.memory import bytes_per_device
     from trainer.training.setup import build
     from trainer.training.step import abstract_batch, memory_per_device

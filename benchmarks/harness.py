@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _REQUESTS = flags.DEFINE_integer("requests", 512, "Log-likelihood requests to score (a quarter as many contexts).")
@@ -64,8 +64,8 @@ def main():
     from trainer.interop.harness.evaluation import HarnessLM
     from trainer.interop.huggingface import export_checkpoint
     from trainer.interop.scoring import Scorer
-    from trainer.storage.resume import load_params
-    from trainer.training.loop import train
+    from trainer.run.loop import train
+    from trainer.training.resume import load_params
 
     cfg = _CONFIG.value
     cfg.train.update(steps=1, eval_every=0, sample_prompts=(), harness_tasks=())

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from record import report  # noqa: E402
 from timing import pipeline_rate  # noqa: E402
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _BATCHES = flags.DEFINE_integer("batches", 50, "Batches read for the pipeline-only rate.")
@@ -47,9 +47,9 @@ def per_core(cfg, batches: int) -> dict:
 
     import jax
 
-    from trainer.chips import CHIPS
+    from parallelism.chips import CHIPS
     from trainer.data import corpora
-    from trainer.flops import flops_per_token
+    from trainer.model.flops import flops_per_token
     from trainer.training.setup import build
 
     corpora.prepare(cfg.data)
@@ -77,8 +77,8 @@ def loop_step_seconds(cfg, steps: int) -> float:
     import statistics
     import tempfile
 
+    from trainer.run.loop import train
     from trainer.storage.metrics import read_records
-    from trainer.training.loop import train
 
     cfg = cfg.copy_and_resolve_references()
     cfg.train.update(steps=steps + 1, log_every=1, eval_every=0)

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _PROMPT = flags.DEFINE_integer("prompt", 2048, "Prompt tokens (prefilled).")
@@ -36,7 +36,7 @@ def main():
     import jax
     import numpy as np
 
-    from trainer import accelerators
+    from parallelism import accelerators
 
     accelerators.start()  # this machine's backends, without the others' noise
 

@@ -30,7 +30,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _CONFIGS = flags.DEFINE_list("configs", ["tiny", "small", "llm_1b"], "Configs under configs/.")
@@ -310,6 +310,6 @@ def main():
 if __name__ == "__main__":
     import jax
 
-    jax.config.update("jax_platforms", "cpu")  # JAX read JAX_PLATFORMS when trainer.cli imported it
+    jax.config.update("jax_platforms", "cpu")  # JAX read JAX_PLATFORMS when trainer.run.cli imported it
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     cli.run(main, uses_devices=False)

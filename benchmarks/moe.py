@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from record import report  # noqa: E402
 from timing import step_seconds_and_memory  # noqa: E402
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _EXPERTS = flags.DEFINE_list("experts", ["1", "4"], "Expert axis sizes to measure.")

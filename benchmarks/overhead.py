@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from record import report  # noqa: E402
 from timing import seconds_per_step, synthetic_batch  # noqa: E402
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _STEPS = flags.DEFINE_integer("steps", 10, "Steps per timed turn.")
@@ -60,7 +60,7 @@ def make_bare_step(setup, lr: float):
 def main():
     import jax
 
-    from trainer.flops import flops_per_token, peak_flops
+    from trainer.model.flops import flops_per_token, peak_flops
     from trainer.training.setup import build
 
     cfg = _CONFIG.value

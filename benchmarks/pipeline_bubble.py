@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from record import report  # noqa: E402
 from timing import synthetic_batch  # noqa: E402
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _STAGES = flags.DEFINE_integer("stages", 4, "Pipeline stages.")

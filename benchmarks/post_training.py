@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from record import report  # noqa: E402
 from timing import seconds_per_step  # noqa: E402
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _STEPS = flags.DEFINE_integer("steps", 5, "Steps per timed turn.")
@@ -50,7 +50,7 @@ def main():
     import jax
 
     from trainer.config import with_changes
-    from trainer.flops import flops_per_token, peak_flops
+    from trainer.model.flops import flops_per_token, peak_flops
     from trainer.training.setup import build
 
     base = _CONFIG.value

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _SIMULATE = flags.DEFINE_integer("simulate_devices", 1, "Train on this many simulated CPU devices.")

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from record import report  # noqa: E402
 from timing import step_seconds_and_memory  # noqa: E402
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _STEPS = flags.DEFINE_integer("steps", 2, "Timed steps per variant (after one to compile).")
@@ -45,7 +45,7 @@ CPU_SHAPE = {"model.d_model": 256, "model.n_layers": 6, "model.n_heads": 2, "mod
 def main():
     import jax
 
-    from trainer import accelerators
+    from parallelism import accelerators
 
     # As scripts/plan.py: the CPU's simulated devices, and a target's libtpu descriptions, never this machine's own
     jax.config.update("jax_platforms", "cpu")

@@ -38,7 +38,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _MAXTEXT = flags.DEFINE_string("maxtext", None, "A MaxText source checkout (its src/ holds the maxtext package).")

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from record import report  # noqa: E402
 from timing import seconds_per_step, synthetic_batch  # noqa: E402
 
-from trainer import cli  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _STEPS = flags.DEFINE_integer("steps", 10, "Steps per timed turn.")

@@ -2,7 +2,7 @@
 
 It lives here, in the lower of the two packages, because both raise it:
 parallelism/ refuses meshes and rules that cannot work, trainer/ everything
-else. trainer/errors.py imports it from here; parallelism/ imports nothing
+else. trainer/config/errors.py imports it from here; parallelism/ imports nothing
 from trainer/.
 """
 

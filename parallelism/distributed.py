@@ -22,7 +22,7 @@ A process that stops on an error of its own says why under a key of the runtime'
 key-value store (`stop_all`): the others' watchdogs end them at once with that
 sentence, wherever they wait (a collective, a checkpoint barrier), instead of after
 a timeout or the dead-process wait. One that stops because the run made no progress
-(trainer/training/hang.py) also asks for the others' stacks: each then writes its
+(trainer/run/hang.py) also asks for the others' stacks: each then writes its
 own (`on_stacks_asked`) before it ends.
 """
 

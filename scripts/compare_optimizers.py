@@ -13,7 +13,9 @@ import os
 
 from absl import flags
 
-from trainer import cli, config, experiments
+from trainer import config
+from trainer.planning import experiments
+from trainer.run import cli
 
 _CONFIG = cli.define_config_flag()
 _STEPS = flags.DEFINE_integer("steps", 200, "Steps per optimiser.")

@@ -12,9 +12,9 @@ eval.py evaluates; the config's model section must describe the same model.
 
 from absl import flags
 
-from trainer import cli
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.interop.huggingface import export_checkpoint, import_checkpoint
+from trainer.run import cli
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")

@@ -13,8 +13,8 @@ import json
 
 from absl import flags
 
-from trainer import cli
-from trainer.evaluate import evaluate_checkpoint
+from trainer.evaluation.loss import evaluate_checkpoint
+from trainer.run import cli
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")

@@ -22,14 +22,13 @@ import sys
 import numpy as np
 from absl import flags
 
-from trainer import cli
-from trainer.data import chat
+from trainer.config.errors import ConfigError
+from trainer.data import chat, run_tokenizer
 from trainer.data.tokenizers import load_tokenizer
-from trainer.errors import ConfigError
+from trainer.evaluation.samples import check_request, completion, prompt_ids
 from trainer.model.sampling import make_generate
-from trainer.samples import check_request, completion, prompt_ids
-from trainer.storage import run_tokenizer
-from trainer.storage.resume import load_params
+from trainer.run import cli
+from trainer.training.resume import load_params
 
 DEFAULT_NEW = 128
 _CONFIG = cli.define_config_flag()

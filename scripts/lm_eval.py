@@ -19,8 +19,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 from absl import flags  # noqa: E402
 
-from trainer import cli  # noqa: E402
 from trainer.interop import harness  # noqa: E402
+from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")

@@ -16,7 +16,7 @@ import string
 import numpy as np
 from absl import flags
 
-from trainer import cli
+from trainer.run import cli
 
 _OUT = flags.DEFINE_string("out", "runs/chat_data", "Folder to write sft/rows.jsonl and dpo/rows.jsonl into.")
 _ROWS = flags.DEFINE_integer("rows", 4000, "Rows of each corpus.")

@@ -13,7 +13,9 @@ import os
 
 from absl import flags
 
-from trainer import cli, config, experiments
+from trainer import config
+from trainer.planning import experiments
+from trainer.run import cli
 
 _CONFIG = cli.define_config_flag()
 _WIDTHS = flags.DEFINE_list("widths", ["128", "256", "512"], "d_model values; the first is the base width.")

@@ -25,7 +25,8 @@ import sys
 
 from absl import flags
 
-from trainer import accelerators, cli
+from parallelism import accelerators
+from trainer.run import cli
 
 _CONFIG = cli.define_config_flag()
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
@@ -149,7 +150,7 @@ def _duration(seconds: float) -> str:
 def main():
     # Before JAX starts a backend: a target's devices are libtpu's or the CUDA plugin's descriptions and
     # simulated ones the CPU's, so this machine's own TPU or GPU is never started. JAX has already read the
-    # JAX_PLATFORMS variable (trainer.cli imports it), hence its option; XLA_FLAGS is read when the CPU starts.
+    # JAX_PLATFORMS variable (trainer.run.cli imports it), hence its option; XLA_FLAGS is read when the CPU starts.
     import jax  # (trainer imported it, without the plugins' noise)
 
     if _TARGET.value or _SIMULATE.value:

@@ -19,8 +19,8 @@ number of workers. It prints how far it has got every 30 seconds (and a bar on a
 
 from absl import flags
 
-from trainer import cli
 from trainer.data import corpora
+from trainer.run import cli
 from trainer.storage import workdir as wd
 
 _CONFIG = cli.define_config_flag()

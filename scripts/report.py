@@ -3,7 +3,7 @@
     python scripts/report.py --workdir runs/tiny [--workdir runs/other ...] [--out report.png]
 
 Loss and evaluation loss, learning rate, gradient norm, update ratio, tokens/s
-and MFU, with skipped steps and rollbacks marked (trainer/report.py). The
+and MFU, with skipped steps and rollbacks marked (trainer/evaluation/report.py). The
 default --out is report.png in the first workdir.
 """
 
@@ -11,7 +11,8 @@ import os
 
 from absl import flags
 
-from trainer import cli, report
+from trainer.evaluation import report
+from trainer.run import cli
 
 _WORKDIRS = flags.DEFINE_multi_string("workdir", None, "A run directory; repeat to overlay runs.", required=True)
 _OUT = flags.DEFINE_string("out", None, "Where to write the PNG.")

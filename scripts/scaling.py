@@ -24,8 +24,8 @@ import sys
 
 from absl import flags
 
-from trainer import cli
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
+from trainer.run import cli
 
 _CONFIG = cli.define_config_flag(required=False)
 _BUDGETS = flags.DEFINE_list("budgets", [], "sweep: training FLOP budgets, e.g. 3e12,1e13,3e13.")

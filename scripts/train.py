@@ -8,8 +8,8 @@ import sys
 
 from absl import flags
 
-from trainer import cli
-from trainer.training.loop import train
+from trainer.run import cli
+from trainer.run.loop import train
 
 _CONFIG = cli.define_config_flag()
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<config name>.")

@@ -10,10 +10,10 @@ import os
 
 from absl import flags
 
-from trainer import cli
+from trainer.config.errors import ConfigError
 from trainer.data import corpora
 from trainer.data.tokenizers import train_sentencepiece
-from trainer.errors import ConfigError
+from trainer.run import cli
 
 _CONFIG = cli.define_config_flag()
 _VOCAB = flags.DEFINE_integer("vocab_size", 0, "Tokenizer size; default model.vocab_size.")

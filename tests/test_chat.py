@@ -13,9 +13,9 @@ from conftest import micro_config
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
 trl = pytest.importorskip("trl", reason="the post extra (TRL's real chat templates) is not installed")
 
+from trainer.config.errors import ConfigError  # noqa: E402
 from trainer.data import chat, corpora  # noqa: E402
 from trainer.data.tokenizers import ByteTokenizer, load_tokenizer, train_sentencepiece  # noqa: E402
-from trainer.errors import ConfigError  # noqa: E402
 from trainer.interop.huggingface import write_tokenizer  # noqa: E402
 
 TEMPLATES = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
@@ -184,7 +184,7 @@ def test_a_conversation_corpus_prepares_into_a_tokenised_store_equal_to_renderin
 
 
 def test_a_chat_template_file_is_kept_with_the_run_and_another_is_refused(tmp_path):
-    from trainer.storage import run_tokenizer
+    from trainer.data import run_tokenizer
     from trainer.storage import workdir as wd
 
     given = tmp_path / "mine.jinja"

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
+from trainer.config.errors import ConfigError
 from trainer.data import streams
-from trainer.errors import ConfigError
 from trainer.storage.checkpoint import Checkpointer
-from trainer.storage.resume import restore_state
+from trainer.training.resume import restore_state
 from trainer.training.setup import build
 
 

@@ -1,4 +1,4 @@
-"""Compiled programs kept between launches (trainer/compile_cache.py): written by several processes at
+"""Compiled programs kept between launches (trainer/storage/compile_cache.py): written by several processes at
 once, loaded by a run in another workdir, and a damaged or unusable cache compiled around in one line."""
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 from conftest import REPO, cli_args, micro_config
 
-from trainer.compile_cache import place
+from trainer.storage.compile_cache import place
 
 
 def final_loss(workdir) -> float:
@@ -95,7 +95,7 @@ def test_a_bucket_holds_the_cache_as_a_local_directory_does(bucket):
     import jax.numpy as jnp
     import numpy as np
 
-    from trainer import compile_cache
+    from trainer.storage import compile_cache
     from trainer.storage.workdir import path
 
     try:

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
-from trainer.evaluate import evaluate_checkpoint
+from trainer.evaluation.loss import evaluate_checkpoint
 from trainer.model import context
 from trainer.model.context import zigzag
 from trainer.model.sampling import make_generate
+from trainer.run.loop import train
 from trainer.storage.checkpoint import Checkpointer
-from trainer.training.loop import train
 from trainer.training.setup import build
 from trainer.training.state import abstract_params
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
+from trainer.config.errors import ConfigError
 from trainer.data import corpora, streams
 from trainer.data.preparation import split as split_rule
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
 from trainer.data.workers import ProcessRows
-from trainer.errors import ConfigError
 
 SAMPLE = "def f(x):\n\treturn  x + 1  # ünïcode ✓ 🐍\n\n    pass\n"
 
@@ -392,7 +392,7 @@ def test_a_mixture_run_logs_its_shares_and_each_corpus_held_out_loss_and_resumes
                                                                                               tmp_path):  # fmt: skip
     from test_resume import params_at
 
-    from trainer.training.loop import train
+    from trainer.run.loop import train
 
     def cfg(steps):  # a constant schedule: a run stopped at step 2 trained at the rates of the one to 4
         return micro_config(data=dict(mixture_config.data), train=dict(steps=steps, log_every=steps, eval_every=4),
@@ -542,7 +542,7 @@ def test_a_corpus_prepared_before_the_split_rule_keeps_it_and_its_run_resumes(tm
     from test_resume import params_at
 
     from trainer.config import from_dict
-    from trainer.training.loop import train
+    from trainer.run.loop import train
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

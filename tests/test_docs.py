@@ -1,5 +1,5 @@
 """The README and docs/ cannot drift from the code: every command line they show names a script that exists,
-flags that script defines, config files that exist and config keys that trainer/config.py declares."""
+flags that script defines, config files that exist and config keys that trainer/config/__init__.py declares."""
 
 import glob
 import os
@@ -35,12 +35,12 @@ def commands() -> list[tuple[str, str, str]]:
 
 
 def flags_of(script: str) -> set[str]:
-    """The flags a script defines, with those of the modules it takes them from (trainer/cli.py, and the
+    """The flags a script defines, with those of the modules it takes them from (trainer/run/cli.py, and the
     benchmarks' shared helpers)."""
     sources = [script]
     text = open(os.path.join(REPO, script)).read()
     if "from trainer import cli" in text:
-        sources.append("trainer/cli.py")
+        sources.append("trainer/run/cli.py")
     sources += [f"benchmarks/{name}.py" for name in re.findall(r"^from (\w+) import", text, re.M)
                 if os.path.exists(os.path.join(REPO, "benchmarks", f"{name}.py"))]  # fmt: skip
     names = set(ABSL)
@@ -96,12 +96,12 @@ def test_every_config_key_the_pages_name_exists():
 
 
 def test_every_documented_override_applies_to_its_config():
-    """Each shown command's --config.* overrides, parsed as the scripts parse them (trainer/cli.py) onto its
+    """Each shown command's --config.* overrides, parsed as the scripts parse them (trainer/run/cli.py) onto its
     config file (tiny's where it shows "..."): a documented form the flag parser cannot read fails here."""
     from absl import flags
     from ml_collections import config_flags
 
-    from trainer.cli import command_line_form, command_line_lists
+    from trainer.run.cli import command_line_form, command_line_lists
 
     # and every `--config.key=value` in the prose, on its own
     prose = [(os.path.relpath(p, REPO), f"--config ... {m}") for p in PAGES

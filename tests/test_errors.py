@@ -7,8 +7,8 @@ import sys
 import pytest
 from conftest import micro_config
 
-from trainer.errors import ConfigError
-from trainer.training.loop import train
+from trainer.config.errors import ConfigError
+from trainer.run.loop import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -274,7 +274,7 @@ def test_the_script_prints_one_line_and_fails(tmp_path, args, named):
     [
         ("train.py", ["--config.train.step=600"],
          "error: --config.train.step is not a config key; did you mean --config.train.steps? (every key: "
-         "trainer/config.py)"),
+         "trainer/config/__init__.py)"),
         ("eval.py", ["--max_batches=-1"], "error: --max_batches=-1 must be 0 (the whole split) or more."),
         ("lm_eval.py", ["--tasks=hellaswag", "--limit=-1"],
          "error: --limit=-1 must be 0 (every document) or more: a count of documents per task, or below 1 a "
@@ -313,7 +313,7 @@ def test_commands_that_need_no_accelerator_print_only_their_own_lines(tmp_path):
 
 def test_every_numeric_key_has_a_range_that_holds_its_default():
     from trainer.config import RANGES, defaults, flatten
-    from trainer.validation import in_range
+    from trainer.training.validation import in_range
 
     numbers = {k: v for k, v in flatten(defaults()).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     assert sorted(RANGES) == sorted(numbers)
@@ -338,7 +338,7 @@ def just_outside(spec: str, integer: bool):
 def test_a_value_outside_any_keys_range_is_refused_naming_key_value_and_range():
     """Every numeric key, at each value just outside its range, is refused in one sentence before anything runs."""
     from trainer.config import RANGES, defaults, flatten, with_changes
-    from trainer.validation import validate
+    from trainer.training.validation import validate
 
     known, tried = flatten(defaults()), 0
     for key, spec in RANGES.items():
@@ -408,7 +408,7 @@ def test_no_bad_step_count_rolls_back_when_max_bad_steps_is_zero():
 
 def test_keys_the_chosen_settings_never_read_are_named_in_a_warning():
     from trainer.config import with_changes
-    from trainer.validation import unread_settings
+    from trainer.training.validation import unread_settings
 
     cfg = with_changes(micro_config(), {"optim.schedule": "wsd", "optim.decay_steps": 500, "optim.name": "lion",
                                         "optim.eps": 1e-6, "precision.initial_loss_scale": 1024.0,
@@ -451,7 +451,7 @@ def test_keys_the_chosen_settings_never_read_are_named_in_a_warning():
 def test_held_back_start_up_words_are_shown_when_the_start_up_fails(capfd, monkeypatch):
     """What JAX's plugins write while held back (C++ and Python alike write to file descriptor 2) is dropped
     when the step succeeds and written out, in order, when it raises: then it is the explanation."""
-    from trainer.accelerators import stderr_held_back
+    from parallelism.accelerators import stderr_held_back
 
     monkeypatch.setattr(sys, "stderr", open(2, "w", closefd=False))  # a script's stderr: descriptor 2 itself
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 from conftest import cli_args, micro_config
 
+from trainer.config.errors import ConfigError
 from trainer.data import corpora, held_out, streams
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer
-from trainer.errors import ConfigError
-from trainer.evaluate import evaluate_checkpoint
-from trainer.training.loop import train
+from trainer.evaluation.loss import evaluate_checkpoint
+from trainer.run.loop import train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -67,7 +67,7 @@ def test_reported_figures_are_consistent_and_written(trained, corpus_dir):
 def test_an_evaluation_never_overwrites_another(trained, corpus_dir, capsys):
     """Each evaluation that differs in what it evaluated (step, batches, the whole split) leaves its own record,
     saying what was evaluated; the same one again rewrites its own; the name differs for every field of it."""
-    from trainer.evaluate import record_name
+    from trainer.evaluation.loss import record_name
 
     shutil.rmtree(os.path.join(trained, "eval"), ignore_errors=True)
     runs = [dict(step=5, max_batches=2), dict(step=5, max_batches=3), dict(step=6, max_batches=2)]
@@ -116,8 +116,8 @@ def test_a_whole_split_fills_its_batches_and_scores_as_its_rows_did(tmp_path):
     (loss to 1e-6, tokens, bytes and documents exactly) equal those of the rows' own windows, padded, as
     evaluation read them before (todays_batches), in far fewer batches, over 90% of whose slots hold a
     predicted token."""
-    from trainer.evaluate import eval_step, evaluate
-    from trainer.storage.resume import load_params
+    from trainer.evaluation.loss import eval_step, evaluate
+    from trainer.training.resume import load_params
 
     rng = np.random.default_rng(0)
     for i, n in enumerate(np.exp(rng.uniform(0, np.log(4000), 150)).astype(int)):

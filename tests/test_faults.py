@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, cli_args, micro_config
 from gcs_emulator import fault
 
-from trainer.errors import ConfigError, StorageError
+from trainer.config.errors import ConfigError, StorageError
 from trainer.storage import faults
 
 OOM = """

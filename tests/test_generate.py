@@ -73,9 +73,9 @@ def test_top_k_and_top_p_only_ever_pick_allowed_tokens():
 
 def test_a_request_the_model_cannot_make_as_asked_is_refused_in_one_sentence():
     """generate.py's checks (training's samples pass through the same): the numbers, before any compile."""
+    from trainer.config.errors import ConfigError
     from trainer.data.tokenizers import ByteTokenizer
-    from trainer.errors import ConfigError
-    from trainer.samples import check_request
+    from trainer.evaluation.samples import check_request
 
     cfg, tok = micro_config(), ByteTokenizer()  # max_seq_len 64, vocab 384; a byte is a token
     names = dict(new_tokens="--max_new_tokens", top_k="--top_k", top_p="--top_p", temperature="--temperature")
@@ -113,7 +113,7 @@ def test_the_documented_chat_command_runs_with_the_new_tokens_that_fit_and_says_
 
     from conftest import REPO, cli_args
 
-    from trainer.training.loop import train
+    from trainer.run.loop import train
 
     rows = [{"messages": [{"role": "user", "content": f"Reverse: {w}"}, {"role": "assistant", "content": w[::-1]}]}
             for w in ("python", "abc", "stone", "north") * 50]  # fmt: skip

@@ -20,8 +20,8 @@ from conftest import CPU_FLAGS, REPO, cli_args, micro_config
 from test_multiprocess import launch, text
 from test_resume import params_at
 
+from trainer.run.loop import train
 from trainer.storage.workdir import forget_listings, saved_steps
-from trainer.training.loop import train
 
 HANG = 15  # train.hang_seconds in the drills
 BOUND = 20  # seconds beyond it the run may take to end: the steps until it blocks, writing stacks, exiting
@@ -131,7 +131,7 @@ def test_a_long_evaluation_that_makes_batches_is_no_hang(tmp_path):
 
 RACE = """
 import sys, threading, time
-from trainer.training.hang import HangWatch
+from trainer.run.hang import HangWatch
 
 def slow_workers():  # the data workers' stacks take a while to gather: the watchdog's request comes meanwhile
     time.sleep(3)

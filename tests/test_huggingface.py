@@ -15,13 +15,13 @@ from conftest import micro_config
 torch = pytest.importorskip("torch", reason="the hf extra is not installed: pip install -e '.[hf]'")
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
 
+from trainer.config.errors import ConfigError  # noqa: E402
 from trainer.data.tokenizers import BOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece  # noqa: E402
-from trainer.errors import ConfigError  # noqa: E402
-from trainer.evaluate import evaluate_checkpoint  # noqa: E402
+from trainer.evaluation.loss import evaluate_checkpoint  # noqa: E402
 from trainer.interop.huggingface import export_checkpoint, import_checkpoint, write_tokenizer  # noqa: E402
 from trainer.model.sampling import make_generate  # noqa: E402
-from trainer.storage.resume import load_params  # noqa: E402
-from trainer.training.loop import train  # noqa: E402
+from trainer.run.loop import train  # noqa: E402
+from trainer.training.resume import load_params  # noqa: E402
 from trainer.training.setup import build  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(3, 384, (2, 24))

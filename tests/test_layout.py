@@ -1,5 +1,6 @@
-"""The code's layout: no module imports, even inside a function, a module that imports it back (directly or
-through others). A circle hides which part is built on which; the building blocks sit below what uses them."""
+"""The code's layout. No module imports, even inside a function, a module that imports it back (directly or
+through others): a circle hides which part is built on which; the building blocks sit below what uses them.
+And no module imports from a layer above its own (LAYERS, drawn in docs/layout.md)."""
 
 import ast
 import os
@@ -7,6 +8,23 @@ import os
 from conftest import REPO
 
 PACKAGES = ("trainer", "parallelism")
+
+# The folders, lowest layer first. A module imports from its own folder and from the layers below it, never
+# from a layer above nor from a sibling folder of its own layer. trainer/'s only module of its own is its
+# package face (trainer/__init__.py).
+LAYERS = [
+    ["parallelism"],
+    ["trainer.config"],
+    ["trainer.storage"],
+    ["trainer.data"],
+    ["trainer.objectives"],
+    ["trainer.model"],
+    ["trainer.optim"],
+    ["trainer.training"],
+    ["trainer.evaluation", "trainer.interop"],
+    ["trainer.run"],
+    ["trainer.planning"],
+]
 
 
 def modules() -> dict[str, str]:
@@ -82,3 +100,39 @@ def test_no_module_imports_one_that_imports_it_back():
 
 def test_the_circle_finder_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def folder_of(module: str) -> str | None:
+    """The LAYERS folder a module lives in (None for trainer's package face or a module in no folder)."""
+    return next((f for layer in LAYERS for f in layer if module == f or module.startswith(f + ".")), None)
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a module from a folder above its own, or from a sibling folder of its own layer."""
+    level = {f: i for i, layer in enumerate(LAYERS) for f in layer}
+    found = []
+    for module, targets in sorted(graph.items()):
+        here = folder_of(module)
+        for target in sorted(targets):
+            there = folder_of(target)
+            if here is not None and there not in (None, here) and level[there] >= level[here]:
+                found.append(f"{module} imports {target} ({there} is not below {here})")
+    return found
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    known = modules()
+    loose = sorted(m for m in known if m != "trainer" and folder_of(m) is None)
+    assert not loose, f"modules in no folder of LAYERS: {loose}"
+    graph = {name: imported(path, name, known) for name, path in known.items()}
+    assert graph["trainer.run.loop"] >= {"trainer.training.step", "trainer.storage.checkpoint"}
+    assert not upward(graph), "\n".join(upward(graph))
+
+
+def test_the_layer_rule_finds_an_import_from_above_and_from_a_sibling():
+    graph = {"trainer.data.streams": {"trainer.training.step", "trainer.storage.workdir"},
+             "trainer.interop.scoring": {"trainer.evaluation.loss"}}  # fmt: skip
+    assert upward(graph) == [
+        "trainer.data.streams imports trainer.training.step (trainer.training is not below trainer.data)",
+        "trainer.interop.scoring imports trainer.evaluation.loss (trainer.evaluation is not below trainer.interop)",
+    ]

@@ -23,10 +23,10 @@ pytest.importorskip("transformers", reason="the hf extra is not installed: pip i
 
 import lm_eval  # noqa: E402
 
-from trainer.errors import ConfigError  # noqa: E402
+from trainer.config.errors import ConfigError  # noqa: E402
 from trainer.interop.harness import evaluation as harness  # noqa: E402
 from trainer.interop.huggingface import export_checkpoint  # noqa: E402
-from trainer.training.loop import train  # noqa: E402
+from trainer.run.loop import train  # noqa: E402
 
 TASKS = "tests/lm_eval_tasks"  # read relative to the repository, where the tests run
 NAMES = ["tiny_choice", "tiny_complete", "tiny_rolling"]

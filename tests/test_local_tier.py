@@ -147,7 +147,7 @@ def test_two_processes_one_relaunched_with_its_local_tier_wiped(tmp_path, mesh, 
 def test_a_rollback_moves_the_local_steps_past_it_out_of_the_way(tmp_path):
     """Local steps saved in a stretch a rollback abandons are moved to <local_dir>/rolled_back/, as the
     workdir's are: a relaunch never resumes the abandoned trajectory from them."""
-    from trainer.training.loop import train
+    from trainer.run.loop import train
 
     local = tmp_path / "local"
     cfg = micro_config(train=dict(steps=24, log_every=1),
@@ -165,8 +165,8 @@ def test_a_rollback_moves_the_local_steps_past_it_out_of_the_way(tmp_path):
 def test_a_local_save_that_cannot_be_written_is_said_once_and_training_goes_on(tmp_path, capsys):
     """The write fails for real (a file stands where the step's folder must be made): one warning, the run
     ends as it would have, and the other local steps are written."""
+    from trainer.run.loop import train
     from trainer.storage.local_tier import directory_of
-    from trainer.training.loop import train
 
     local, workdir = tmp_path / "local", str(tmp_path / "run")
     cfg = micro_config(train=dict(steps=8, log_every=4),
@@ -187,7 +187,7 @@ def test_a_new_run_in_a_workdir_made_again_never_takes_the_deleted_runs_local_st
     new run: it starts afresh (or from checkpoint.init_from), whatever the local tier holds from before."""
     import shutil
 
-    from trainer.training.loop import train
+    from trainer.run.loop import train
 
     local, workdir = tmp_path / "local", str(tmp_path / "run")
     settings = {"every_steps": 50, "local_dir": str(local), "local_every_steps": 2}
@@ -218,8 +218,8 @@ def test_a_local_step_whose_config_does_not_fit_is_refused_in_one_sentence(tmp_p
     config is checked as a persistent resume's is, before anything is read."""
     import shutil
 
-    from trainer.errors import ConfigError
-    from trainer.training.loop import train
+    from trainer.config.errors import ConfigError
+    from trainer.run.loop import train
 
     local, workdir = tmp_path / "local", str(tmp_path / "run")
     settings = {"every_steps": 50, "local_dir": str(local), "local_every_steps": 2}

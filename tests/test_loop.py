@@ -14,11 +14,11 @@ from tensorboard.backend.event_processing.plugin_event_accumulator import EventA
 from tensorboard.util import tensor_util
 
 from trainer import config
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
+from trainer.run.loop import train
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.metrics import MetricsWriter
 from trainer.storage.workdir import GrowingFiles
-from trainer.training.loop import train
 from trainer.training.setup import build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -194,7 +194,7 @@ def test_trackers_get_metrics_events_and_samples_and_samples_are_the_models_gree
     from test_generate import naive_generate
 
     from trainer.data.tokenizers import load_tokenizer
-    from trainer.samples import completion, prompt_ids
+    from trainer.evaluation.samples import completion, prompt_ids
 
     has_wandb = importlib.util.find_spec("wandb") is not None  # the wandb extra; CI installs it
     monkeypatch.setenv("WANDB_MODE", "offline")

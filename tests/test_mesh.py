@@ -10,7 +10,7 @@ from conftest import micro_config
 
 from parallelism.mesh import AXES, device_array, make_mesh
 from parallelism.rules import LogicalSharding, check_rules, parse_rules
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)

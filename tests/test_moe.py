@@ -16,13 +16,13 @@ from test_context import packed_batch
 
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.interop.families import to_hf_tensors
 from trainer.model import moe
 from trainer.model.sampling import make_generate
 from trainer.model.spec import Execution
+from trainer.run.loop import train
 from trainer.storage.checkpoint import Checkpointer
-from trainer.training.loop import train
 from trainer.training.setup import build
 from trainer.training.state import abstract_params
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from conftest import CPU_FLAGS, cli_args, micro_config
 
+from trainer.run.loop import train
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
-from trainer.training.loop import train
 from trainer.training.setup import build
 from trainer.training.state import abstract_params
 

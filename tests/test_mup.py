@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import cli_args, micro_config
 
-from trainer import experiments
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
+from trainer.planning import experiments
 from trainer.training.setup import build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

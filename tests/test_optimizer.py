@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.optim import schedules
 from trainer.optim.optimizer import applied_learning_rate, decay_mask, make_optimizer, with_hyperparams
 from trainer.optim.schedules import make_schedule
@@ -95,7 +95,7 @@ def test_the_logged_rate_is_the_one_each_update_used_across_a_resume_mid_decay(t
     import os
     import shutil
 
-    from trainer.training.loop import train
+    from trainer.run.loop import train
 
     cfg = micro_config(
         optim=dict(schedule="wsd", lr=PEAK, min_lr_ratio=FLOOR_RATIO, warmup_steps=2, decay_fraction=3 / 9,
@@ -163,12 +163,12 @@ def test_clipping_bounds_the_update_by_the_global_norm():
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd", "constant"])
 def test_the_train_on_hint_says_when_a_schedule_would_rewarm_and_how_not_to(schedule):
-    """A finished run's 'train on' hint (trainer/cli.py): twice the steps stretches a schedule that decays to
+    """A finished run's 'train on' hint (trainer/run/cli.py): twice the steps stretches a schedule that decays to
     the end, so the rate rises again, which the hint says; its second command goes on from the rate the run
     ended with, never above it, and changes none of the steps already taken. A constant schedule: one
     command, nothing to say."""
-    from trainer.cli import train_on
     from trainer.config import with_changes
+    from trainer.run.cli import train_on
 
     cfg = with_changes(micro_config(), {"train.steps": 300, "optim.schedule": schedule, "optim.warmup_steps": 20,
                                         "optim.lr": 4e-3})  # fmt: skip

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from conftest import cli_args, micro_config
 
-from trainer import experiments
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.objectives.language_model import chunked_loss_sums, target_weights
 from trainer.optim.optimizer import make_optimizer, with_hyperparams
+from trainer.planning import experiments
 from trainer.training.setup import build
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,12 +16,12 @@ from flax import nnx
 from test_equivalence import LOSS_RTOL, PARAM_RTOL, differences, run
 
 from parallelism import collectives
+from trainer.config.errors import ConfigError
 from trainer.data import streams
-from trainer.errors import ConfigError
 from trainer.model.decoder import Decoder
 from trainer.model.spec import Architecture, Execution, ModelSpec
 from trainer.storage.checkpoint import Checkpointer
-from trainer.storage.resume import restore_state
+from trainer.training.resume import restore_state
 from trainer.training.setup import build
 from trainer.training.step import BATCH_KEYS
 

@@ -123,7 +123,7 @@ def test_time_to_train_and_the_budget_follow_their_formulas():
 
 
 def test_an_unknown_chip_is_refused_with_the_known_ones():
-    from trainer.errors import ConfigError
+    from trainer.config.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown chip 'tpu-v9'.*h100"):
         plan(micro_config(), compile_step=False, chip="tpu-v9")
@@ -142,7 +142,7 @@ def test_fit_screens_corrects_by_each_compiles_ratio_and_picks_the_fastest_that_
     the microbatches, falls with the tensor split, and bfloat16 moments are a little slower. (The real drill
     compiles for a v5e chip: tests/test_targets.py, marked slow.)"""
     from trainer.config import flatten
-    from trainer.flops import matmul_params
+    from trainer.model.flops import matmul_params
     from trainer.planning import fit
     from trainer.training.setup import build
 

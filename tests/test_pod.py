@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from conftest import CPU_FLAGS, REPO
 
-from trainer.evaluate import evaluate_checkpoint
+from trainer.evaluation.loss import evaluate_checkpoint
+from trainer.run.loop import train
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
-from trainer.training.loop import train
 from trainer.training.setup import build
 from trainer.training.state import abstract_params
 
@@ -189,9 +189,9 @@ def test_a_corpus_on_one_host_disk_is_refused_naming_the_host_without_it_before_
 def test_a_tokenizer_file_other_than_the_runs_copy_is_refused_by_name(tmp_path):
     """A started run keeps its tokenizer; a config whose path now holds another file is refused, naming it, and
     a config whose path holds nothing reads the copy. A run from before copies were kept keeps its path."""
+    from trainer.config.errors import ConfigError
+    from trainer.data import run_tokenizer
     from trainer.data.tokenizers import train_sentencepiece
-    from trainer.errors import ConfigError
-    from trainer.storage import run_tokenizer
 
     texts = [open(os.path.join(STDLIB, name)).read() for name in ("abc.py", "ast.py", "base64.py", "bisect.py")]
     model = str(tmp_path / "tok.model")
@@ -218,7 +218,7 @@ def test_a_tokenizer_file_other_than_the_runs_copy_is_refused_by_name(tmp_path):
 
 
 def test_a_data_directory_in_a_bucket_that_does_not_exist_is_one_sentence_before_anything_runs(tmp_path, bucket):
-    from trainer.errors import ConfigError
+    from trainer.config.errors import ConfigError
 
     cfg = pod_config()
     cfg.data.update(data_dir="gs://nosuchbucket/tfds", tokenizer="byte", tokenizer_path="")

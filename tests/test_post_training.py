@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from conftest import REPO, cli_args, micro_config
 
+from trainer.config.errors import ConfigError
 from trainer.data import chat, corpora, streams
 from trainer.data.tokenizers import ByteTokenizer
-from trainer.errors import ConfigError
-from trainer.evaluate import evaluate_checkpoint
+from trainer.evaluation.loss import evaluate_checkpoint
+from trainer.run.loop import train
 from trainer.storage import workdir as wd
-from trainer.training.loop import train
 from trainer.training.setup import build
 
 WORDS = np.random.default_rng(0)
@@ -230,7 +230,7 @@ def format_rate(setup, params, prompts_words) -> float:
 def test_sft_teaches_a_format_the_base_model_does_not_follow_and_its_export_chats_alike(rows, tmp_path, corpus_dir):
     transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
     from trainer.interop.huggingface import export_checkpoint
-    from trainer.storage.resume import load_params
+    from trainer.training.resume import load_params
 
     pretrain = micro_config(data=dict(source="text_files", data_dir=corpus_dir, seq_len=64),
                             model=dict(max_seq_len=128), train=dict(steps=30, global_batch_size=16),

@@ -13,10 +13,10 @@ import pytest
 from conftest import REPO, cli_args, micro_config
 from test_data import held_out
 
+from trainer.config.errors import ConfigError
 from trainer.data import corpora, readers, streams
 from trainer.data.preparation import progress, work
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer
-from trainer.errors import ConfigError
 
 
 def mixed_corpus(root) -> list[tuple[str, list[str]]]:

@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from conftest import REPO, micro_config
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
+from trainer.run.loop import train
 from trainer.storage.checkpoint import Checkpointer
-from trainer.storage.resume import reset_label, restore_state
-from trainer.training.loop import train
+from trainer.training.resume import reset_label, restore_state
 from trainer.training.setup import build
 from trainer.training.state import abstract_params
 
@@ -122,7 +122,7 @@ def test_a_change_of_architecture_is_refused_and_touches_nothing(saved, tmp_path
 
 
 def test_evaluation_refuses_another_architecture(saved):
-    from trainer.evaluate import evaluate_checkpoint
+    from trainer.evaluation.loss import evaluate_checkpoint
 
     with pytest.raises(ConfigError, match="model.mup_base_width=0 there, 32 here"):
         evaluate_checkpoint(config(model=dict(mup_base_width=32)), saved, max_batches=1)

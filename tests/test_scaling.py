@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import REPO, micro_config
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.planning import scaling_lab, scaling_sweep
 from trainer.planning.scaling import Law
 from trainer.storage import workdir as wd

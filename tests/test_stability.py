@@ -11,11 +11,11 @@ import time
 import pytest
 from conftest import REPO, cli_args, micro_config
 
-from trainer import report
-from trainer.errors import ConfigError, TrainingError
+from trainer.config.errors import ConfigError, TrainingError
+from trainer.evaluation import report
+from trainer.run.loop import train
+from trainer.storage.goodput import BUCKETS
 from trainer.storage.workdir import saved_steps
-from trainer.training.goodput import BUCKETS
-from trainer.training.loop import train
 
 PAUSE = 2.0  # seconds between a killed launch and the next
 
@@ -171,8 +171,8 @@ def test_drills_that_do_not_parse_are_refused(tmp_path, corpus_dir):
 
 def test_an_unreadable_time_account_is_set_aside_and_the_run_goes_on(tmp_path, capsys):
     """goodput.json cut short (or edited) stops nothing: it is kept beside, and the account starts again."""
+    from trainer.storage.goodput import Goodput
     from trainer.storage.workdir import GrowingFiles
-    from trainer.training.goodput import Goodput
 
     (tmp_path / "goodput.json").write_text('{"seconds": {"step": 1.')
     account = Goodput()

@@ -12,10 +12,10 @@ import pytest
 from conftest import REPO, micro_config
 
 from parallelism import hlo
-from trainer.chips import CHIPS, chip_of
+from parallelism.chips import CHIPS, chip_of
 from trainer.config import flatten, from_file, with_changes
-from trainer.errors import ConfigError
-from trainer.flops import attention_forward_flops
+from trainer.config.errors import ConfigError
+from trainer.model.flops import attention_forward_flops
 from trainer.planning.plan import plan
 from trainer.planning.targets import GENERATIONS, installed, parse_target, target_devices
 from trainer.training.setup import build

@@ -7,9 +7,9 @@ import os
 import pytest
 from conftest import micro_config
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.optim.schedules import make_schedule
-from trainer.training.loop import train
+from trainer.run.loop import train
 
 
 def records(workdir):

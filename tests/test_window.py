@@ -16,11 +16,11 @@ from test_context import loss_grads_logits, packed_batch
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding
 from trainer.config import from_file
-from trainer.errors import ConfigError
-from trainer.flops import attention_forward_flops
+from trainer.config.errors import ConfigError
 from trainer.interop.families import hf_config
 from trainer.model.attention import _jax_nn_attention, xla_attention
 from trainer.model.decoder import layer_plan
+from trainer.model.flops import attention_forward_flops
 from trainer.model.spec import Architecture, Experts
 from trainer.model.splash import call_cost, splash_attention
 

@@ -1,4 +1,4 @@
-# JAX is imported here, first, without the accelerator plugins' start-up noise (trainer/accelerators.py).
-from trainer.accelerators import import_jax
+# JAX is imported here, first, without the accelerator plugins' start-up noise (parallelism/accelerators.py).
+from parallelism.accelerators import import_jax
 
 import_jax()

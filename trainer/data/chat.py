@@ -30,7 +30,7 @@ import json
 
 import numpy as np
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
 CONTEXT, REPLY, LAST_REPLY = 0, 1, 2  # a token's code in `turns`

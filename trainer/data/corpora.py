@@ -23,11 +23,11 @@ import os
 import jax
 
 from parallelism.distributed import differing_from_first
+from trainer.config.errors import ConfigError
 from trainer.data import preparation, readers
 from trainer.data.mixture import parse_mixture
 from trainer.data.preparation.split import MADE_FROM_FILE, TOKENIZER_FILE, check_format, check_made_with
 from trainer.data.tokenizers import load_tokenizer, made_with
-from trainer.errors import ConfigError
 
 DEFAULT_DIR = readers.DEFAULT_DIR
 data_dir = readers.data_dir

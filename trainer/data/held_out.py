@@ -1,4 +1,4 @@
-"""Every document of a held-out split once, for a whole-split evaluation (trainer/evaluate.py).
+"""Every document of a held-out split once, for a whole-split evaluation (trainer/evaluation/loss.py).
 
 What a token is predicted from is fixed by the rows of the global batch (B rows): row r takes documents
 r, r+B, r+2B, ... of the split, in order, one after another, and cuts that stream into `seq_len` windows,
@@ -25,14 +25,14 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from trainer.config.errors import ConfigError
 from trainer.data.streams import Stream, documents
-from trainer.errors import ConfigError
 
 
 def one_pass(stream: Stream, split: str, rows: Sequence[int]) -> Iterator[dict[str, np.ndarray]]:
     """This process's part (`rows` of the global batch) of batches holding every document of the split once,
     then padding (segment 0) for ever. Each batch says whether this process's documents had `ended` before it:
-    the caller stops at the first batch where they had on every process (trainer/evaluate.py). A batch with
+    the caller stops at the first batch where they had on every process (trainer/evaluation/loss.py). A batch with
     nothing to predict is no end: a conversation's prompt can fill whole batches before its reply."""
     if stream.source == "synthetic":
         raise ConfigError("a synthetic source has no end; evaluate a fixed number of batches instead.")

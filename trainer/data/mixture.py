@@ -5,7 +5,7 @@ Kept apart from the streams so that checking a config does not import the data l
 
 from __future__ import annotations
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 
 def parse_mixture(entries) -> tuple[tuple[str, float], ...]:

@@ -103,7 +103,7 @@ class Stream:
         read, nor the globs (and, for text files, the field) that selected its files: a prepared corpus records
         what it was made from and refuses a config that selects anything else (trainer/data/preparation/), so
         a glob spelt otherwise over the same files resumes; the tokenizer's file is held to the run's copy
-        (trainer/storage/run_tokenizer.py). The mixture's unit only where there is a mixture."""
+        (trainer/data/run_tokenizer.py). The mixture's unit only where there is a mixture."""
         ignored = {"data_dir", "tokenized", "paths", "tokenizer_path", "chat_template"}
         ignored |= {"format", "loss_on"} if self.format == "text" else set()  # runs from before they existed
         ignored |= {"text_key"} if self.source == "text_files" else set()

@@ -6,7 +6,7 @@ begin/end-of-text tokens become our begin/end of document.
 
 A tokenizer file is read through etils.epath, so `data.tokenizer_path` may be a
 local path or a `gs://` object: a run keeps its own copy in its run directory
-(trainer/storage/run_tokenizer.py), which every host reads. A tokenizer is known
+(trainer/data/run_tokenizer.py), which every host reads. A tokenizer is known
 by its kind and the digest of its file, not by where the file lies.
 """
 
@@ -21,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 

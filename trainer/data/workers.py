@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from trainer.config.errors import TrainingError
 from trainer.data.streams import Stream, batches
-from trainer.errors import TrainingError
 
 
 class ProcessRows:
@@ -76,7 +76,7 @@ class ProcessRows:
 
     def stacks(self) -> list[tuple[str, str]]:
         """(name, every thread's stack) of each worker, which writes them on SIGUSR1 (a hang's report,
-        trainer/training/hang.py), wherever it is stuck; of one that has ended, how."""
+        trainer/run/hang.py), wherever it is stuck; of one that has ended, how."""
         out = []
         for w, (process, pipe) in enumerate(zip(self._processes, self._stack_pipes, strict=True)):
             if process.is_alive():

@@ -16,12 +16,12 @@ import numpy as np
 from etils import epath
 
 from trainer.config import flatten
+from trainer.config.errors import ConfigError
+from trainer.data import run_tokenizer
 from trainer.data.chat import template_for
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer
-from trainer.errors import ConfigError
 from trainer.interop.families import from_hf_tensors, hf_config, model_keys_from_hf, to_hf_tensors
 from trainer.model.spec import Architecture
-from trainer.storage import run_tokenizer
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -155,7 +155,7 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
     the first byte is written, so a refused export leaves nothing behind and the same command can be rerun."""
     import jax
 
-    from trainer.storage.resume import load_params
+    from trainer.training.resume import load_params
 
     require_hf_extra()
     if os.path.exists(out_dir) and os.listdir(out_dir):

@@ -26,7 +26,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info
 
-from trainer.chips import CHIPS, chip_of
+from parallelism.chips import CHIPS, chip_of
 from trainer.model.context import AXIS, gathered, ways, zigzag
 
 LANES, SUBLANES = 128, 8  # a TPU vreg's shape: the kernel pads per-row residuals and ids to it

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.model.spec import Architecture, is_hidden
 
 MUP_OPTIMIZERS = ("adamw", "lion")  # updates proportional to the learning rate, independent of gradient scale

@@ -21,7 +21,7 @@ import math
 import jax.numpy as jnp
 import optax
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 # A cooldown of one step would jump from the peak to the floor: WSD's decay is at least this long.
 MIN_WSD_DECAY = 2

@@ -18,11 +18,11 @@ import itertools
 import time
 
 from trainer.config import REMAT_POLICIES, flatten, with_changes
-from trainer.errors import ConfigError
-from trainer.flops import attention_forward_flops
+from trainer.config.errors import ConfigError
+from trainer.model.flops import attention_forward_flops
 from trainer.planning import memory
 from trainer.training.setup import build
-from trainer.validation import check_mesh_fit, validate
+from trainer.training.validation import check_mesh_fit, validate
 
 ACCUMULATION = (1, 2, 4, 8, 16, 32)
 TENSOR = (1, 2, 4, 8)

@@ -21,15 +21,15 @@ import jax
 import jax.numpy as jnp
 
 from parallelism import collectives, hlo, pipeline
-from trainer import compile_cache
-from trainer.chips import CHIPS, gpu_memory_share
+from parallelism.chips import CHIPS, gpu_memory_share
 from trainer.config import microbatch_size
-from trainer.errors import ConfigError
-from trainer.flops import FORMULA, count_params, flops_per_token, inactive_params, matmul_params
+from trainer.config.errors import ConfigError
+from trainer.model.flops import FORMULA, count_params, flops_per_token, inactive_params, matmul_params
 from trainer.model.splash import hlo_call_cost
 from trainer.planning import fit as fitting
 from trainer.planning import memory, scaling
 from trainer.planning.targets import Target, parse_target, target_devices
+from trainer.storage import compile_cache
 from trainer.training.setup import build
 from trainer.training.state import param_shardings
 from trainer.training.step import OutOfHbm, compile_with_heap
@@ -130,7 +130,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     platform = setup.mesh.devices.flat[0].platform
     if hardware is None:
         compiled = _compiled(lowered, platform)
-    else:  # minutes on a TPU topology: what the plan reads from it is kept (trainer/compile_cache.py)
+    else:  # minutes on a TPU topology: what the plan reads from it is kept (trainer/storage/compile_cache.py)
         devices_here = setup.mesh.devices.flatten().tolist()
         key = [lowered.as_text(), target, str(slices), str(len(devices_here)), devices_here[0].device_kind,
                os.environ.get("XLA_FLAGS", ""), KEPT_READS]  # fmt: skip
@@ -212,7 +212,7 @@ def on_target(hardware: Target, slices: int, compiled_hlo: str, result: dict) ->
 def hlo_cost(module: hlo.Module, chip) -> dict:
     """FLOPs and HBM bytes of a compiled step, ours or another program's (benchmarks/vs_maxtext.py): the
     HLO's matmuls and traffic with loops counted by their trips, and its Pallas kernels by their schedule;
-    the roofline on `chip` (trainer/chips.py) is whichever of FLOPs / peak and bytes / bandwidth is longer."""
+    the roofline on `chip` (parallelism/chips.py) is whichever of FLOPs / peak and bytes / bandwidth is longer."""
     kernels = kernel_cost(module)
     flops = hlo.matmul_flops(module) + kernels["flops"]
     traffic = hlo.bytes_accessed(module) + kernels["bytes"]
@@ -256,7 +256,7 @@ def kernel_cost(module: hlo.Module) -> dict:
 
 def target_fields(hardware: Target, slices: int) -> dict:
     """Where the verdict's limit comes from: what XLA:TPU offers a program, or what JAX's allocator lets a
-    process hold of a GPU (trainer/chips.py), which a plan that fits the whole HBM can still exceed."""
+    process hold of a GPU (parallelism/chips.py), which a plan that fits the whole HBM can still exceed."""
     usable = "what XLA:TPU offers a program" if not hardware.is_gpu else gpu_memory_share()[1]
     return {"target": hardware.name, "topology": hardware.topology, "slices": slices,
             "hbm_bytes_per_device": hardware.chip.hbm_bytes,

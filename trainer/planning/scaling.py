@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from trainer.chips import CHIPS
+from parallelism.chips import CHIPS
 
 TOKENS_PER_PARAM = 20
 

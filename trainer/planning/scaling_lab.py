@@ -25,7 +25,7 @@ import numpy as np
 from etils import epath
 
 from parallelism.distributed import barrier
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.planning import scaling_fit, scaling_sweep
 from trainer.planning.scaling import Law
 from trainer.storage import workdir as wd
@@ -45,7 +45,7 @@ def _quiet(*_args, **_kwargs) -> None:
 
 def run_points(points: list[scaling_sweep.Point], say=print) -> list[float]:
     """Train each point not yet finished; returns every point's final eval loss."""
-    from trainer.training.loop import train
+    from trainer.run.loop import train
 
     say = say if _primary() else _quiet
     todo = sum(p.flops for p in points if scaling_sweep.final_loss(p.workdir) is None)

@@ -6,13 +6,13 @@ aspect ratio d_model / n_layers stay the base config's; d_model takes every
 multiple of head_dim x (n_heads / n_kv_heads); n_layers = max(2, d_model /
 aspect) rounded. For a budget C, the `sizes` consecutive rungs centred on the
 one nearest the rule-of-thumb optimum (`tokens_per_param` x N tokens) are
-trained, each for C / FLOPs-per-token tokens (trainer/flops.py: 6 N plus
+trained, each for C / FLOPs-per-token tokens (trainer/model/flops.py: 6 N plus
 attention), with its warmup and cosine decay fitted to its own length
 (Hoffmann et al.'s correction to Kaplan et al.'s fixed schedule) and one
 evaluation at the end, on the base config's `train.eval_batches` held-out
 batches (the fitted loss: raise it, e.g. to 32, for a less noisy fit).
 
-N here is the parameters that take part in matmuls (trainer/flops.py), the N
+N here is the parameters that take part in matmuls (trainer/model/flops.py), the N
 of C = 6 N D: an untied input embedding (a lookup) is not counted.
 
 Each point is an ordinary run directory, <out>/C<budget>/d<d_model>, with its
@@ -34,8 +34,8 @@ import jax
 import numpy as np
 
 from trainer import config
-from trainer.errors import ConfigError
-from trainer.flops import flops_per_token, matmul_params
+from trainer.config.errors import ConfigError
+from trainer.model.flops import flops_per_token, matmul_params
 from trainer.storage import workdir as wd
 from trainer.storage.metrics import read_records
 from trainer.storage.workdir import saved_config

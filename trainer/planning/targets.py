@@ -19,14 +19,14 @@ import math
 import os
 import re
 
-from trainer.accelerators import stderr_held_back
-from trainer.chips import CHIPS, Chip
-from trainer.errors import ConfigError
+from parallelism.accelerators import stderr_held_back
+from parallelism.chips import CHIPS, Chip
+from trainer.config.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    chip: str  # key of trainer.chips.CHIPS
+    chip: str  # key of parallelism.chips.CHIPS
     topology_prefix: str  # libtpu's name for the generation
     cores_per_chip: int  # what one unit of the accelerator type's number counts
     dims: int  # the torus: 2-D (v5e, v6e) or 3-D (v4, v5p)
@@ -41,7 +41,7 @@ GENERATIONS = {
     "v6e": Generation("tpu-v6e", "v6e", 1, 2, (1, 4, 8, 16, 32, 64, 128, 256)),
 }
 ALIASES = {"v5litepod": "v5e"}
-# GPU targets name their chip (trainer/chips.py); 8 GPUs a host (an HGX board), or one host of N < 8.
+# GPU targets name their chip (parallelism/chips.py); 8 GPUs a host (an HGX board), or one host of N < 8.
 GPUS = ("h100", "h200")
 _GPU_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 

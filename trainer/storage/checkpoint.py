@@ -17,7 +17,7 @@ moved to `damaged_checkpoints/` beside the checkpoint directory, never
 deleted, by process 0 while the others wait, and all of them try the next
 older one.
 Whether a readable checkpoint fits the config is decided before that, from its
-metadata (trainer/storage/resume.py), so a changed config never sets one aside.
+metadata (trainer/training/resume.py), so a changed config never sets one aside.
 """
 
 from __future__ import annotations
@@ -33,22 +33,25 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from parallelism.distributed import max_over_processes
-from trainer import last_words
-from trainer.errors import ConfigError, StorageError
+from trainer.config import last_words
+from trainer.config.errors import ConfigError, StorageError
 from trainer.storage import faults
 from trainer.storage.workdir import forget_listings, move, path
-from trainer.training.state import TrainState
 
 PARAMS, OPT_STATE, META, DATA = "params", "opt_state", "meta", "data"
 # 3: the data position is keyed by global-batch row, and meta holds the clock (in sequences), the
 # loss scale and the stability state apart. 4: the clock in two words and its batch
 # (trainer/training/clock.py), and `reset_optimizer` the label of the last reset, not a flag.
-# Older layouts are read by storage/resume.py.
+# Older layouts are read by training/resume.py.
 FORMAT = 4
 # Orbax and TensorStore report a missing, truncated or corrupt file with many exception types, a bare
 # Exception among them; these, though, are faults in the code, and setting checkpoints aside for one
 # would hide it behind "damaged" files.
 CODE_FAULTS = (TypeError, AttributeError, NameError, ImportError, AssertionError, NotImplementedError)
+
+# The training state (trainer/training/state.py's TrainState): storage saves any flax dataclass of arrays by
+# its fields, so it sits below the training it stores.
+State = Any
 
 
 class Failed:
@@ -168,8 +171,8 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state: TrainState, data_iterator, *, reset_label: int = 0) -> None:
-        """`reset_label`: the run's last honoured checkpoint.reset_optimizer (trainer/storage/resume.py)."""
+    def save(self, step: int, state: State, data_iterator, *, reset_label: int = 0) -> None:
+        """`reset_label`: the run's last honoured checkpoint.reset_optimizer (trainer/training/resume.py)."""
         meta = {"step": state.step, "rng": state.rng, "clock": state.clock, "loss_scale": state.loss_scale,
                 "stability": state.stability, "format": np.int32(FORMAT),
                 "reset_optimizer": np.int32(reset_label)}  # fmt: skip

@@ -22,8 +22,8 @@ import re
 import time
 from collections.abc import Callable
 
-from trainer import last_words
-from trainer.errors import StorageError
+from trainer.config import last_words
+from trainer.config.errors import StorageError
 
 OK, DAMAGED, TRANSIENT, STOP = 0, 1, 2, 3  # ordered: the worst verdict of any process decides for all
 
@@ -141,7 +141,7 @@ def retrying(what: str, read: Callable[[], object], seconds: float, say: Callabl
 def stopped(what: str, error: BaseException | None, kind: int, seconds: float) -> str:
     """The sentence a run stops with when its storage or memory, not its files, failed (`error` None: on
     another process, whose log names it). From here on a command's stderr holds nothing but that sentence
-    (trainer/last_words.py)."""
+    (trainer/config/last_words.py)."""
     last_words.when_stopping()
     if error is None:
         return f"{what} failed on another process (its log names the error); nothing was moved or deleted."

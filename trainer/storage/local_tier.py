@@ -13,7 +13,7 @@ too), one .npy file per shard with its CRC, into `<step>.partial/`, renamed to
 writes the data position of every batch row (gathered at the save) and the
 layout it saved under: a local checkpoint is only read by the same process of
 the same mesh. It records its run's config too, which a relaunch checks as a
-persistent resume checks config.json (trainer/storage/resume.py).
+persistent resume checks config.json (trainer/training/resume.py).
 
 Orbax's own per-process checkpointing (the CheckpointManager its emergency
 checkpointer builds its local tier from: primary_host None, one active process)
@@ -54,10 +54,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from parallelism.distributed import max_over_processes
-from trainer.errors import ConfigError, StorageError
+from trainer.config.errors import ConfigError, StorageError
 from trainer.storage import faults
+from trainer.storage.checkpoint import State
 from trainer.storage.workdir import path, try_writing
-from trainer.training.state import TrainState
 
 _MOST_STEPS = 16  # local steps a process reports at a relaunch (local_keep is below it)
 _RECORD = "local.json"
@@ -106,7 +106,7 @@ class LocalTier:
         return {"processes": jax.process_count(), "mesh": [[n, int(s)] for n, s in self.mesh.shape.items()],
                 "devices": [int(d.id) for d in self.mesh.devices.flat if d.process_index == self.me]}  # fmt: skip
 
-    def save(self, step: int, state: TrainState, data_iterator, reset_label: int) -> None:
+    def save(self, step: int, state: State, data_iterator, reset_label: int) -> None:
         """A collective (every process saves at the same steps): the rows' positions are gathered. The shards
         are copied to host memory here; the files are written while training goes on (unless async is off)."""
         rows = _gathered_rows(data_iterator.get_state()["rows"] if data_iterator is not None else {})
@@ -184,7 +184,7 @@ class LocalTier:
                 steps.append(step)
         return steps[:_MOST_STEPS]
 
-    def restore(self, after: int, abstract: TrainState, data_iterator, asked_label: int, say, check):
+    def restore(self, after: int, abstract: State, data_iterator, asked_label: int, say, check):
         """(step, the state's fields as saved, the run's last reset label) from the newest local step newer than
         `after` that every process can restore, the data iterator set in place; None (said, when a newer local
         step existed) to use the persistent tier. `check(config)` raises ConfigError for a step whose recorded
@@ -235,7 +235,7 @@ class LocalTier:
         except (OSError, ValueError, KeyError):
             return None
 
-    def _read(self, step: int, abstract: TrainState):
+    def _read(self, step: int, abstract: State):
         """(the state's fields, the step's record, None) or (None, None, the error): this process's shards."""
         folder = os.path.join(self.directory, str(step))
         try:
@@ -280,8 +280,8 @@ class LocalTier:
         return target
 
 
-def _fields(state: TrainState) -> dict:
-    return {f.name: getattr(state, f.name) for f in dataclasses.fields(TrainState)}
+def _fields(state: State) -> dict:
+    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
 
 
 def _gathered_steps(mine: list[int]) -> list[set[int]]:
@@ -320,7 +320,7 @@ def _broadcast_json(value):
     return None
 
 
-def _choose(held: list[set[int]], after: int, abstract: TrainState):
+def _choose(held: list[set[int]], after: int, abstract: State):
     """((step, its holders) or None, why not the newest local step): the same on every process."""
     everyone = set(range(len(held)))
     newer = sorted({s for steps in held for s in steps if s > after}, reverse=True)
@@ -340,7 +340,7 @@ def _choose(held: list[set[int]], after: int, abstract: TrainState):
     )
 
 
-def _replicated_for(holders: set[int], abstract: TrainState) -> bool:
+def _replicated_for(holders: set[int], abstract: State) -> bool:
     """Whether, for every array, each shard a non-holder's device needs is on some holder's device."""
     for leaf in jax.tree.leaves(_fields(abstract)):
         indices = leaf.sharding.devices_indices_map(leaf.shape)
@@ -354,7 +354,7 @@ def _key(index) -> tuple:
     return tuple((s.start, s.stop) for s in index)
 
 
-def _completed(tree, holders: set[int], abstract: TrainState, mesh):
+def _completed(tree, holders: set[int], abstract: State, mesh):
     """Every process's arrays of a step some processes restored: each shard sent from one holder's device to
     the devices that lack it, by a sum over the mesh axes the array is replicated along (all others add 0)."""
     if len(holders) == jax.process_count():

@@ -18,7 +18,7 @@ import os
 
 import numpy as np
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.storage import workdir as wd
 from trainer.storage.trackers import TensorBoard, WandB
 from trainer.storage.workdir import GrowingFiles

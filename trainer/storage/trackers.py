@@ -16,7 +16,7 @@ import os
 import uuid
 
 from trainer.config import flatten
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 WANDB_ID_FILE = "wandb_id.txt"
 

@@ -4,7 +4,7 @@ files that grow while it runs.
 A workdir is a local path or a bucket (`gs://bucket/run`): every path in it
 goes through `etils.epath`, Orbax's own path type (gcsfs underneath for
 `gs://`), and the checkpoints' arrays through TensorStore. What may change
-when a run resumes is decided in trainer/storage/resume.py.
+when a run resumes is decided in trainer/training/resume.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 from etils import epath
 
 from trainer.config import to_json
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.storage import faults
 
 CONFIG_FILE = "config.json"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from trainer.config import microbatch_size
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 
 def check(cfg) -> None:

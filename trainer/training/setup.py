@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding, parse_rules
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.model.attention import context_kernel, resolve
 from trainer.model.context import ways
 from trainer.model.decoder import ModelDef
@@ -31,7 +31,7 @@ from trainer.training.state import (
     state_shardings,
 )
 from trainer.training.step import BATCH_NAMES, abstract_batch, batch_keys, jit_train_step, make_train_step
-from trainer.validation import check_mesh_fit, check_weights_fit, validate
+from trainer.training.validation import check_mesh_fit, check_weights_fit, validate
 
 
 @dataclasses.dataclass(frozen=True)

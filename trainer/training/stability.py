@@ -12,7 +12,7 @@ loop, reading them at its log points (no extra host syncs), can see
 `max_bad_steps` bad steps in the window, or a loss above `diverge_factor` x its
 running mean for `diverge_steps` steps in a row, and roll back to the newest
 checkpoint saved while healthy, skip the data read since, and lower the
-learning rate (trainer/training/rollback.py). The drills in `config.debug` feed it
+learning rate (trainer/run/rollback.py). The drills in `config.debug` feed it
 corrupted batches or a learning rate far too high, counted in global batches of the data stream.
 """
 

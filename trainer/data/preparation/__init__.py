@@ -18,11 +18,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from trainer.config.errors import ConfigError
 from trainer.data import chat
 from trainer.data.preparation import inputs, publishing, shards, split, work
 from trainer.data.preparation.progress import Progress
 from trainer.data.tokenizers import load_tokenizer, made_with
-from trainer.errors import ConfigError
 from trainer.storage.workdir import is_remote, try_writing
 
 

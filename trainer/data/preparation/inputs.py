@@ -20,8 +20,8 @@ import os
 import sysconfig
 from collections.abc import Iterator
 
+from trainer.config.errors import ConfigError
 from trainer.data.chat import row_text
-from trainer.errors import ConfigError
 
 JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 PARQUET_ROWS = 64  # rows decoded at once from a Parquet row group: a bounded number of documents in memory

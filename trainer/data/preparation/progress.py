@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from trainer.data.preparation.work import read_reports
-from trainer.training.goodput import duration
+from trainer.storage.goodput import duration
 
 EVERY_SECONDS = 30.0  # between two progress lines
 

@@ -16,10 +16,10 @@ import os
 
 from etils import epath
 
+from trainer.config.errors import ConfigError
 from trainer.data.chat import format_of
 from trainer.data.preparation.inputs import InputFile
 from trainer.data.tokenizers import same_tokenizer
-from trainer.errors import ConfigError
 
 SPLIT_BY_FILE = {"by": "file", "fraction": 0.02}  # corpora prepared before data.validation_fraction
 MADE_FROM_FILE = "made_from.json"

@@ -26,12 +26,12 @@ import types
 
 import numpy as np
 
-from trainer.accelerators import stderr_held_back
+from parallelism.accelerators import stderr_held_back
+from trainer.config.errors import ConfigError
 from trainer.data import chat
 from trainer.data.preparation.inputs import InputFile, documents
 from trainer.data.preparation.shards import SPLITS, TOKENS_SUFFIX, ShardWriter
 from trainer.data.preparation.split import is_validation, relative
-from trainer.errors import ConfigError
 from trainer.storage.workdir import is_remote
 
 UNIT_BYTES = 64 * 2**20  # text files grouped into units of about this much input

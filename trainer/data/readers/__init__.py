@@ -22,7 +22,7 @@ import os
 import tensorflow_datasets as tfds
 from etils import epath
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.storage.workdir import is_remote
 
 TOKENS_SUFFIX = "-tokens"  # as trainer/data/preparation/shards.py names a corpus's tokenised store

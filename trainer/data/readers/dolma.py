@@ -15,8 +15,8 @@ import os
 
 import numpy as np
 
+from trainer.config.errors import ConfigError
 from trainer.data.readers.tokens import check_ids
-from trainer.errors import ConfigError
 
 DTYPES = ("uint16", "uint32")
 NPY_MAGIC = b"\x93NUMPY"  # how a file np.save wrote begins

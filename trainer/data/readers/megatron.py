@@ -17,8 +17,8 @@ import struct
 
 import numpy as np
 
+from trainer.config.errors import ConfigError
 from trainer.data.readers.tokens import CHECKED_TOKENS, check_ids
-from trainer.errors import ConfigError
 
 HEADER = b"MMIDIDX\x00\x00"
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}

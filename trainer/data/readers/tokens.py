@@ -16,7 +16,7 @@ import bisect
 
 import numpy as np
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 CHECKED_TOKENS = 64 * 2**20  # each file's first tokens checked against the vocabulary when it is opened
 

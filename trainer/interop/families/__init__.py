@@ -15,8 +15,8 @@ claims it gives its form. Adding a family is a module and its line in FAMILIES (
 
 from __future__ import annotations
 
+from trainer.config.errors import ConfigError
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
-from trainer.errors import ConfigError
 from trainer.interop.families import core, deepseek_v3, gemma3, llama, mistral, mixtral, qwen3
 from trainer.model.spec import Architecture
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from trainer.config.errors import ConfigError
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
-from trainer.errors import ConfigError
 from trainer.model.spec import Architecture
 
 # Our norm (in a block's params) under the families' names for it

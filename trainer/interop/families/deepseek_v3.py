@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.interop.families import core
 from trainer.model.spec import Architecture
 

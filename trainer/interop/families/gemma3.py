@@ -12,7 +12,7 @@ gives layer_types and rope_parameters per layer type.
 
 from __future__ import annotations
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.interop.families import core
 from trainer.model.spec import Architecture
 

@@ -5,7 +5,7 @@ layers, no shared experts and no router bias, which an export refuses."""
 
 from __future__ import annotations
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.interop.families import core
 from trainer.model.spec import Architecture
 

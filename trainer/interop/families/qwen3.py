@@ -6,7 +6,7 @@ which an import requires; its layer i has experts if (i + 1) % decoder_sparse_st
 
 from __future__ import annotations
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.interop.families import core
 from trainer.model.spec import Architecture
 

@@ -1,7 +1,7 @@
 """EleutherAI's lm-evaluation-harness on our checkpoints (trainer/interop/harness/evaluation.py), which needs the `eval`
 extra: `load()` imports it, or says in one sentence how to install it."""
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 
 def load():

@@ -42,12 +42,12 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 
+from trainer.config.errors import ConfigError
+from trainer.data import run_tokenizer
 from trainer.data.tokenizers import load_tokenizer
-from trainer.errors import ConfigError
 from trainer.interop.scoring import Scorer
-from trainer.storage import run_tokenizer
-from trainer.storage.resume import load_params
 from trainer.storage.workdir import path, write_file
+from trainer.training.resume import load_params
 
 LOCAL_DATA = (
     "copy the task's YAML into a folder of your own with `dataset_path: json` and `dataset_kwargs: {data_files: "

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from trainer.errors import TrainingError
+from trainer.config.errors import TrainingError
 from trainer.storage.checkpoint import Checkpointer
 from trainer.training import clock, stability
 from trainer.training.state import TrainState

@@ -22,9 +22,9 @@ import json
 
 from etils import epath
 
+from trainer.config.errors import ConfigError
 from trainer.data.chat import TEMPLATE_FILE
 from trainer.data.tokenizers import HF_CONFIG, digest, tokenizer_file
-from trainer.errors import ConfigError
 from trainer.storage import workdir as wd
 
 COPY_DIR = "tokenizer"

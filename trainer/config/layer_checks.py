@@ -1,5 +1,5 @@
 """What the model section's kinds of layer need, before any device is asked: experts, local and global
-layers, latent attention, multi-token prediction (trainer/validation.py runs these with every other check).
+layers, latent attention, multi-token prediction (trainer/training/validation.py runs these with every other check).
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import ml_collections
 
 from trainer.config import ACTIVATIONS, GROUPED_MATMULS, MOE_IMPLS, ROUTERS
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 
 
 def choice(path: str, value, valid) -> None:

@@ -5,10 +5,10 @@ they load, on machines without their hardware too: a "could not find cuda
 drivers" line from C++ at `import jax`, then at the first device query a Python
 traceback from the CUDA plugin and libtpu's warnings about hosts and worker
 names. None of it says more than "no GPU, no TPU here". So JAX is imported
-(trainer/__init__.py), and its backends started (trainer/cli.py), with this
+(trainer/__init__.py), and its backends started (trainer/run/cli.py), with this
 process's stderr (file descriptor 2: C++ and Python write there alike) held
 back, and given back whole if the step fails. Training says once, in one line,
-when it runs on the CPU (trainer/training/loop.py). (plan.py's targets start the CPU backend alone, which
+when it runs on the CPU (trainer/run/loop.py). (plan.py's targets start the CPU backend alone, which
 loads no plugin.)
 """
 
@@ -24,7 +24,7 @@ import tempfile
 def stderr_held_back():
     """Within, what this process writes to stderr is kept aside; it is written out after all if the block
     raises (the noise is then the explanation), unless with a ConfigError, whose sentence explains it."""
-    from trainer.errors import ConfigError
+    from parallelism.config_error import ConfigError
 
     sys.stderr.flush()
     saved = os.dup(2)

@@ -41,10 +41,10 @@ from trainer.config import (
     flatten,
     microbatch_size,
 )
+from trainer.config.errors import ConfigError
+from trainer.config.layer_checks import check_layers
+from trainer.config.layer_checks import choice as _choice
 from trainer.data.mixture import parse_mixture
-from trainer.errors import ConfigError
-from trainer.layer_checks import check_layers
-from trainer.layer_checks import choice as _choice
 from trainer.optim import mup, schedules
 from trainer.training import batch_ramp
 
@@ -56,7 +56,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         if path in RENAMED:
             raise ConfigError(f"config key '{path}' is now '{RENAMED[path]}'; use the new name.")
         if path not in known:
-            raise ConfigError(f"unknown config key '{path}'; check its spelling against trainer/config.py.")
+            raise ConfigError(f"unknown config key '{path}'; check its spelling against trainer/config/__init__.py.")
         default = known[path]
         if isinstance(default, (int, float)) and not isinstance(default, bool):
             if isinstance(value, bool) or not isinstance(value, (int, float)):

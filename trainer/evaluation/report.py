@@ -6,7 +6,7 @@ crosses along the foot of the loss panel (a non-finite loss is not drawn). A
 rollback is a vertical line on every panel at the step it left, and the
 history after it starts again from the step it went back to, so the abandoned
 stretch stays visible. Below them, where the run keeps one (goodput.json,
-trainer/training/goodput.py), a bar per run of where its wall time went.
+trainer/storage/goodput.py), a bar per run of where its wall time went.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import os
 
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
+from trainer.storage.goodput import BUCKETS, LEDGER
 from trainer.storage.metrics import METRICS_FILE, read_records
 from trainer.storage.workdir import path
-from trainer.training.goodput import BUCKETS, LEDGER
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("update_ratio", "update ratio"), ("tokens_per_sec", "tokens/s"), ("mfu", "MFU"))  # fmt: skip

@@ -6,8 +6,8 @@ returned dict is locked, so a misspelt key in a recipe or on the command line
 (`--config.optim.lrr=1`) is refused by name instead of silently ignored; a key
 that was renamed is refused with its new name. Lists are tuples: on the command
 line `--config.debug.poison_batches=12,13` or `--config.mesh.rules.batch=data,fsdp`
-(trainer/cli.py splits what the flag parser leaves as one string). The
-checks that a config can work live in trainer/validation.py.
+(trainer/run/cli.py splits what the flag parser leaves as one string). The
+checks that a config can work live in trainer/training/validation.py.
 """
 
 from __future__ import annotations
@@ -250,9 +250,9 @@ def _declared() -> dict[str, dict]:
         harness_fewshot=Num(-1, "[-1, inf)"),  # examples in each prompt; -1 = each task's own
         harness_include_path="",  # a folder of task YAML files of your own (tasks over local data)
         # No step, evaluation batch or checkpoint for this long: write every thread's stack and end the run
-        # (all its processes), so that the scheduler relaunches it (trainer/training/hang.py); 0 = never.
+        # (all its processes), so that the scheduler relaunches it (trainer/run/hang.py); 0 = never.
         hang_seconds=Num(1800.0, "[0, inf)"),
-        # Compiled programs kept for the next launch (trainer/compile_cache.py): a directory, local or gs://; a
+        # Compiled programs kept for the next launch (trainer/storage/compile_cache.py): a directory, local or gs://; a
         # relative one is taken from the workdir; "" = none. The default, beside the workdir, gives way to a
         # JAX_COMPILATION_CACHE_DIR in the environment.
         compile_cache="../compile_cache",

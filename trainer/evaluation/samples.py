@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism.distributed import fetch
-from trainer.errors import ConfigError
+from trainer.config.errors import ConfigError
 from trainer.model.sampling import make_generate
 
 SAMPLED = dict(temperature=0.8, top_p=0.95)

@@ -1,5 +1,5 @@
 """Before a run compiles anything: every check that can refuse it, then the workdir made and the run's
-tokenizer stored. A refusal here leaves the workdir as it was (trainer/training/loop.py trains)."""
+tokenizer stored. A refusal here leaves the workdir as it was (trainer/run/loop.py trains)."""
 
 from __future__ import annotations
 
@@ -9,25 +9,26 @@ import uuid
 import jax
 
 from parallelism.distributed import barrier, first_process_says
-from trainer import samples
 from trainer.config import with_changes
-from trainer.data import corpora
+from trainer.data import corpora, run_tokenizer
 from trainer.data.tokenizers import load_tokenizer
+from trainer.evaluation import samples
 from trainer.interop import harness
-from trainer.storage import local_tier, resume, run_tokenizer
+from trainer.storage import local_tier
 from trainer.storage import workdir as wd
 from trainer.storage.metrics import check_fresh_start
+from trainer.training import resume
 from trainer.training.setup import Setup, build
-from trainer.validation import unread_settings
+from trainer.training.validation import unread_settings
 
 
 def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
     """Every check that can fail, before anything is compiled; the workdir is created last.
 
-    Returns the setup (whose config reads the run's copy of its tokenizer, trainer/storage/run_tokenizer.py),
+    Returns the setup (whose config reads the run's copy of its tokenizer, trainer/data/run_tokenizer.py),
     for a new run with `checkpoint.init_from` the weights to start from, and the train step's inputs after
     the batch (DPO's reference weights; its config then pins init_from to DIR@STEP), and the run's identity
-    (written to the workdir with its config, once a checkpoint is accepted: trainer/training/loop.py).
+    (written to the workdir with its config, once a checkpoint is accepted: trainer/run/loop.py).
     """
     setup = build(cfg)
     primary = jax.process_index() == 0

@@ -15,8 +15,10 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
-from trainer import accelerators, config, last_words
-from trainer.errors import ConfigError, TrainingError
+from parallelism import accelerators
+from trainer import config
+from trainer.config import last_words
+from trainer.config.errors import ConfigError, TrainingError
 from trainer.storage import faults
 
 _COORDINATOR = flags.DEFINE_string("coordinator", None, "Multi-process runs: host:port of process 0.")
@@ -68,7 +70,7 @@ def config_args(argv: list[str]) -> list[str]:
 def say_next(result: dict, cfg, workdir_flag: str | None, argv: list[str]) -> None:
     """What a finished training run says last (process 0): where it is, what it reached, and the three
     commands a user runs next (train on, evaluate, generate), spelt with this command line's config flags."""
-    import jax  # imported by now, quietly (trainer/accelerators.py)
+    import jax  # imported by now, quietly (parallelism/accelerators.py)
 
     if jax.process_index() == 0:
         print(_next_commands(result, cfg, workdir_flag, argv), flush=True)
@@ -189,7 +191,9 @@ def _parse(argv):
         if unknown:
             sys.exit(f"error: {unknown}")
         detail = " ".join(str(e).replace("\\n", " ").replace("\\", "").replace("'", "").split())
-        sys.exit(f"error: a command-line flag could not be applied ({detail}); check it against trainer/config.py.")
+        sys.exit(
+            f"error: a command-line flag could not be applied ({detail}); check it against trainer/config/__init__.py."
+        )
 
 
 def _unknown_flag(name: str) -> str:
@@ -226,7 +230,7 @@ def _unknown_key(argv) -> str | None:
             continue  # a rule's name is judged with the rules (validation.py), in its own sentence
         near = difflib.get_close_matches(key, known, n=1)
         hint = f"did you mean --config.{near[0]}? " if near else ""
-        return f"--config.{key} is not a config key; {hint}(every key: trainer/config.py)"
+        return f"--config.{key} is not a config key; {hint}(every key: trainer/config/__init__.py)"
     return None
 
 

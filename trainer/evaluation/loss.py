@@ -28,16 +28,15 @@ import jax
 import numpy as np
 
 from parallelism.distributed import fetch, max_over_processes
-from trainer.data import corpora, held_out, streams
+from trainer.config.errors import ConfigError
+from trainer.data import corpora, held_out, run_tokenizer, streams
 from trainer.data.tokenizers import load_tokenizer
-from trainer.errors import ConfigError
 from trainer.objectives import dpo
 from trainer.objectives.language_model import target_weights
-from trainer.storage import run_tokenizer
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
-from trainer.storage.resume import load_params
 from trainer.storage.workdir import path, write_file
+from trainer.training.resume import load_params
 from trainer.training.setup import Setup
 from trainer.training.step import BATCH_NAMES, batch_keys, jit_eval_step, make_eval_step
 

@@ -9,7 +9,7 @@ than the sentence the run stops with (trainer/storage/faults.py), and it came be
 So a checkpoint read holds back what the process writes to stderr (`held_while_reading`): written out if
 the read succeeds, dropped if it fails (the error is then classified and said). And once a run knows it
 stops on such trouble, a command lets nothing but its own prints reach stderr from then on
-(`from_now_on`, which trainer/cli.py sets as `when_stopping`): its one sentence, and the other
+(`from_now_on`, which trainer/run/cli.py sets as `when_stopping`): its one sentence, and the other
 processes' watchdogs' in a multi-process run.
 A library caller (a test, a notebook) keeps its stderr: `when_stopping` does nothing unless a command
 asked for it.

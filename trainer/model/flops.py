@@ -15,7 +15,7 @@ MFU figures compare directly with PaLM's and MaxText's. A local layer
 (model.sliding_window) counts the window's keys instead of seq_len.
 
 MFU = FLOPs per token * tokens per second / peak FLOP/s of all devices. The
-peak is the chip's dense bf16 figure from trainer/chips.py; on a CPU it is measured
+peak is the chip's dense bf16 figure from parallelism/chips.py; on a CPU it is measured
 with a large fp32 matmul, once, for the whole host (simulated devices share its
 cores).
 """
@@ -29,7 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from trainer.chips import CHIPS, chip_of
+from parallelism.chips import CHIPS, chip_of
 from trainer.model.spec import Architecture
 
 

@@ -27,13 +27,12 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from trainer import compile_cache
 from trainer.config import flatten, from_dict, with_changes
+from trainer.config.errors import ConfigError, StorageError
 from trainer.data.streams import Stream
-from trainer.errors import ConfigError, StorageError
 from trainer.model.spec import Architecture
 from trainer.optim.optimizer import make_optimizer
-from trainer.storage import faults
+from trainer.storage import compile_cache, faults
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import OPT_STATE, Checkpointer, Unreadable, arrays
 from trainer.training import clock, stability
@@ -59,7 +58,7 @@ def changed_keys(saved, cfg, view: Callable) -> list[str]:
 
 def check_architecture(workdir: str, cfg, saved=None) -> None:
     """Refuse a config whose model (or kind of tokenizer) would read the saved weights differently; the
-    tokenizer's file is checked against the run's copy of it (trainer/storage/run_tokenizer.py)."""
+    tokenizer's file is checked against the run's copy of it (trainer/data/run_tokenizer.py)."""
     saved = saved if saved is not None else saved_config(workdir)
     if saved is None:
         return

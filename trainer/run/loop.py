@@ -6,13 +6,13 @@ after the next step has been dispatched, so the device has work queued while
 the host writes them. Step time is wall time between two log points,
 evaluation and checkpoint time excluded. Log points are also where the loop
 reads the device's stability counters and, if the run is in trouble, rolls
-back (trainer/training/stability.py, trainer/training/rollback.py).
+back (trainer/training/stability.py, trainer/run/rollback.py).
 
 The run ends when `train.steps` full batches have been trained on: skipped
 steps and a batch-size ramp make that more steps than `train.steps`.
 SIGTERM (preemption) finishes the step in flight, saves a checkpoint at it and
 returns; the same command later resumes from there. With several processes
-they stop together, at a step the runtime agrees (trainer/training/preemption.py);
+they stop together, at a step the runtime agrees (trainer/run/preemption.py);
 a process that dies ends the others, naming it (parallelism/distributed.py).
 """
 
@@ -25,24 +25,25 @@ import jax
 import numpy as np
 
 from parallelism.distributed import fetch, wait_if_a_process_died
-from trainer import compile_cache, samples
 from trainer.config import from_dict, microbatch_size
 from trainer.data import corpora, streams, workers
 from trainer.data.tokenizers import load_tokenizer
-from trainer.evaluate import Evaluator
-from trainer.flops import count_params, flops_per_token, inactive_params, peak_flops
+from trainer.evaluation import samples
+from trainer.evaluation.loss import Evaluator
 from trainer.interop import harness
-from trainer.storage import resume
+from trainer.model.flops import count_params, flops_per_token, inactive_params, peak_flops
+from trainer.run import preflight
+from trainer.run.hang import HangWatch
+from trainer.run.preemption import watch_for_sigterm
+from trainer.run.profiling import StepProfiler
+from trainer.run.rollback import roll_back
+from trainer.storage import compile_cache
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
+from trainer.storage.goodput import Goodput, duration
 from trainer.storage.local_tier import LocalTier
 from trainer.storage.metrics import MetricsWriter, floats
-from trainer.training import batch_ramp, clock, preflight, stability
-from trainer.training.goodput import Goodput, duration
-from trainer.training.hang import HangWatch
-from trainer.training.preemption import watch_for_sigterm
-from trainer.training.profiling import StepProfiler
-from trainer.training.rollback import roll_back
+from trainer.training import batch_ramp, clock, resume, stability
 from trainer.training.setup import Setup
 from trainer.training.state import state_from_params
 from trainer.training.step import memory_per_device
