@@ -53,7 +53,7 @@ LIMITS = {"env": 45, "matmul": 45, "cudnn": 100, "llm": 130, "torch": 170}
 
 
 def llm_config(overrides: dict, small: bool):
-    from trainer.config import from_file, with_changes
+    from trainer.config.forms import from_file, with_changes
 
     cfg = from_file(os.path.join(REPO, "configs", "llm_1b.py"))
     # Every device the process has: the card alone on the GPU host, the simulated ones of a test's CPU.

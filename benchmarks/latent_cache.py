@@ -40,7 +40,7 @@ def main():
 
     accelerators.start()  # this machine's backends, without the others' noise
 
-    from trainer.config import with_changes
+    from trainer.config.forms import with_changes
     from trainer.model.sampling import empty_cache, make_generate
     from trainer.training.setup import build
 

@@ -108,7 +108,7 @@ HELDOUT_BOUND, HELDOUT_MEDIAN_BOUND = 0.35, 0.15
 
 
 def load_config(name: str):
-    from trainer.config import from_file
+    from trainer.config.forms import from_file
 
     return from_file(os.path.join(os.path.dirname(HERE), "configs", f"{name}.py"))
 
@@ -211,7 +211,7 @@ def table(path: str) -> str:
 
 def heldout_setup(row: dict):
     """(config, devices) of a held-out cell: its config with its changes, on its target's slices."""
-    from trainer.config import with_changes
+    from trainer.config.forms import with_changes
     from trainer.planning.targets import parse_target, target_devices
 
     return with_changes(load_config(row["config"]), row["changes"]), target_devices(parse_target(row["compiler"]),

@@ -49,7 +49,7 @@ def batch(cfg) -> dict:
 def main():
     import jax
 
-    from trainer.config import with_changes
+    from trainer.config.forms import with_changes
     from trainer.model.flops import flops_per_token, peak_flops
     from trainer.training.setup import build
 

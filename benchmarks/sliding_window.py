@@ -52,7 +52,7 @@ def main():
     if _SIMULATE.value:
         os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_SIMULATE.value}"
     accelerators.start()
-    from trainer.config import with_changes
+    from trainer.config.forms import with_changes
     from trainer.planning.plan import plan
 
     base = _CONFIG.value

@@ -76,7 +76,7 @@ def read_dump(folder: str, chip) -> dict:
 
 def ours(shape: dict, target: str, folder: str) -> None:
     """Compile our step for `shape` on `target`, dumping into `folder`."""
-    from trainer.config import from_file, with_changes
+    from trainer.config.forms import from_file, with_changes
     from trainer.planning.targets import parse_target, target_devices
     from trainer.training.setup import build
     from trainer.training.step import abstract_batch

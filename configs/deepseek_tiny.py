@@ -12,7 +12,7 @@ beside quickstart's).
 
 import os
 
-from trainer.config import from_file
+from trainer.config.forms import from_file
 
 
 def get_config():

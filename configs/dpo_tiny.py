@@ -11,7 +11,7 @@ pairs whose chosen reply the policy prefers more than the reference did) reaches
 
 import os
 
-from trainer.config import from_file
+from trainer.config.forms import from_file
 
 
 def get_config():

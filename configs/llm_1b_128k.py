@@ -13,7 +13,7 @@ plan at 8k / 32k / 128k and context 1 / 4 / 8.
 
 import os
 
-from trainer.config import from_file
+from trainer.config.forms import from_file
 
 
 def get_config():

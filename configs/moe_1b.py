@@ -15,7 +15,7 @@ router's z-loss at 0.001.
 
 import os
 
-from trainer.config import from_file
+from trainer.config.forms import from_file
 
 
 def get_config():

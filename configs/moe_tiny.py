@@ -12,7 +12,7 @@ experts over four of them.
 
 import os
 
-from trainer.config import from_file
+from trainer.config.forms import from_file
 
 
 def get_config():

@@ -14,7 +14,7 @@ format (tests/test_post_training.py measures it). docs/post_training.md has the 
 
 import os
 
-from trainer.config import from_file
+from trainer.config.forms import from_file
 
 
 def get_config():

@@ -43,6 +43,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     # Latent attention's (trainer/model/latent.py) latents: every head reads the whole latent.
     "q_latent": (),
     "kv_latent": (),
+    "lora": (),  # a low-rank adapter's rank (trainer/model/primitives.py Adapter): a few columns, kept whole
     "vocab": ("tensor",),
     # Stacked layers and the pipeline's stage buffers: contiguous blocks of
     # layers per stage (parallelism/pipeline.py); a no-op while mesh.stage = 1.

@@ -13,7 +13,7 @@ import os
 
 from absl import flags
 
-from trainer import config
+from trainer.config import forms
 from trainer.planning import experiments
 from trainer.run import cli
 
@@ -28,13 +28,13 @@ LR_FACTOR = {"adamw": 1.0, "lion": 0.3, "adafactor": 1.0, "sgd": 100.0, "muon": 
 
 
 def main():
-    cfg = config.with_changes(_CONFIG.value, {"train.steps": _STEPS.value, "train.eval_every": 0})
+    cfg = forms.with_changes(_CONFIG.value, {"train.steps": _STEPS.value, "train.eval_every": 0})
     overrides = {k: float(v) for k, v in (item.split("=") for item in _LRS.value)}
     batches = experiments.fixed_batches(cfg, _STEPS.value)
     curves, rows = {}, []
     for name in _OPTIMIZERS.value:
         lr = overrides.get(name, cfg.optim.lr * LR_FACTOR.get(name, 1.0))
-        losses = experiments.loss_curve(config.with_changes(cfg, {"optim.name": name, "optim.lr": lr}), batches)
+        losses = experiments.loss_curve(forms.with_changes(cfg, {"optim.name": name, "optim.lr": lr}), batches)
         curves[name] = (list(range(1, len(losses) + 1)), losses)
         rows.append(f"| {name} | {lr:.2e} | {losses[0]:.3f} | {experiments.final_loss(losses):.3f} |")
         print(rows[-1])

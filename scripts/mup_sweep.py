@@ -13,7 +13,7 @@ import os
 
 from absl import flags
 
-from trainer import config
+from trainer.config import forms
 from trainer.planning import experiments
 from trainer.run import cli
 
@@ -26,7 +26,7 @@ _OUT = flags.DEFINE_string("out", "runs/mup_sweep", "Where to write the plot and
 
 def main():
     widths, lrs = [int(w) for w in _WIDTHS.value], [float(x) for x in _LRS.value]
-    base = config.with_changes(_CONFIG.value, {"train.steps": _STEPS.value, "train.eval_every": 0})
+    base = forms.with_changes(_CONFIG.value, {"train.steps": _STEPS.value, "train.eval_every": 0})
     base = experiments.widened(base, widths[0], widths[0], mup=False)
     batches = experiments.fixed_batches(base, _STEPS.value)
     panels, rows = {}, []
@@ -36,7 +36,7 @@ def main():
         for width in widths:
             cfg = experiments.widened(base, width, widths[0], mup)
             finals = [experiments.final_loss(experiments.loss_curve(
-                config.with_changes(cfg, {"optim.lr": lr}), batches)) for lr in lrs]  # fmt: skip
+                forms.with_changes(cfg, {"optim.lr": lr}), batches)) for lr in lrs]  # fmt: skip
             panels[title][f"d_model={width}"] = (lrs, finals)
             best = min(zip(finals, lrs, strict=True), key=lambda p: p[0] if p[0] == p[0] else float("inf"))
             rows.append(f"| {title} | {width} | " + " | ".join(f"{f:.3f}" for f in finals) + f" | {best[1]:.0e} |")

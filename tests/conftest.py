@@ -24,7 +24,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 
-from trainer.config import defaults, flatten, from_file  # noqa: E402
+from trainer.config import defaults  # noqa: E402
+from trainer.config.forms import flatten, from_file  # noqa: E402
 
 
 def micro_config(**sections):

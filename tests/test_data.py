@@ -541,7 +541,7 @@ def test_a_corpus_prepared_before_the_split_rule_keeps_it_and_its_run_resumes(tm
     share it cannot give is refused; an older mixture run's config reads as drawing by documents."""
     from test_resume import params_at
 
-    from trainer.config import from_dict
+    from trainer.config.forms import from_dict
     from trainer.run.loop import train
 
     corpus = tmp_path / "corpus"

@@ -8,7 +8,8 @@ import shlex
 
 from conftest import REPO
 
-from trainer.config import defaults, flatten
+from trainer.config import defaults
+from trainer.config.forms import flatten
 
 # The pages, and the configs, whose docstrings are the commands that run them.
 PAGES = [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "*.md"))),

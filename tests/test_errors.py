@@ -312,7 +312,8 @@ def test_commands_that_need_no_accelerator_print_only_their_own_lines(tmp_path):
 
 
 def test_every_numeric_key_has_a_range_that_holds_its_default():
-    from trainer.config import RANGES, defaults, flatten
+    from trainer.config import RANGES, defaults
+    from trainer.config.forms import flatten
     from trainer.training.validation import in_range
 
     numbers = {k: v for k, v in flatten(defaults()).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -337,7 +338,8 @@ def just_outside(spec: str, integer: bool):
 
 def test_a_value_outside_any_keys_range_is_refused_naming_key_value_and_range():
     """Every numeric key, at each value just outside its range, is refused in one sentence before anything runs."""
-    from trainer.config import RANGES, defaults, flatten, with_changes
+    from trainer.config import RANGES, defaults
+    from trainer.config.forms import flatten, with_changes
     from trainer.training.validation import validate
 
     known, tried = flatten(defaults()), 0
@@ -387,7 +389,7 @@ def test_a_value_outside_any_keys_range_is_refused_naming_key_value_and_range():
     ],
 )  # fmt: skip
 def test_values_no_run_can_want_are_refused(changes, message, tmp_path):
-    from trainer.config import with_changes
+    from trainer.config.forms import with_changes
 
     cfg = with_changes(micro_config(), changes)
     with pytest.raises(ConfigError, match=message):
@@ -407,7 +409,7 @@ def test_no_bad_step_count_rolls_back_when_max_bad_steps_is_zero():
 
 
 def test_keys_the_chosen_settings_never_read_are_named_in_a_warning():
-    from trainer.config import with_changes
+    from trainer.config.forms import with_changes
     from trainer.training.validation import unread_settings
 
     cfg = with_changes(micro_config(), {"optim.schedule": "wsd", "optim.decay_steps": 500, "optim.name": "lion",

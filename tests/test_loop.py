@@ -13,7 +13,7 @@ from conftest import micro_config
 from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
 from tensorboard.util import tensor_util
 
-from trainer import config
+from trainer.config import forms
 from trainer.config.errors import ConfigError
 from trainer.run.loop import train
 from trainer.storage.checkpoint import Checkpointer
@@ -57,7 +57,7 @@ def test_a_run_leaves_config_metrics_tensorboard_and_checkpoints(tmp_path, corpu
         assert 60 * int(minutes) + int(seconds) == round((10 - int(step)) * step_times[int(step)])
 
     with open(os.path.join(workdir, "config.json")) as f:
-        assert config.from_dict(json.load(f)).to_dict() == cfg.to_dict()
+        assert forms.from_dict(json.load(f)).to_dict() == cfg.to_dict()
     logged = records(workdir)
     train_records = [r for r in logged if "loss" in r]
     assert [r["step"] for r in train_records] == [2, 4, 6, 8, 10]

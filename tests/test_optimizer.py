@@ -167,7 +167,7 @@ def test_the_train_on_hint_says_when_a_schedule_would_rewarm_and_how_not_to(sche
     the end, so the rate rises again, which the hint says; its second command goes on from the rate the run
     ended with, never above it, and changes none of the steps already taken. A constant schedule: one
     command, nothing to say."""
-    from trainer.config import with_changes
+    from trainer.config.forms import with_changes
     from trainer.run.cli import train_on
 
     cfg = with_changes(micro_config(), {"train.steps": 300, "optim.schedule": schedule, "optim.warmup_steps": 20,
@@ -195,6 +195,7 @@ def test_the_train_on_hint_says_when_a_schedule_would_rewarm_and_how_not_to(sche
 
 
 def defaults_of(key: str):
-    from trainer.config import defaults, flatten
+    from trainer.config import defaults
+    from trainer.config.forms import flatten
 
     return flatten(defaults())[key]

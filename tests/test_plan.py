@@ -141,7 +141,7 @@ def test_fit_screens_corrects_by_each_compiles_ratio_and_picks_the_fastest_that_
     the variant's arithmetic times a factor per remat policy; its roofline grows with the FLOPs recomputed and
     the microbatches, falls with the tensor split, and bfloat16 moments are a little slower. (The real drill
     compiles for a v5e chip: tests/test_targets.py, marked slow.)"""
-    from trainer.config import flatten
+    from trainer.config.forms import flatten
     from trainer.model.flops import matmul_params
     from trainer.planning import fit
     from trainer.training.setup import build

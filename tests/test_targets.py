@@ -13,8 +13,8 @@ from conftest import REPO, micro_config
 
 from parallelism import hlo
 from parallelism.chips import CHIPS, chip_of
-from trainer.config import flatten, from_file, with_changes
 from trainer.config.errors import ConfigError
+from trainer.config.forms import flatten, from_file, with_changes
 from trainer.model.flops import attention_forward_flops
 from trainer.planning.plan import plan
 from trainer.planning.targets import GENERATIONS, installed, parse_target, target_devices

@@ -15,8 +15,8 @@ from test_context import loss_grads_logits, packed_batch
 
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding
-from trainer.config import from_file
 from trainer.config.errors import ConfigError
+from trainer.config.forms import from_file
 from trainer.interop.families import hf_config
 from trainer.model.attention import _jax_nn_attention, xla_attention
 from trainer.model.decoder import layer_plan

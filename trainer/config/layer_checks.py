@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from trainer.config import ACTIVATIONS, GROUPED_MATMULS, MOE_IMPLS, ROUTERS
+from trainer.config import ACTIVATIONS, ADAPTER_BASES, ADAPTER_TARGETS, GROUPED_MATMULS, MOE_IMPLS, ROUTERS
 from trainer.config.errors import ConfigError
 
 
@@ -20,6 +20,35 @@ def check_layers(cfg: ml_collections.ConfigDict) -> None:
     _check_window(cfg)
     _check_latent(cfg)
     _check_mtp(cfg)
+    _check_adapters(cfg)
+
+
+def _check_adapters(cfg: ml_collections.ConfigDict) -> None:
+    """What low-rank adapters (model.lora.rank > 0) need: known projections, a base to adapt, no stages."""
+    a = cfg.model.lora
+    choice("model.lora.base", a.base, ADAPTER_BASES)
+    if not a.rank:
+        return
+    unknown = [t for t in a.targets if t not in ADAPTER_TARGETS]
+    if unknown or not a.targets:
+        raise ConfigError(f"model.lora.targets={','.join(a.targets)!r} names {','.join(unknown) or 'nothing'}; the "
+                          f"projections that take adapters: {','.join(ADAPTER_TARGETS)}.")  # fmt: skip
+    latent = sorted({"q", "k", "v", "o"} & set(a.targets), key=ADAPTER_TARGETS.index)
+    if cfg.model.mla.kv_rank and latent:
+        raise ConfigError(f"model.lora.targets={','.join(a.targets)}: latent attention's projections "
+                          f"(model.mla.kv_rank > 0) take no adapters here; leave out {','.join(latent)}.")  # fmt: skip
+    if a.base:
+        raise ConfigError(f"model.lora.base={a.base} (QLoRA: a quantised frozen base) is not built yet; use "
+                          "model.lora.base='' (the base in its param dtype).")  # fmt: skip
+    if a.dropout:
+        raise ConfigError(f"model.lora.dropout={a.dropout}: dropout on the adapters' input is not built yet; set "
+                          "it to 0.")  # fmt: skip
+    if not cfg.checkpoint.init_from:
+        raise ConfigError("model.lora.rank > 0 trains adapters beside frozen weights: give them with "
+                          "--config.checkpoint.init_from=DIR (a run, or convert_hf.py import's output).")  # fmt: skip
+    if cfg.mesh.stage > 1:
+        raise ConfigError(f"model.lora.rank > 0 with mesh.stage={cfg.mesh.stage}: adapters do not run through "
+                          "pipeline stages; use mesh.stage=1 (fsdp holds a model's layers instead).")  # fmt: skip
 
 
 def _check_latent(cfg: ml_collections.ConfigDict) -> None:

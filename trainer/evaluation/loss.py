@@ -44,7 +44,8 @@ from trainer.training.step import BATCH_NAMES, batch_keys, jit_eval_step, make_e
 def eval_step(setup: Setup):
     """The jitted (params, global batch) -> (loss sum, token count), in the training step's microbatches."""
     step = make_eval_step(setup.inference_model, setup.shard, setup.cfg.train.grad_accum_steps)
-    return jit_eval_step(step, setup.state_shardings, setup.shard, batch_keys(setup.cfg))
+    weights = jax.tree.map(lambda a: a.sharding, setup.abstract_params())
+    return jit_eval_step(step, weights, setup.shard, batch_keys(setup.cfg))
 
 
 def _dpo_step(setup: Setup):
@@ -56,7 +57,7 @@ def _dpo_step(setup: Setup):
         return loss, pairs, sums
 
     batch = {k: shard.named(BATCH_NAMES) for k in batch_keys(setup.cfg)}
-    params = setup.state_shardings.params
+    params = jax.tree.map(lambda a: a.sharding, setup.abstract_params())
     return jax.jit(step, in_shardings=(params, batch, params), out_shardings=shard.replicated())
 
 
@@ -114,8 +115,9 @@ class Evaluator:
     """
 
     def __init__(self, setup: Setup, rows: list[int], inputs: tuple = ()):
-        """`inputs`: the train step's after the batch (DPO's reference weights: its held-out pairs are scored
-        by the DPO loss, reward accuracy and margins)."""
+        """`inputs`: the train step's after the batch (DPO's reference weights, or the frozen base its
+        reference is under model.lora: its held-out pairs are scored by the DPO loss, reward accuracy and
+        margins). It is called with the weights the model applies (Setup.weights)."""
         cfg, stream = setup.cfg, streams.Stream.from_config(setup.cfg)
         self._inputs = inputs
         self._sources, begun = {}, 0
@@ -138,7 +140,8 @@ class Evaluator:
         self._setup = setup
         # Compiled now, with the train step: not in the middle of the run, where a hang watch would wait on it.
         step = _dpo_step(setup) if setup.preference else eval_step(setup)
-        self._step = step.lower(setup.abstract_state().params, setup.abstract_batch(), *setup.step_inputs()).compile()
+        weights = setup.abstract_params()
+        self._step = step.lower(weights, setup.abstract_batch(), *((weights,) if setup.preference else ())).compile()
 
     def covers(self, result: dict) -> str:
         """What the loss of a `result` was measured on, and where the whole split's is: the console says it
@@ -149,7 +152,7 @@ class Evaluator:
 
     def __call__(self, params, progress: Callable[[], None] | None = None) -> dict[str, float]:
         """`progress()` is called after every batch (the loop's hang watch)."""
-        if self._inputs:
+        if self._setup.preference:
             return self._preference(params, progress)
         out = {"eval_loss": 0.0, "eval_tokens": 0.0, "unigram_loss": 0.0}
         for name, (batches, unigram) in self._sources.items():
@@ -167,7 +170,7 @@ class Evaluator:
         totals = {}
         for batch in self._sources[""][0]:
             glob = streams.to_global(batch, self._setup.batch_sharding, self._setup.cfg.train.global_batch_size)
-            loss, pairs, sums = fetch(self._step(params, glob, *self._inputs))
+            loss, pairs, sums = fetch(self._step(params, glob, self._setup.reference(params, self._inputs)))
             for name, value in {"eval_loss": loss, "eval_pairs": pairs, **sums}.items():
                 totals[name] = totals.get(name, 0.0) + float(value)
             if progress is not None:

@@ -15,8 +15,8 @@ import os
 import numpy as np
 from etils import epath
 
-from trainer.config import flatten
 from trainer.config.errors import ConfigError
+from trainer.config.forms import flatten
 from trainer.data import run_tokenizer
 from trainer.data.chat import template_for
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer

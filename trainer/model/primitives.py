@@ -1,24 +1,54 @@
-"""The parts every layer is built from: a parameter with its logical axis names, RMSNorm, rotary position
-embeddings, and the gated MLP. They sit below every block that uses them (layers.py's attention and block,
-latent.py's latent attention, moe.py's shared experts, mtp.py's modules), which import them from here alone.
+"""The parts every layer is built from: a parameter with its logical axis names, a low-rank adapter, RMSNorm,
+rotary position embeddings, and the gated MLP. They sit below every block that uses them (layers.py's
+attention and block, latent.py's latent attention, moe.py's shared experts, mtp.py's modules), which import
+them from here alone.
 
 Parameters stay in fp32; each matmul runs in the execution's compute dtype, while norms are fp32.
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from parallelism.rules import LogicalSharding
-from trainer.model.spec import ModelSpec, RopeScaling
+from trainer.model.spec import Adapters, ModelSpec, RopeScaling
 
 
 def param(rngs: nnx.Rngs, shape, names, std: float) -> nnx.Param:
     # eager_sharding=False: placement is decided once, by jit out_shardings, not at creation.
     value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
     return nnx.Param(value, sharding_names=names, eager_sharding=False)
+
+
+class Adapter(nnx.Module):
+    """A low-rank update beside a frozen weight W (LoRA): x -> (alpha / rank) * (x . A) . B, where A is
+    (W's inputs..., rank) and B (rank, W's outputs...), each sharded by the logical axes of the part of W it
+    stands for (the rank's axis: `lora`, whole by default). B starts at zero, so an adapted model starts as
+    its base; A starts as PEFT's does, uniform in +-1/sqrt(fan_in). `x . A` contracts x's last dims with
+    A's input dims, as the projection contracts them with W's."""
+
+    def __init__(self, rngs: nnx.Rngs, lora: Adapters, inputs: tuple, input_names: tuple, outputs: tuple,
+                 output_names: tuple):  # fmt: skip
+        bound = 1 / math.prod(inputs) ** 0.5
+        a = jax.random.uniform(rngs.params(), (*inputs, lora.rank), jnp.float32, -bound, bound)
+        self.a = nnx.Param(a, sharding_names=(*input_names, "lora"), eager_sharding=False)
+        self.b = nnx.Param(jnp.zeros((lora.rank, *outputs), jnp.float32), sharding_names=("lora", *output_names),
+                           eager_sharding=False)  # fmt: skip
+        self.scale, self.n_inputs = lora.alpha / lora.rank, len(inputs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        down = jnp.tensordot(x, self.a[...].astype(x.dtype), axes=self.n_inputs)
+        return jnp.tensordot(down, self.b[...].astype(x.dtype), axes=1) * jnp.asarray(self.scale, x.dtype)
+
+
+def adapted(module: nnx.Module, target: str, y: jax.Array, x: jax.Array) -> jax.Array:
+    """A projection's output `y` of `x`, plus its adapter's update where `target` has one."""
+    adapter = getattr(module, f"lora_{target}", None)
+    return y if adapter is None else y + adapter(x)
 
 
 class RMSNorm(nnx.Module):
@@ -72,12 +102,17 @@ class MLP(nnx.Module):
         self.w_gate = param(rngs, (a.d_model, width), ("embed", "mlp"), std)
         self.w_up = param(rngs, (a.d_model, width), ("embed", "mlp"), std)
         self.w_down = param(rngs, (width, a.d_model), ("mlp", "embed"), out_std)
+        for name, shape, names in (("gate", (a.d_model, width), ("embed", "mlp")),
+                                   ("up", (a.d_model, width), ("embed", "mlp")),
+                                   ("down", (width, a.d_model), ("mlp", "embed"))):  # fmt: skip
+            if a.lora.on(name):
+                setattr(self, f"lora_{name}", Adapter(rngs, a.lora, shape[:1], names[:1], shape[1:], names[1:]))
         self.activation = a.mlp_activation
         self.execution, self.shard = spec.execution, shard
 
     def __call__(self, x):
         dt = self.execution.compute_dtype
-        gate = x @ self.w_gate[...].astype(dt)
-        up = x @ self.w_up[...].astype(dt)
+        gate = adapted(self, "gate", x @ self.w_gate[...].astype(dt), x)
+        up = adapted(self, "up", x @ self.w_up[...].astype(dt), x)
         hidden = self.shard.constrain(ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp"))
-        return hidden @ self.w_down[...].astype(dt)
+        return adapted(self, "down", hidden @ self.w_down[...].astype(dt), hidden)

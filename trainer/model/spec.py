@@ -16,6 +16,8 @@ import dataclasses
 
 import jax
 
+from trainer.config import ADAPTER_TARGETS
+
 # Named rematerialisation policies: what the backward pass may keep from the forward.
 REMAT = {
     "none": None,
@@ -90,6 +92,20 @@ class MultiToken:
 
 
 @dataclasses.dataclass(frozen=True)
+class Adapters:
+    """Low-rank adapters (LoRA, `model.lora.*`; trainer/model/primitives.py Adapter) beside the projections
+    `targets` names; rank 0: none. q, k, v, o: attention's query, key, value and output projections; gate, up,
+    down: the gated MLP's, in dense layers and a mixture's shared experts (routed experts take none)."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ADAPTER_TARGETS
+
+    def on(self, target: str) -> bool:
+        return self.rank > 0 and target in self.targets
+
+
+@dataclasses.dataclass(frozen=True)
 class Architecture:
     """What defines the model's function: the same weights mean the same thing only under the same values.
 
@@ -124,6 +140,7 @@ class Architecture:
     attn_scale_dim: int = 0  # 0: head_dim
     mla: Latent = Latent()
     mtp: MultiToken = MultiToken()
+    lora: Adapters = Adapters()
 
     def __post_init__(self):
         # One value for one model: a config's 0 and its d_model / n_heads spelled out are the same architecture.
@@ -158,8 +175,9 @@ class Architecture:
         values = {f.name: cfg.model[f.name] for f in dataclasses.fields(cls)}
         moe = {f.name: values["moe"][f.name] for f in dataclasses.fields(Experts)}
         mla = {f.name: values["mla"][f.name] for f in dataclasses.fields(Latent)}
+        lora = Adapters(int(values["lora"]["rank"]), float(values["lora"]["alpha"]), tuple(values["lora"]["targets"]))
         return cls(**{**values, "rope_scaling": RopeScaling(**values["rope_scaling"]), "moe": Experts(**moe),
-                      "mla": Latent(**mla), "mtp": MultiToken(values["mtp"]["depth"])})  # fmt: skip
+                      "mla": Latent(**mla), "mtp": MultiToken(values["mtp"]["depth"]), "lora": lora})  # fmt: skip
 
     @property
     def rope_dim(self) -> int:

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 from parallelism.distributed import fetch
-from trainer import config
+from trainer.config import forms
 from trainer.data import corpora, streams
 from trainer.training.setup import build
 
@@ -44,7 +44,7 @@ def widened(cfg, width: int, base_width: int, mup: bool):
     """The config at another d_model: more heads of the same size, MLP and heads in proportion."""
     m = cfg.model
     ratio = width / m.d_model
-    return config.with_changes(
+    return forms.with_changes(
         cfg, {"model.d_model": width, "model.n_heads": int(m.n_heads * ratio),
                 "model.n_kv_heads": int(m.n_kv_heads * ratio), "model.d_ff": int(m.d_ff * ratio),
                 "model.mup_base_width": base_width if mup else 0},

@@ -17,8 +17,9 @@ import dataclasses
 import itertools
 import time
 
-from trainer.config import REMAT_POLICIES, flatten, with_changes
+from trainer.config import REMAT_POLICIES
 from trainer.config.errors import ConfigError
+from trainer.config.forms import flatten, with_changes
 from trainer.model.flops import attention_forward_flops
 from trainer.planning import memory
 from trainer.training.setup import build

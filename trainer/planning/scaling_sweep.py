@@ -33,7 +33,7 @@ import os
 import jax
 import numpy as np
 
-from trainer import config
+from trainer.config import forms
 from trainer.config.errors import ConfigError
 from trainer.model.flops import flops_per_token, matmul_params
 from trainer.storage import workdir as wd
@@ -87,7 +87,7 @@ def ladder(base, max_budget: float, at_least: int = 3) -> list[Rung]:
         changes = {"model.d_model": width, "model.n_layers": max(2, round(width / aspect)),
                    "model.n_heads": heads, "model.n_kv_heads": heads // group,
                    "model.d_ff": 8 * max(1, round(width * ffn / 8))}  # fmt: skip
-        n, fpt = _sizes(config.with_changes(base, changes))
+        n, fpt = _sizes(forms.with_changes(base, changes))
         if fpt > max_fpt and len(rungs) >= at_least:
             return rungs
         rungs.append(Rung(width, changes["model.n_layers"], n, fpt, changes))
@@ -139,7 +139,7 @@ def make_point(base, budget: float, rung: Rung, workdir: str) -> Point:
     """The config that trains `rung` for budget / FLOPs-per-token tokens, schedule fitted to that length."""
     tokens_per_step = base.train.global_batch_size * base.data.seq_len
     steps = max(1, round(budget / rung.flops_per_token / tokens_per_step))
-    cfg = config.with_changes(base, {
+    cfg = forms.with_changes(base, {
         **rung.changes,
         "train.steps": steps,
         "optim.warmup_steps": min(base.optim.warmup_steps, steps // 10),
@@ -166,7 +166,7 @@ def final_loss(workdir: str) -> float | None:
 
 def command_line(point: Point, script_args: list[str]) -> str:
     """The train.py command that runs this point: the sweep's own config flags, then the point's keys."""
-    values = config.flatten(point.cfg)
+    values = forms.flatten(point.cfg)
     flags = [f"--config.{k}={values[k]}" for k in POINT_KEYS]
     return " ".join(["python scripts/train.py", *script_args, f"--workdir={point.workdir}", *flags])
 
@@ -183,7 +183,7 @@ def read_sweep(out: str) -> dict:
     if not file.exists():
         raise ConfigError(f"{out} holds no sweep ({SWEEP_FILE} is missing); run `scaling.py sweep --out {out}` first.")
     record = json.loads(file.read_text())
-    record["base"] = config.from_dict(record["config"])
+    record["base"] = forms.from_dict(record["config"])
     return record
 
 
@@ -198,7 +198,7 @@ def finished_points(out: str) -> list[dict]:
             loss = final_loss(workdir)
             if loss is None:
                 continue
-            cfg = config.from_dict(saved_config(workdir))
+            cfg = forms.from_dict(saved_config(workdir))
             n, fpt = _sizes(cfg)
             tokens = cfg.train.steps * cfg.train.global_batch_size * cfg.data.seq_len
             rows.append({"budget": float(budget_dir[1:]), "n_params": n, "tokens": tokens, "flops": fpt * tokens,

@@ -17,7 +17,7 @@ from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from parallelism import accelerators
 from trainer import config
-from trainer.config import last_words
+from trainer.config import forms, last_words
 from trainer.config.errors import ConfigError, TrainingError
 from trainer.storage import faults
 
@@ -38,7 +38,7 @@ class _ConfigParser(ConfigFileFlagParser):
 
         try:
             with open(path) as f:
-                saved = config.from_dict(json.load(f))
+                saved = forms.from_dict(json.load(f))
         except (OSError, ValueError) as e:
             raise ValueError(f"{path} cannot be read as a run's saved config ({e})") from None
         saved.lock()
@@ -146,7 +146,7 @@ def command_line_form(args: list[str]) -> list[str]:
     (`--config.data.mixture=python_stdlib:3,notes:1`) spelt as the tuple the flag parser reads, which takes bare
     words alone (a ':' or a space in an element stops it). A value already in brackets or quotes is left as
     it is (a sample prompt with a comma in it: `--config.train.sample_prompts="('f(a, b',)"`)."""
-    lists = {k for k, v in config.flatten(config.defaults()).items() if isinstance(v, tuple) and k not in NUMBER_LISTS}
+    lists = {k for k, v in forms.flatten(config.defaults()).items() if isinstance(v, tuple) and k not in NUMBER_LISTS}
     out = []
     for arg in args:
         key, eq, value = arg.removeprefix("--config.").partition("=")
@@ -160,10 +160,10 @@ def command_line_form(args: list[str]) -> list[str]:
 def command_line_lists(cfg) -> None:
     """Split, in place, what the flag parser leaves of a list as one string ('data,fsdp' -> ('data', 'fsdp'),
     '' -> ()); numbers arrive as tuples already."""
-    for key, value in config.flatten(cfg).items():
+    for key, value in forms.flatten(cfg).items():
         if isinstance(value, tuple) and any(isinstance(v, str) and ("," in v or not v) for v in value):
             parts = tuple(p.strip() for v in value for p in str(v).split(",") if p.strip())
-            config.with_changes(cfg, {key: parts}, in_place=True)
+            forms.with_changes(cfg, {key: parts}, in_place=True)
 
 
 def _parse(argv):
@@ -221,7 +221,7 @@ def _unknown_key(argv) -> str | None:
     """The first --config.section.key=... that names no key, as a sentence with the nearest known key."""
     import difflib
 
-    known = config.flatten(config.defaults())
+    known = forms.flatten(config.defaults())
     for arg in argv[1:]:
         key = arg.removeprefix("--config.").split("=")[0]
         if not arg.startswith("--config.") or key in known or any(k.startswith(f"{key}.") for k in known):

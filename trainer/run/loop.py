@@ -25,13 +25,14 @@ import jax
 import numpy as np
 
 from parallelism.distributed import fetch, wait_if_a_process_died
-from trainer.config import from_dict, microbatch_size
+from trainer.config import microbatch_size
+from trainer.config.forms import from_dict
 from trainer.data import corpora, streams, workers
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluation import samples
 from trainer.evaluation.loss import Evaluator
 from trainer.interop import harness
-from trainer.model.flops import count_params, flops_per_token, inactive_params, peak_flops
+from trainer.model.flops import flops_per_token, peak_flops
 from trainer.run import preflight
 from trainer.run.hang import HangWatch
 from trainer.run.preemption import watch_for_sigterm
@@ -144,8 +145,11 @@ class Run:
         self.reset_optimizer, self.reset_label = False, resume.reset_label(cfg.checkpoint.reset_optimizer)
         if found:
             self.state, self.reset_optimizer, self.reset_label, data = found[1]
-            if cfg.checkpoint.init_from and not setup.preference:  # DPO's reference stays its starting weights
+            if cfg.checkpoint.init_from and not (setup.preference or setup.adapted):  # their base is pinned
                 self.say(f"checkpoint.init_from ignored: {workdir} holds checkpoints of its own; resuming them")
+        elif init is not None and setup.adapted:  # fresh adapters: B = 0, so the model starts as its base
+            self.state, data = setup.new_state(), self._new_data()
+            self.say(f"adapters start afresh beside the frozen weights of {init[1]} at step {init[2]} (init_from)")
         elif init is not None:
             params, source, step = init
             self.state = state_from_params(params, setup.model, setup.tx, setup.shard, t.seed, setup.counters)
@@ -235,14 +239,8 @@ class Run:
         if self.resumed and not self.resumed_locally:  # the local tier says where it resumed itself
             fresh = f" with a fresh {cfg.optim.name} optimiser state (checkpoint.reset_optimizer)"
             self.say(f"resumed from the checkpoint at step {self.step}{fresh if self.reset_optimizer else ''}")
-        counts = count_params(setup.model.abstract_params)
-        inactive = inactive_params(setup.spec.arch, setup.model.abstract_params)
-        active = f", {(counts['total'] - inactive) / 1e6:.2f}M active per token" if inactive else ""
-        self.say(
-            f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M non-embedding"
-            f"{active}), "
-            f"{self.flops_per_token / 1e6:.1f} MFLOPs/token; mesh {dict(setup.mesh.shape)}"
-        )
+        for line in setup.describe(self.flops_per_token):
+            self.say(line)
         self.say(corpora.describe(cfg.data))
         self._step_fn(batch_ramp.step_size(cfg, self.data_read))
         self.goodput.enter("step")
@@ -370,7 +368,7 @@ class Run:
         paused = time.perf_counter()
         if evaluate:
             self.goodput.enter("eval")
-            result = self.evaluator(self.state.params, self.hang.progress)
+            result = self.evaluator(self.setup.weights(self.state.params, self.inputs), self.hang.progress)
             self.last.update(result, eval_covers=self.evaluator.covers(result) if "eval_tokens" in result else "")
             line = (f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f}; "
                     f"{self.evaluator.covers(result)})") if "unigram_loss" in result else (
@@ -380,11 +378,11 @@ class Run:
             self.writer.write(step, result, console=line)
             if self.samples is not None:
                 with self.hang.suspended() if not self.sampled else contextlib.nullcontext():  # the first compiles
-                    self.writer.samples(step, self.samples(self.state.params))
+                    self.writer.samples(step, self.samples(self.setup.weights(self.state.params, self.inputs)))
                 self.sampled = True
         if harness:
             self.goodput.enter("eval")
-            result, line = self.harness(self.state.params, step)
+            result, line = self.harness(self.setup.weights(self.state.params, self.inputs), step)
             self.last.update(result)
             self.writer.write(step, result, console=line)
             self.hang.progress()

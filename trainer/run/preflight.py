@@ -9,7 +9,7 @@ import uuid
 import jax
 
 from parallelism.distributed import barrier, first_process_says
-from trainer.config import with_changes
+from trainer.config.forms import with_changes
 from trainer.data import corpora, run_tokenizer
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluation import samples
@@ -57,7 +57,7 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
         check_fresh_start(workdir, cfg)
         if cfg.checkpoint.init_from:
             init = resume.load_init_params(cfg, setup)
-    if setup.preference:
+    if setup.preference or setup.adapted:  # the reference, or the frozen base: pinned at the run's start
         reference, pinned = resume.load_reference(cfg, setup, workdir, init)
         inputs, cfg = (reference,), with_changes(cfg, {"checkpoint.init_from": pinned})
     # The run's identity: its workdir's, or a new one (a new run, or its workdir deleted and made again),

@@ -15,8 +15,8 @@ import json
 import os
 import uuid
 
-from trainer.config import flatten
 from trainer.config.errors import ConfigError
+from trainer.config.forms import flatten
 
 WANDB_ID_FILE = "wandb_id.txt"
 

@@ -16,8 +16,8 @@ import threading
 
 from etils import epath
 
-from trainer.config import to_json
 from trainer.config.errors import ConfigError
+from trainer.config.forms import to_json
 from trainer.storage import faults
 
 CONFIG_FILE = "config.json"

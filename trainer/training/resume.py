@@ -27,9 +27,10 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from trainer.config import flatten, from_dict, with_changes
 from trainer.config.errors import ConfigError, StorageError
+from trainer.config.forms import flatten, from_dict, with_changes
 from trainer.data.streams import Stream
+from trainer.model import adapters
 from trainer.model.spec import Architecture
 from trainer.optim.optimizer import make_optimizer
 from trainer.storage import compile_cache, faults
@@ -38,7 +39,7 @@ from trainer.storage.checkpoint import OPT_STATE, Checkpointer, Unreadable, arra
 from trainer.training import clock, stability
 from trainer.training.precision import LossScaling
 from trainer.training.setup import Setup, build
-from trainer.training.state import TrainState, abstract_params
+from trainer.training.state import TrainState, abstract_params, frozen, trained
 
 
 def saved_config(workdir: str):
@@ -93,8 +94,8 @@ def check_resume(workdir: str, cfg, setup, saved=None) -> None:
 
 def _optimizer_shapes(cfg, setup):
     """The optimiser state's structure, shapes and dtypes under `cfg`, for the setup's model."""
-    tx = make_optimizer(cfg, setup.model.logical_names)
-    abstract = jax.eval_shape(tx.init, setup.model.abstract_params)
+    tx = make_optimizer(cfg, trained(setup.model.logical_names, setup.model))
+    abstract = jax.eval_shape(tx.init, trained(setup.model.abstract_params, setup.model))
     return jax.tree.structure(abstract), [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)]
 
 
@@ -205,7 +206,7 @@ def load_init_params(cfg, setup) -> tuple[dict, str, int]:
     if not wd.path(path).exists():
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r}: {path} does not exist.")
     directory = wd.checkpoint_dir(path) if wd.path(wd.checkpoint_dir(path)).is_dir() else path
-    ckpt = Checkpointer(directory, read_only=True)
+    ckpt, abstract = Checkpointer(directory, read_only=True), abstract_params(setup.model, setup.shard)
     try:
         steps = ckpt.steps()
         if not steps:
@@ -218,7 +219,7 @@ def load_init_params(cfg, setup) -> tuple[dict, str, int]:
         elif step not in steps:
             raise ConfigError(f"checkpoint.init_from: {path} has no checkpoint at step {step}; it has steps {steps}.")
         try:
-            return ckpt.restore_params(step, abstract_params(setup.model, setup.shard)), path, step
+            return ckpt.restore_params(step, frozen(abstract, setup.model) if setup.adapted else abstract), path, step
         except Unreadable as e:
             if e.kind != faults.DAMAGED:
                 raise StorageError(faults.stopped(f"checkpoint.init_from: {e.what}", e.error, e.kind, 0)) from e
@@ -235,6 +236,8 @@ def load_reference(cfg, setup, workdir: str, init: tuple | None) -> tuple[dict, 
     so the reference never moves."""
     if init is not None:
         params, path, step = init
+        if setup.adapted:  # the state holds the adapters alone: training never changes the base
+            return params, f"{path}@{step}"
         return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), params), f"{path}@{step}"
     saved = saved_config(workdir)
     pinned = saved.checkpoint.init_from if saved is not None and saved.checkpoint.init_from else None
@@ -257,8 +260,12 @@ def load_params(cfg, workdir: str, step: int | None = None, devices=None) -> tup
         step = steps[-1]
     elif step not in steps:
         raise ConfigError(f"{workdir} has no checkpoint at step {step}; it has steps {steps}.")
-    ckpt = Checkpointer(wd.checkpoint_dir(workdir), read_only=True)
+    ckpt, abstract = Checkpointer(wd.checkpoint_dir(workdir), read_only=True), abstract_params(setup.model, setup.shard)
     try:
-        return setup, step, ckpt.restore_params(step, abstract_params(setup.model, setup.shard))
+        if not setup.adapted:
+            return setup, step, ckpt.restore_params(step, abstract)
+        added = ckpt.restore_params(step, trained(abstract, setup.model))
     finally:
         ckpt.close()
+    base, _ = load_reference(cfg, setup, workdir, None)  # the frozen weights the run pinned at its start
+    return setup, step, adapters.join(added, base)

@@ -16,9 +16,11 @@ from jax.sharding import Mesh, NamedSharding
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding, parse_rules
 from trainer.config.errors import ConfigError
+from trainer.model import adapters
 from trainer.model.attention import context_kernel, resolve
 from trainer.model.context import ways
 from trainer.model.decoder import ModelDef
+from trainer.model.flops import count_params, inactive_params
 from trainer.model.spec import ModelSpec, for_inference
 from trainer.optim.optimizer import make_optimizer
 from trainer.training.state import (
@@ -26,12 +28,13 @@ from trainer.training.state import (
     abstract_params,
     abstract_train_state,
     create_train_state,
+    frozen,
     initial_counters,
-    param_shardings,
     state_shardings,
+    trained,
 )
 from trainer.training.step import BATCH_NAMES, abstract_batch, batch_keys, jit_train_step, make_train_step
-from trainer.training.validation import check_mesh_fit, check_weights_fit, validate
+from trainer.training.validation import check_adapters, check_mesh_fit, check_weights_fit, validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +65,8 @@ class Setup:
         """The jitted step over `microbatches` (default train.grad_accum_steps) microbatches; it takes the
         state, the batch and `step_inputs()`."""
         k = microbatches or self.cfg.train.grad_accum_steps
-        reference = param_shardings(self.model, self.shard) if self.preference else None
+        inputs = self.step_inputs()
+        reference = jax.tree.map(lambda a: a.sharding, inputs[0]) if inputs else None
         return jit_train_step(make_train_step(self.model, self.tx, self.shard, self.cfg, k), self.state_shardings,
                               self.shard, batch_keys(self.cfg), reference)  # fmt: skip
 
@@ -70,10 +74,51 @@ class Setup:
     def preference(self) -> bool:
         return self.cfg.data.format == "preference"
 
+    @property
+    def adapted(self) -> bool:
+        """Whether only low-rank adapters train (model.lora.rank > 0), beside a frozen base."""
+        return self.model.arch.lora.rank > 0
+
     def step_inputs(self) -> tuple:
-        """The train step's inputs after the batch, as shapes and shardings: DPO's reference parameters, or
-        none."""
-        return (abstract_params(self.model, self.shard),) if self.preference else ()
+        """The train step's inputs after the batch, as shapes and shardings: the frozen base under
+        model.lora (DPO's reference too: the base with the adapters switched off), DPO's reference
+        parameters, or none."""
+        if self.adapted:
+            return (frozen(self.abstract_params(), self.model),)
+        return (self.abstract_params(),) if self.preference else ()
+
+    def describe(self, flops_per_token: float) -> list[str]:
+        """The model's lines in a run's start-up log: its size, cost and mesh; under model.lora what trains
+        (the adapters alone, as a share of the frozen base: the optimiser's state is theirs only)."""
+        counts = count_params(self.model.abstract_params)
+        inactive = inactive_params(self.spec.arch, self.model.abstract_params)
+        active = f", {(counts['total'] - inactive) / 1e6:.2f}M active per token" if inactive else ""
+        mesh = dict(self.mesh.shape)
+        lines = [f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M "
+                 f"non-embedding{active}), {flops_per_token / 1e6:.1f} MFLOPs/token; mesh {mesh}"]  # fmt: skip
+        if self.adapted:
+            added = sum(x.size for x in jax.tree.leaves(trained(self.model.abstract_params, self.model)))
+            base, lora = counts["total"] - added, self.cfg.model.lora
+            lines.append(f"trainable: {added / 1e6:.3f}M adapter parameters ({100 * added / base:.3f}% of the frozen "
+                         f"model's {base / 1e6:.2f}M), rank {lora.rank} on {','.join(lora.targets)}")  # fmt: skip
+        return lines
+
+    def abstract_params(self) -> dict:
+        """Every parameter the model applies (with model.lora: base and adapters), as shapes and shardings."""
+        return abstract_params(self.model, self.shard)
+
+    def weights(self, params: dict, inputs: tuple) -> dict:
+        """The parameters the model applies, from the state's and the step's inputs: the adapters joined to
+        the frozen base under model.lora, else the state's own."""
+        return adapters.join(params, inputs[0]) if self.adapted else params
+
+    def reference(self, weights: dict, inputs: tuple) -> dict:
+        """DPO's reference for `weights`: under model.lora the same base with the adapters switched off (no
+        second copy of the weights), else the step's input."""
+        if self.adapted:
+            added, base = adapters.split(weights)
+            return adapters.join(adapters.switched_off(added), base)
+        return inputs[0]
 
     def abstract_batch(self, size: int | None = None) -> dict:
         """A batch of `size` (default train.global_batch_size) sequences, as shapes and shardings."""
@@ -101,7 +146,8 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     spec = dataclasses.replace(spec, execution=dataclasses.replace(spec.execution, attention=kernel))
     model = ModelDef.create(spec, shard)
     check_weights_fit(model, shard)
-    tx = make_optimizer(cfg, model.logical_names)
+    check_adapters(model)
+    tx = make_optimizer(cfg, trained(model.logical_names, model))
     counters = initial_counters(cfg)
     shardings = state_shardings(model, tx, shard, counters)
     return Setup(cfg, mesh, shard, spec, model, tx, shardings, shard.named(BATCH_NAMES), counters)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from parallelism.rules import LogicalSharding
+from trainer.model import adapters
 from trainer.model.decoder import ModelDef, init_params
 from trainer.model.spec import ModelSpec
 from trainer.training import clock, precision, stability
@@ -52,6 +53,17 @@ def initial_counters(cfg) -> dict:
     }
 
 
+def trained(tree: dict, model: ModelDef) -> dict:
+    """The part of a parameter tree that training updates and the state holds: with model.lora its adapters
+    (the frozen base is a step input beside the state, never in the optimiser), else all of it."""
+    return adapters.split(tree)[0] if model.arch.lora.rank else tree
+
+
+def frozen(tree: dict, model: ModelDef) -> dict:
+    """The frozen base beside the adapters under model.lora; nothing otherwise."""
+    return adapters.split(tree)[1] if model.arch.lora.rank else {}
+
+
 def param_shardings(model: ModelDef, shard: LogicalSharding) -> dict:
     return jax.tree.map(shard.named, model.logical_names, is_leaf=lambda x: isinstance(x, tuple))
 
@@ -70,8 +82,8 @@ def state_shardings(
 ) -> TrainState:
     """Shardings for every array in the state: optimiser moments follow their parameter."""
     rep = shard.replicated()
-    params = abstract_params(model, shard)
-    opt = _optimizer_shardings(tx, jax.eval_shape(tx.init, model.abstract_params), params, rep)
+    params = trained(abstract_params(model, shard), model)
+    opt = _optimizer_shardings(tx, jax.eval_shape(tx.init, trained(model.abstract_params, model)), params, rep)
     param_placement = jax.tree.map(lambda p: p.sharding, params)
     return TrainState(rep, param_placement, opt, rep, *(jax.tree.map(lambda _: rep, counters[k]) for k in _COUNTERS))
 
@@ -117,7 +129,7 @@ def create_train_state(
 ) -> TrainState:  # fmt: skip
     def init(seed):
         key = jax.random.key(seed)
-        return _new_state(init_params(spec, shard, jax.random.fold_in(key, 0)), tx, key, counters)
+        return _new_state(trained(init_params(spec, shard, jax.random.fold_in(key, 0)), model), tx, key, counters)
 
     shardings = state_shardings(model, tx, shard, counters)
     return jax.jit(init, out_shardings=shardings)(jnp.asarray(seed, jnp.uint32))
@@ -137,7 +149,8 @@ def abstract_train_state(
     model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, counters: dict
 ) -> TrainState:
     """ShapeDtypeStructs carrying their shardings: restore targets and AOT-compile inputs."""
-    shapes = jax.eval_shape(lambda p: _new_state(p, tx, jax.random.key(0), counters), model.abstract_params)
+    shapes = jax.eval_shape(lambda p: _new_state(p, tx, jax.random.key(0), counters),
+                            trained(model.abstract_params, model))  # fmt: skip
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
         shapes,

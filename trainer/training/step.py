@@ -31,6 +31,7 @@ import optax
 
 from parallelism import microbatches
 from parallelism.rules import LogicalSharding
+from trainer.model import adapters
 from trainer.model.decoder import ModelDef
 from trainer.model.moe import empty_statistics
 from trainer.objectives import dpo
@@ -38,7 +39,7 @@ from trainer.optim.optimizer import applied_learning_rate, with_hyperparams
 from trainer.optim.schedules import make_schedule
 from trainer.training import clock, stability
 from trainer.training.precision import LossScaling
-from trainer.training.state import TrainState, param_shardings
+from trainer.training.state import TrainState, param_shardings, trained
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions")
 BATCH_NAMES = ("batch", "seq")
@@ -124,8 +125,9 @@ def _balance_router(params: dict, load: jax.Array, rate: float) -> dict:
 def make_train_step(
     model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, cfg, microbatches: int
 ) -> Callable[..., tuple[TrainState, dict]]:
-    """(state, batch) -> (state, metrics); under DPO (data.format=preference) (state, batch, reference
-    parameters) -> (state, metrics)."""
+    """(state, batch, *inputs) -> (state, metrics). The inputs: under model.lora the frozen base, which the
+    state's adapters join (DPO's reference is then the base with the adapters switched off); under DPO
+    (data.format=preference) without adapters its reference parameters; else none."""
     k = microbatches
     scaling = LossScaling.from_config(cfg)
     schedule = make_schedule(cfg.optim, cfg.train.steps)
@@ -139,8 +141,14 @@ def make_train_step(
     no_stats = empty_statistics(model.arch)
     preference = cfg.data.format == "preference"
     no_extra = {f"dpo/{m}": 0.0 for m in dpo.METRICS} if preference else {}
+    adapted = bool(model.arch.lora.rank)
 
-    def scaled(params, batch, factor, reference):
+    def scaled(params, batch, factor, inputs):
+        if adapted:  # the gradient is of the adapters alone: the base is an input, not a variable
+            base = inputs[0]
+            params, reference = adapters.join(params, base), adapters.join(adapters.switched_off(params), base)
+        else:
+            reference = inputs[0] if inputs else None
         if preference:
             objective, aux = dpo.sums(model, params, reference, batch, cfg.dpo)
             aux = (*aux[:4], {f"dpo/{m}": v for m, v in aux[4].items()})
@@ -149,9 +157,9 @@ def make_train_step(
         return objective * factor, aux
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
-    grad_shardings = param_shardings(model, shard) if shard.mesh is not None else None
+    grad_shardings = trained(param_shardings(model, shard), model) if shard.mesh is not None else None
 
-    def train_step(state: TrainState, batch: dict, reference: dict | None = None):
+    def train_step(state: TrainState, batch: dict, *inputs):
         stats, counts = state.stability, state.clock
         rows, positions = batch["tokens"].shape[0], batch["tokens"].size
         loss_multiplier, lr_multiplier = stability.drill_multipliers(cfg, counts["data_read"], rows)
@@ -163,7 +171,7 @@ def make_train_step(
         factor = scale * loss_multiplier / positions
 
         def micro_step(micro):
-            (_, (ce, count, largest, moe_stats, extra)), grads = grad_fn(state.params, micro, factor, reference)
+            (_, (ce, count, largest, moe_stats, extra)), grads = grad_fn(state.params, micro, factor, inputs)
             return jax.tree.map(lambda g: g.astype(jnp.float32), grads), ce, count, largest, moe_stats, extra
 
         def combine(total, new):
@@ -189,7 +197,7 @@ def make_train_step(
         opt_state = with_hyperparams(state.opt_state, learning_rate=lr, weight_decay=jnp.float32(weight_decay))
         updates, new_opt = tx.update(grads, opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
-        if moe_stats and moe.router_bias:
+        if moe_stats and moe.router_bias and not adapted:  # under model.lora the router's bias is frozen too
             new_params = _balance_router(new_params, moe_stats["load"], moe.router_bias)
 
         def keep(new, old):  # skipped steps leave the state as it was
@@ -260,9 +268,10 @@ def jit_train_step(step_fn, state_shardings: TrainState, shard: LogicalSharding,
     )
 
 
-def jit_eval_step(eval_fn, state_shardings: TrainState, shard: LogicalSharding, keys=BATCH_KEYS):
+def jit_eval_step(eval_fn, weight_shardings: dict, shard: LogicalSharding, keys=BATCH_KEYS):
+    """`weight_shardings`: of every parameter the model applies (under model.lora, base and adapters)."""
     batch = {k: shard.named(BATCH_NAMES) for k in keys}
-    return jax.jit(eval_fn, in_shardings=(state_shardings.params, batch), out_shardings=shard.replicated())
+    return jax.jit(eval_fn, in_shardings=(weight_shardings, batch), out_shardings=shard.replicated())
 
 
 def abstract_batch(global_batch: int, seq_len: int, sharding, keys=BATCH_KEYS) -> dict:

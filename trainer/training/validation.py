@@ -18,6 +18,7 @@ import ml_collections
 from parallelism.mesh import AXES
 from parallelism.rules import check_rules, parse_rules
 from trainer.config import (
+    ADAPTER_TARGETS,
     ATTENTION_IMPLS,
     CONTEXT_ATTENTION,
     DPO_LOSSES,
@@ -38,13 +39,14 @@ from trainer.config import (
     TOKENIZERS,
     TRACKERS,
     defaults,
-    flatten,
     microbatch_size,
 )
 from trainer.config.errors import ConfigError
+from trainer.config.forms import flatten
 from trainer.config.layer_checks import check_layers
 from trainer.config.layer_checks import choice as _choice
 from trainer.data.mixture import parse_mixture
+from trainer.model import adapters
 from trainer.optim import mup, schedules
 from trainer.training import batch_ramp
 
@@ -291,6 +293,20 @@ def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
 SIZED_BY = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "vocab": "model.vocab_size",
             "embed": "model.d_model", "expert": "model.moe.num_experts", "head_dim": "model.head_dim",
             "layers": "model.n_layers", "q_latent": "model.mla.q_rank", "kv_latent": "model.mla.kv_rank"}  # fmt: skip
+
+
+def check_adapters(model) -> None:
+    """Refuse model.lora.targets that name a projection this model has none of (a mixture without shared
+    experts has no gate, up or down outside its routed experts, which take none)."""
+    lora = model.arch.lora
+    if not lora.rank:
+        return
+    found = adapters.count(model.abstract_params)
+    missing = [t for t in lora.targets if t not in found]
+    if missing:
+        raise ConfigError(f"model.lora.targets names {','.join(missing)}, which this model has none of; the "
+                          f"projections it adapts: {','.join(t for t in ADAPTER_TARGETS if t in found) or 'none'} "
+                          "(routed experts and latent attention take no adapters).")  # fmt: skip
 
 
 def check_weights_fit(model, shard) -> None:
