@@ -107,8 +107,7 @@ def test_a_lora_step_on_8_devices_equals_one_device_and_the_base_input_is_untouc
     batch.update(positions=np.tile(np.arange(32, dtype=np.int32), (8, 1)), segment_ids=np.ones((8, 32), np.int32))
     results = []
     for setup in (one, eight):
-        base = jax.tree.map(lambda a: jax.device_put(np.random.default_rng(a.size).normal(0, 0.05, a.shape)
-                                                     .astype(np.float32), a.sharding), setup.step_inputs()[0])  # fmt: skip
+        base = jax.tree.map(lambda a: jax.device_put(_noise(a.shape), a.sharding), setup.step_inputs()[0])
         before = jax.tree.map(np.asarray, base)
         state, step, losses = setup.new_state(), setup.train_step(), []
         placed = {k: jax.device_put(v, setup.batch_sharding) for k, v in batch.items()}
@@ -122,6 +121,10 @@ def test_a_lora_step_on_8_devices_equals_one_device_and_the_base_input_is_untouc
     assert results[0][0][-1] < results[0][0][0]
     for got, want in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[0][1]), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def _noise(shape) -> np.ndarray:
+    return np.random.default_rng(int(np.prod(shape))).normal(0, 0.05, shape).astype(np.float32)
 
 
 def test_a_lora_run_resumes_exactly(base_run, tmp_path):
