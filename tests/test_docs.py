@@ -40,7 +40,7 @@ def flags_of(script: str) -> set[str]:
     benchmarks' shared helpers)."""
     sources = [script]
     text = open(os.path.join(REPO, script)).read()
-    if "from trainer import cli" in text:
+    if "from trainer.run import cli" in text:
         sources.append("trainer/run/cli.py")
     sources += [f"benchmarks/{name}.py" for name in re.findall(r"^from (\w+) import", text, re.M)
                 if os.path.exists(os.path.join(REPO, "benchmarks", f"{name}.py"))]  # fmt: skip

@@ -300,7 +300,7 @@ def test_commands_that_need_no_accelerator_print_only_their_own_lines(tmp_path):
         ["scripts/plan.py", "--config", "configs/tiny.py", "--target=v5e-4", "--no_compile"],
         ["scripts/plan.py", "--config", "configs/tiny.py", "--target=h100-8", "--no_compile"],
         ["scripts/prepare_data.py", "--config", "configs/tiny.py", f"--config.data.data_dir={tmp_path / 'tfds'}",
-         f"--config.data.paths={REPO}/trainer/*.py", "--config.data.validation_fraction=0.5"],
+         f"--config.data.paths={REPO}/trainer/training/*.py", "--config.data.validation_fraction=0.5"],
     ]  # fmt: skip
     for command in commands:
         result = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=300)
