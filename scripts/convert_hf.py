@@ -5,6 +5,10 @@ pip install -e ".[hf]"):
     python scripts/convert_hf.py export --config configs/tiny.py --workdir runs/tiny [--step N] --out hf/tiny
     python scripts/convert_hf.py import --hf hf/tiny --config configs/tiny.py --workdir runs/tiny-imported
 
+A LoRA run (model.lora) exports with --out as its base with the adapters merged in, and with --adapter DIR
+as a PEFT adapter directory that peft.PeftModel.from_pretrained loads on the export of its base;
+import --adapter DIR takes a PEFT adapter in beside the model of --hf (docs/post_training.md).
+
 An exported directory loads with transformers' AutoModelForCausalLM and
 AutoTokenizer. An imported one is step 0 of a run that train.py continues and
 eval.py evaluates; the config's model section must describe the same model.
@@ -21,20 +25,30 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory; default runs/<co
 _STEP = flags.DEFINE_integer("step", None, "export: checkpoint step; default the newest.")
 _OUT = flags.DEFINE_string("out", None, "export: directory to write.")
 _HF = flags.DEFINE_string("hf", None, "import: Hugging Face model directory to read.")
+_ADAPTER = flags.DEFINE_string(
+    "adapter",
+    None,
+    "A PEFT adapter directory: export writes a LoRA run's adapters there; import reads one beside --hf.",
+)
 
 
 def main(args):
     workdir = _WORKDIR.value or cli.default_workdir()
     if args == ["export"]:
-        if not _OUT.value:
-            raise ConfigError("export needs --out DIR.")
-        step = export_checkpoint(_CONFIG.value, workdir, _STEP.value, _OUT.value)
-        print(f"exported step {step} of {workdir} to {_OUT.value}")
+        if not (_OUT.value or _ADAPTER.value):
+            raise ConfigError("export needs --out DIR (the model), --adapter DIR (a LoRA run's adapters), or both.")
+        for out, adapter in ((_ADAPTER.value, True), (_OUT.value, False)):
+            if out:
+                step = export_checkpoint(_CONFIG.value, workdir, _STEP.value, out, adapter=adapter)
+                print(f"exported step {step} of {workdir}{'s adapters' * adapter} to {out}")
     elif args == ["import"]:
         if not _HF.value:
             raise ConfigError("import needs --hf DIR.")
-        import_checkpoint(_HF.value, _CONFIG.value, workdir)
-        print(f"imported {_HF.value} into {workdir} as step 0")
+        import_checkpoint(_HF.value, _CONFIG.value, workdir, _ADAPTER.value)
+        print(
+            f"imported {_HF.value}{f' with the adapter {_ADAPTER.value}' * bool(_ADAPTER.value)} into {workdir} "
+            "as step 0"
+        )
     else:
         raise ConfigError("say what to do: convert_hf.py export ... or convert_hf.py import ...")
 

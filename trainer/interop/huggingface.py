@@ -8,6 +8,7 @@ tokenizer) `tokenizers`, both in the `hf` extra.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -20,8 +21,10 @@ from trainer.config.forms import flatten
 from trainer.data import run_tokenizer
 from trainer.data.chat import template_for
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer
+from trainer.interop import peft
 from trainer.interop.families import from_hf_tensors, hf_config, model_keys_from_hf, to_hf_tensors
-from trainer.model.spec import Architecture
+from trainer.model import adapters
+from trainer.model.spec import Adapters, Architecture
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -148,14 +151,16 @@ def bpe_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
 # ---- whole workdirs ----
 
 
-def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
-    """Write a Hugging Face directory (config, safetensors, tokenizer) for a checkpoint; returns its step.
+def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter: bool = False) -> int:
+    """Write a Hugging Face directory (config, safetensors, tokenizer) for a checkpoint; returns its step. A
+    LoRA run's (model.lora) is its base with the adapters merged in; with `adapter`, its adapters alone as a
+    PEFT adapter directory (trainer/interop/peft.py), which loads on the export of its base.
 
     Everything that can refuse (the directory, the model's form, the weights, the tokenizer) is settled before
     the first byte is written, so a refused export leaves nothing behind and the same command can be rerun."""
     import jax
 
-    from trainer.training.resume import load_params
+    from trainer.training.resume import load_params, saved_config
 
     require_hf_extra()
     if os.path.exists(out_dir) and os.listdir(out_dir):
@@ -165,9 +170,19 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str) -> int:
     cfg = run_tokenizer.settle(cfg, workdir)  # the run's own copy of its tokenizer
     tok = load_tokenizer(cfg.data)
     special = (tok.bos_id, tok.eos_id, tok.pad_id)
-    config = hf_config(Architecture.from_config(cfg), cfg.model.max_seq_len, special)  # before the restore
+    lora, arch = cfg.model.lora, dataclasses.replace(Architecture.from_config(cfg), lora=Adapters())
+    if adapter and not lora.rank:
+        raise ConfigError("export --adapter: this run trains no adapters (model.lora.rank=0); export it whole.")
+    config = hf_config(arch, cfg.model.max_seq_len, special)  # before the restore
     setup, step, params = load_params(cfg, workdir, step)
-    tensors = to_hf_tensors(jax.device_get(params), setup.spec.arch)
+    params = jax.device_get(params)
+    if adapter:
+        peft.to_peft(adapters.split(params)[0], arch)  # what can refuse, before anything is written
+        peft.write(adapters.split(params)[0], arch, lora, out_dir, base=saved_config(workdir).checkpoint.init_from)
+        return step
+    if lora.rank:  # the model the adapters make, as plain weights
+        params = adapters.fold(params, lora.alpha / lora.rank)
+    tensors = to_hf_tensors(params, arch)
     tokenizer = hf_tokenizer(cfg.data)
     os.makedirs(out_dir, exist_ok=True)
     write_weights(tensors, out_dir)
@@ -187,21 +202,60 @@ def require_hf_extra() -> None:
                           'installed): pip install -e ".[hf]".') from e  # fmt: skip
 
 
-def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
+def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = None) -> None:
     """Write the weights of a Hugging Face directory (a family of trainer/interop/families/) as step 0 of a new
     run in `workdir`.
 
     The optimiser state starts fresh and the data from the beginning: train.py
-    continues from it, eval.py evaluates it.
+    continues from it, eval.py evaluates it. With `adapter_dir`, a PEFT adapter trained on that model: the
+    model goes to <workdir>/base, and `workdir` becomes step 0 of a LoRA run (model.lora, as the adapter was
+    made) on it, its adapters the adapter's. Everything that can refuse does so before anything is written.
     """
     import jax
 
+    from trainer.config.forms import with_changes
+    from trainer.training.setup import build
+    from trainer.training.state import param_shardings, state_from_params, trained
+
+    require_hf_extra()
+    lora = cfg.model.lora
+    if adapter_dir is None:
+        if lora.rank:
+            raise ConfigError("import: model.lora.rank > 0 is a run of adapters; give them with --adapter DIR (a "
+                              "PEFT adapter), or import the model alone with --config.model.lora.rank=0.")  # fmt: skip
+        _write(cfg, workdir, _imported_state(hf_dir, cfg, workdir))
+        return
+    if not lora.rank:
+        raise ConfigError("import --adapter: set model.lora.rank, alpha and targets as the adapter was trained.")
+    saved, tensors = peft.read(adapter_dir)
+    peft.check_config(saved, lora, adapter_dir)
+    base_dir = os.path.join(workdir, "base")
+    base_cfg = with_changes(cfg, {"model.lora.rank": 0, "checkpoint.init_from": ""})
+    cfg = with_changes(cfg, {"checkpoint.init_from": f"{base_dir}@0"})
+    base_state = _imported_state(hf_dir, base_cfg, base_dir)
+    _refuse_checkpoints(workdir)
+    setup = build(cfg)
+    added = peft.from_peft(tensors, trained(setup.model.abstract_params, setup.model), setup.spec.arch)
+    added = jax.device_put(added, trained(param_shardings(setup.model, setup.shard), setup.model))
+    state = state_from_params(added, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.counters)
+    _write(base_cfg, base_dir, base_state)
+    _write(cfg, workdir, state)
+
+
+def _refuse_checkpoints(workdir: str) -> None:
     from trainer.storage import workdir as wd
-    from trainer.storage.checkpoint import Checkpointer
+
+    if wd.saved_steps(workdir):
+        raise ConfigError(f"{workdir} already holds checkpoints; import into a new --workdir.")
+
+
+def _imported_state(hf_dir: str, cfg, workdir: str):
+    """Step 0's state from a Hugging Face directory's weights, once they are known to fit the config."""
+    import jax
+
     from trainer.training.setup import build
     from trainer.training.state import param_shardings, state_from_params
 
-    require_hf_extra()
     wanted, have = model_keys_from_hf(read_config(hf_dir)), flatten(cfg)
     have["model.head_dim"] = Architecture.from_config(cfg).head_dim  # its 0 means d_model / n_heads
     differ = [f"model.{k}={v!r} (config has {have[f'model.{k}']!r})" for k, v in wanted.items()
@@ -211,8 +265,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
             f"the Hugging Face model needs {', '.join(differ)}; set these with --config.model.* or use a "
             "config that matches."
         )
-    if wd.saved_steps(workdir):
-        raise ConfigError(f"{workdir} already holds checkpoints; import into a new --workdir.")
+    _refuse_checkpoints(workdir)
     setup = build(cfg)
     interleaved = bool(read_config(hf_dir).get("rope_interleave"))  # DeepSeek's RoPE pairs
     params = from_hf_tensors(read_weights(hf_dir), setup.spec.arch, interleaved)
@@ -222,7 +275,13 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str) -> None:
     if jax.tree.map(lambda a: a.shape, params) != expected:
         raise ConfigError(f"the weights in {hf_dir} do not have the shapes its config.json describes.")
     params = jax.device_put(params, param_shardings(setup.model, setup.shard))
-    state = state_from_params(params, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.counters)
+    return state_from_params(params, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.counters)
+
+
+def _write(cfg, workdir: str, state) -> None:
+    from trainer.storage import workdir as wd
+    from trainer.storage.checkpoint import Checkpointer
+
     wd.check_writable(workdir)
     wd.write_config(workdir, cfg)
     run_tokenizer.store(cfg, workdir)

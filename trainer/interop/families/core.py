@@ -204,7 +204,7 @@ def expert_keys(config: dict, count: int, width: int, dense: int, every: int) ->
             "moe.experts_per_token": config["num_experts_per_tok"], "moe.shared_experts": 0}  # fmt: skip
 
 
-def _stacks(spec: Architecture) -> dict[str, list[int]]:
+def layers_by_stack(spec: Architecture) -> dict[str, list[int]]:
     """Our stacks of layers and the layer numbers each holds, in order."""
     stacks = {}
     for i, (stack, _) in enumerate(spec.stacks()):
@@ -220,7 +220,7 @@ def to_hf_tensors(params: dict, spec: Architecture, layout: Layout, name: str) -
         # muP divides our logits by m; the families have no output multiplier, so the head carries it
         # (muP refuses tied embeddings, so the input table is untouched).
         out["lm_head.weight"] = params["lm_head"].T / spec.width_multiplier
-    for stack, numbers in _stacks(spec).items():
+    for stack, numbers in layers_by_stack(spec).items():
         layers = params[stack]
         for n, i in enumerate(numbers):
             a, prefix = layers["attn"], f"model.layers.{i}."
@@ -251,7 +251,7 @@ def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture, layout: Layout
     """Our parameters from a family's tensors laid out by `layout` (`interleaved`: DeepSeek's RoPE rows)."""
     off = layout.norm_offset
     params = {"embed": t["model.embed_tokens.weight"], "final_norm": {"scale": t["model.norm.weight"] + off}}
-    for stack, numbers in _stacks(spec).items():
+    for stack, numbers in layers_by_stack(spec).items():
 
         def each(name, fn, numbers=numbers):
             return np.stack([fn(t[f"model.layers.{i}.{name}"]) for i in numbers])

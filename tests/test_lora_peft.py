@@ -1,0 +1,74 @@
+"""LoRA adapters in and out of Hugging Face PEFT's form, against peft and transformers: a LoRA run's adapter
+loaded by PeftModel.from_pretrained on the export of its base gives our logits, as does its merged export;
+a PEFT adapter imported beside its base gives PEFT's logits; an adapter of another rank is one sentence."""
+
+import jax
+import numpy as np
+import pytest
+from conftest import micro_config
+
+torch = pytest.importorskip("torch", reason="the hf extra is not installed: pip install -e '.[hf]'")
+transformers = pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
+peft = pytest.importorskip("peft", reason="the post extra is not installed: pip install -e '.[post]'")
+
+from trainer.config.errors import ConfigError  # noqa: E402
+from trainer.interop.huggingface import export_checkpoint, import_checkpoint  # noqa: E402
+from trainer.run.loop import train  # noqa: E402
+from trainer.training.resume import load_params, saved_config  # noqa: E402
+
+TOKENS = np.random.default_rng(0).integers(3, 384, (2, 24))
+
+
+def logits_of(model) -> np.ndarray:
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor(TOKENS)).logits.numpy()
+
+
+def ours(cfg, workdir) -> np.ndarray:
+    setup, _, params = load_params(cfg, workdir)
+    return np.asarray(jax.jit(setup.model.apply)(params, TOKENS))
+
+
+def hf(path):
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_adapters_go_to_peft_and_come_back_with_the_same_logits(tmp_path, family):
+    model = dict(qk_norm=True, head_dim=32) if family == "qwen3" else {}
+    base = micro_config(model=model, train=dict(steps=2), checkpoint={"every_steps": 2})
+    train(base, str(tmp_path / "base"))
+    lora = micro_config(
+        model=model, train=dict(steps=3), checkpoint={"every_steps": 3, "init_from": str(tmp_path / "base")}
+    )
+    lora.model.lora.update(rank=4, alpha=8.0)
+    train(lora, str(tmp_path / "lora"))
+    ours_logits = ours(lora, str(tmp_path / "lora"))
+
+    # Out: the base's export, the adapter loaded on it by peft, and the merged export.
+    export_checkpoint(base, str(tmp_path / "base"), None, str(tmp_path / "hf_base"))
+    export_checkpoint(lora, str(tmp_path / "lora"), None, str(tmp_path / "adapter"), adapter=True)
+    export_checkpoint(lora, str(tmp_path / "lora"), None, str(tmp_path / "merged"))
+    adapted = peft.PeftModel.from_pretrained(hf(str(tmp_path / "hf_base")), str(tmp_path / "adapter"))
+    base_logits = logits_of(hf(str(tmp_path / "hf_base")))
+    assert np.max(np.abs(ours_logits - base_logits)) > 1e-3  # three steps moved the adapters
+    np.testing.assert_allclose(logits_of(adapted), ours_logits, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(logits_of(hf(str(tmp_path / "merged"))), ours_logits, rtol=1e-4, atol=1e-4)
+
+    # In: an adapter peft made (random A and B), beside the same base, gives peft's logits here.
+    made = peft.get_peft_model(hf(str(tmp_path / "hf_base")), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"], init_lora_weights=False))  # fmt: skip
+    made.save_pretrained(str(tmp_path / "made"))
+    fresh = micro_config(model=model)
+    fresh.model.lora.update(rank=4, alpha=8.0)
+    import_checkpoint(str(tmp_path / "hf_base"), fresh, str(tmp_path / "imported"), str(tmp_path / "made"))
+    saved = saved_config(str(tmp_path / "imported"))  # the run's config.json: its base pinned at <workdir>/base
+    assert saved.checkpoint.init_from == f"{tmp_path / 'imported' / 'base'}@0"
+    np.testing.assert_allclose(ours(saved, str(tmp_path / "imported")), logits_of(made), rtol=1e-4, atol=1e-4)
+
+    fresh.model.lora.rank = 8
+    with pytest.raises(ConfigError, match=r"made with model.lora.rank=4 \(config has 8\)"):
+        import_checkpoint(str(tmp_path / "hf_base"), fresh, str(tmp_path / "refused"), str(tmp_path / "made"))
+    assert not (tmp_path / "refused").exists()  # refused before anything was written

@@ -1,0 +1,121 @@
+"""Low-rank adapters in Hugging Face PEFT's form, both ways: a directory of `adapter_config.json` and
+`adapter_model.safetensors` that `peft.PeftModel.from_pretrained` loads on the exported base model.
+
+PEFT keeps each adapted projection's lora_A as (rank, in features) and lora_B as (out features, rank), and
+adds (lora_alpha / r) * B @ A to the (out, in) weight. Ours are A (inputs..., rank) and B (rank, outputs...)
+beside a weight stored (in, out) with heads folded as the families fold them (families/core.py), so each
+maps by a reshape and a transpose. Attention's and dense MLPs' projections move; adapters on a mixture's
+shared experts do not (their names differ by family) and are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from trainer.config.errors import ConfigError
+from trainer.interop.families.core import layers_by_stack
+from trainer.model.spec import Architecture
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+# target -> (our block, the family's module below model.layers.N)
+PROJECTIONS = {"q": ("attn", "self_attn.q_proj"), "k": ("attn", "self_attn.k_proj"), "v": ("attn", "self_attn.v_proj"),
+               "o": ("attn", "self_attn.o_proj"), "gate": ("mlp", "mlp.gate_proj"), "up": ("mlp", "mlp.up_proj"),
+               "down": ("mlp", "mlp.down_proj")}  # fmt: skip
+PREFIX = "base_model.model.model.layers"
+
+
+def to_peft(added: dict, spec: Architecture) -> dict[str, np.ndarray]:
+    """The adapters of a parameter tree (adapters.split's first part) as PEFT's tensors."""
+    out = {}
+    for stack, numbers in layers_by_stack(spec).items():
+        layers = added.get(stack, {})
+        if "lora_gate" in layers.get("moe", {}).get("shared", {}):
+            raise ConfigError("adapters on a mixture's shared experts have no PEFT form here; train with "
+                              "model.lora.targets=q,k,v,o to export an adapter.")  # fmt: skip
+        for target, (block, theirs) in PROJECTIONS.items():
+            adapter = layers.get(block, {}).get(f"lora_{target}")
+            if adapter is None:
+                continue
+            a, b = np.asarray(adapter["a"], np.float32), np.asarray(adapter["b"], np.float32)
+            rank = a.shape[-1]
+            for n, i in enumerate(numbers):
+                out[f"{PREFIX}.{i}.{theirs}.lora_A.weight"] = np.ascontiguousarray(a[n].reshape(-1, rank).T)
+                out[f"{PREFIX}.{i}.{theirs}.lora_B.weight"] = np.ascontiguousarray(b[n].reshape(rank, -1).T)
+    return out
+
+
+def from_peft(tensors: dict[str, np.ndarray], abstract: dict, spec: Architecture) -> dict:
+    """Our adapters from PEFT's tensors, shaped as `abstract` (the adapters' part of the model's abstract
+    parameters) says; a tensor missing or of another shape is one sentence."""
+    out: dict = {}
+    for stack, numbers in layers_by_stack(spec).items():
+        for target, (block, theirs) in PROJECTIONS.items():
+            want = abstract.get(stack, {}).get(block, {}).get(f"lora_{target}")
+            if want is None:
+                continue
+            parts = {}
+            for ours, name in (("a", "lora_A"), ("b", "lora_B")):
+                shape = tuple(want[ours].shape[1:])  # A: (inputs..., rank), B: (rank, outputs...)
+                theirs_shape = (shape[-1], int(np.prod(shape[:-1]))) if ours == "a" else (int(np.prod(shape[1:])),
+                                                                                           shape[0])  # fmt: skip
+                stacked = []
+                for i in numbers:
+                    key = f"{PREFIX}.{i}.{theirs}.{name}.weight"
+                    if key not in tensors:
+                        raise ConfigError(f"the adapter has no {key}; it was trained for other target modules "
+                                          "than model.lora.targets says.")  # fmt: skip
+                    if tuple(tensors[key].shape) != theirs_shape:
+                        raise ConfigError(f"the adapter's {key} is {tuple(tensors[key].shape)}, where this config's "
+                                          f"model and rank make {theirs_shape}: an adapter of another base model or "
+                                          "rank.")  # fmt: skip
+                    stacked.append(np.asarray(tensors[key], np.float32).T.reshape(shape))
+                parts[ours] = np.stack(stacked)
+            out.setdefault(stack, {}).setdefault(block, {})[f"lora_{target}"] = parts
+    return out
+
+
+def peft_config(lora, base: str = "") -> dict:
+    """adapter_config.json for adapters of `lora` (model.lora's settings)."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+            "lora_dropout": 0.0, "target_modules": sorted(PROJECTIONS[t][1].split(".")[-1] for t in lora.targets),
+            "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+            "init_lora_weights": True, "base_model_name_or_path": base}  # fmt: skip
+
+
+def check_config(saved: dict, lora, where: str) -> None:
+    """Refuse a PEFT adapter whose settings are not this config's model.lora (rank, alpha, targets)."""
+    if saved.get("peft_type", "LORA") != "LORA" or saved.get("use_dora") or saved.get("use_rslora"):
+        raise ConfigError(f"{where} is not a plain LoRA adapter (peft_type LORA, no DoRA or rsLoRA).")
+    modules = saved.get("target_modules") or []
+    modules = [modules] if isinstance(modules, str) else sorted(modules)
+    targets = peft_config(lora)["target_modules"]
+    differ = [f"{ours}={theirs!r} (config has {mine!r})" for ours, theirs, mine in (
+        ("model.lora.rank", saved.get("r"), lora.rank), ("model.lora.alpha", float(saved.get("lora_alpha", 0)),
+        float(lora.alpha)), ("target_modules", modules, targets)) if theirs != mine]  # fmt: skip
+    if differ:
+        raise ConfigError(f"the adapter in {where} was made with {', '.join(differ)}; set model.lora to match it.")
+
+
+def write(added: dict, spec: Architecture, lora, out_dir: str, base: str = "") -> None:
+    from safetensors.numpy import save_file
+
+    tensors = to_peft(added, spec)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE))
+    with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
+        json.dump(peft_config(lora, base), f, indent=2)
+
+
+def read(adapter_dir: str) -> tuple[dict, dict[str, np.ndarray]]:
+    """(adapter_config.json, tensors) of a PEFT adapter directory."""
+    from safetensors.numpy import load_file
+
+    files = [os.path.join(adapter_dir, name) for name in (CONFIG_FILE, WEIGHTS_FILE)]
+    missing = [f for f in files if not os.path.exists(f)]
+    if missing:
+        raise ConfigError(f"{adapter_dir} is not a PEFT adapter directory: it has no {os.path.basename(missing[0])}.")
+    with open(files[0]) as f:
+        return json.load(f), load_file(files[1])
