@@ -1,4 +1,5 @@
-"""Tokens per second of an SFT step and a DPO step against a pretraining step of the same model.
+"""Tokens per second and compiled memory of an SFT step, a LoRA SFT step and a DPO step against a pretraining
+step of the same model.
 
     python benchmarks/post_training.py --config configs/tiny.py [--steps 5] [--rounds 3] [--append]
 
@@ -9,7 +10,9 @@ and a loss mask on the replies. SFT's mask changes which targets count, not the 
 what pretraining's does. DPO's runs a forward pass of the reference weights beside the policy's forward
 and backward (FLOPs per token 8N against 6N) and holds the reference on the devices (one more copy of the
 parameters): `dpo_over_pretrain` is its time per step over pretraining's. A DPO pair is two sequences,
-so its tokens per second are twice its pairs' tokens per second.
+so its tokens per second are twice its pairs' tokens per second. LoRA's SFT (`--lora_rank`, on every
+projection) trains adapters beside the frozen weights (`lora_over_sft`: its time over full SFT's); `*_gib`
+is XLA's memory for each compiled step on one device (trainer/training/step.py memory_per_device).
 """
 
 import os
@@ -29,6 +32,7 @@ _CONFIG = cli.define_config_flag()
 _STEPS = flags.DEFINE_integer("steps", 5, "Steps per timed turn.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Alternating turns of the three steps.")
 _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
+_LORA_RANK = flags.DEFINE_integer("lora_rank", 16, "The LoRA SFT step's model.lora.rank.")
 
 
 def batch(cfg) -> dict:
@@ -48,22 +52,31 @@ def batch(cfg) -> dict:
 
 def main():
     import jax
+    import numpy as np
 
     from trainer.config.forms import with_changes
     from trainer.model.flops import flops_per_token, peak_flops
     from trainer.training.setup import build
 
     base = _CONFIG.value
-    formats = {"pretrain": {}, "sft": {"data.format": "chat"}, "dpo": {"data.format": "preference",
-                                                                        "checkpoint.init_from": "unused"}}  # fmt: skip
+    from trainer.training.step import memory_per_device
+
+    formats = {"pretrain": {}, "sft": {"data.format": "chat"},
+               "lora": {"data.format": "chat", "model.lora.rank": _LORA_RANK.value, "checkpoint.init_from": "unused"},
+               "dpo": {"data.format": "preference", "checkpoint.init_from": "unused"}}  # fmt: skip
     data = batch(base)
-    steps, carries, setups = {}, {}, {}
+    steps, carries, setups, memory = {}, {}, {}, {}
     for name, changes in formats.items():
         cfg = with_changes(base, {"data.source": "text_files", **changes} if changes else {})
         setup = setups[name] = build(cfg)
         on_mesh = jax.device_put({k: v for k, v in data.items() if k in setup.abstract_batch()}, setup.batch_sharding)
         state, step = setup.new_state(), setup.train_step()
         inputs = (jax.tree.map(lambda p: p.copy(), state.params),) if setup.preference else ()
+        if setup.adapted:  # the frozen base: any weights time the same
+            inputs = (jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding),
+                                   setup.step_inputs()[0]),)  # fmt: skip
+        compiled = step.lower(setup.abstract_state(), setup.abstract_batch(), *setup.step_inputs()).compile()
+        memory[name] = memory_per_device(compiled, setup.mesh.devices.flat[0].platform)["total"] / 2**30
         steps[name] = lambda s, step=step, b=on_mesh, extra=inputs: step(s, b, *extra)[0]
         carries[name], _ = seconds_per_step(steps[name], state, 1)  # compiled and warm
     times = {name: [] for name in formats}
@@ -79,9 +92,10 @@ def main():
         s = setups[name]
         fpt = flops_per_token(s.spec.arch, s.model.abstract_params, base.data.seq_len, s.preference)
         figures.update({f"{name}_step_s": seconds, f"{name}_tokens_per_s": tokens / seconds,
-                        f"{name}_mfu": fpt * tokens / seconds / peak})  # fmt: skip
+                        f"{name}_mfu": fpt * tokens / seconds / peak, f"{name}_gib": memory[name]})  # fmt: skip
     figures["sft_over_pretrain"] = median["sft"] / median["pretrain"]
     figures["dpo_over_pretrain"] = median["dpo"] / median["pretrain"]
+    figures["lora_over_sft"] = median["lora"] / median["sft"]
     report("post_training", figures, append=_APPEND.value)
 
 

@@ -40,7 +40,8 @@ def main(args):
         for out, adapter in ((_ADAPTER.value, True), (_OUT.value, False)):
             if out:
                 step = export_checkpoint(_CONFIG.value, workdir, _STEP.value, out, adapter=adapter)
-                print(f"exported step {step} of {workdir}{'s adapters' * adapter} to {out}")
+                whose = "'s adapters" if adapter else ""
+                print(f"exported step {step} of {workdir}{whose} to {out}")
     elif args == ["import"]:
         if not _HF.value:
             raise ConfigError("import needs --hf DIR.")

@@ -174,6 +174,12 @@ def main():
     active = result["n_params_active"]
     routed = f", {active:,} active per token" if active != result["n_params"] else ""
     print(f"parameters        {result['n_params']:,} ({result['n_params_non_embedding']:,} non-embedding{routed})")
+    if result["n_params_trained"] != result["n_params"]:  # model.lora: the adapters train, the base is frozen
+        trained = result["n_params_trained"]
+        print(
+            f"trained           {trained:,} adapter parameters ({100 * trained / (result['n_params'] - trained):.3f}% "
+            "of the frozen base's); optimiser state over them alone"
+        )
     print(f"FLOPs per token   {result['flops_per_token']:.4g}  = {result['flops_formula']}")
     print(f"FLOPs per step    {result['flops_per_step']:.4g}  ({result['tokens_per_step']:,} tokens)")
     print(f"mesh              {result['mesh']} on {result['devices']} x {result['device_kind']}")

@@ -266,3 +266,36 @@ def test_sft_teaches_a_format_the_base_model_does_not_follow_and_its_export_chat
         with torch.no_grad():
             got = model.generate(**prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)[0]
         assert got[prompt["input_ids"].shape[1] :].tolist() == mine.tolist()
+
+
+def test_dpo_and_sft_with_adapters_train_the_adapters_against_the_base_they_adapt(rows, tmp_path):
+    """model.lora under DPO: the reference is the frozen base with the adapters off, so the first step's loss
+    is log 2 with one copy of the weights (the planner holds no reference line); under SFT the masked loss
+    trains the adapters alone."""
+    from trainer.planning.memory import bytes_per_device, state_bytes
+
+    base = config(rows, tmp_path, "chat", train=dict(steps=2, global_batch_size=8), checkpoint={"every_steps": 2})
+    train(base, str(tmp_path / "base"))
+    lora = {"rank": 4, "alpha": 8.0}
+    sft = config(rows, tmp_path, "chat", train=dict(steps=6, global_batch_size=8, log_every=1),
+                 checkpoint={"every_steps": 6, "init_from": str(tmp_path / "base")})  # fmt: skip
+    sft.model.lora.update(lora)
+    assert np.isfinite(train(sft, str(tmp_path / "sft"))["loss"])
+    dpo = config(rows, tmp_path, "preference", train=dict(steps=2, global_batch_size=8, log_every=1),
+                 checkpoint={"every_steps": 2, "init_from": str(tmp_path / "base")})  # fmt: skip
+    dpo.model.lora.update(lora)
+    setup = build(dpo)
+    memory = bytes_per_device(dpo, setup)
+    assert "reference" not in memory and state_bytes(setup)["frozen"] > 0
+    full = bytes_per_device(config(rows, tmp_path, "preference", checkpoint={"init_from": "x"}),
+                            build(config(rows, tmp_path, "preference", checkpoint={"init_from": "x"})))  # fmt: skip
+    assert full["reference"] > 0 and memory["optimizer"] < full["optimizer"] / 5
+    from trainer.training.resume import load_params
+
+    state, base_params = setup.new_state(), load_params(base, str(tmp_path / "base"))[2]  # a model without adapters
+    batch = jax.device_put(a_batch(dpo), setup.batch_sharding)
+    _, metrics = setup.train_step()(state, batch, base_params)
+    assert float(metrics["loss"]) == pytest.approx(np.log(2), rel=1e-6)
+    assert float(metrics["grad_norm"]) > 0  # B's gradient (A's is zero while B is)
+    result = train(dpo, str(tmp_path / "dpo"))
+    assert result["step"] == 2 and result["loss"] < np.log(2)

@@ -176,14 +176,15 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter
     config = hf_config(arch, cfg.model.max_seq_len, special)  # before the restore
     setup, step, params = load_params(cfg, workdir, step)
     params = jax.device_get(params)
-    if adapter:
+    tokenizer = hf_tokenizer(cfg.data)
+    if adapter:  # with the run's tokenizer: its chat template is the fine-tune's, not the base's
         peft.to_peft(adapters.split(params)[0], arch)  # what can refuse, before anything is written
         peft.write(adapters.split(params)[0], arch, lora, out_dir, base=saved_config(workdir).checkpoint.init_from)
+        tokenizer.save_pretrained(out_dir)
         return step
     if lora.rank:  # the model the adapters make, as plain weights
         params = adapters.fold(params, lora.alpha / lora.rank)
     tensors = to_hf_tensors(params, arch)
-    tokenizer = hf_tokenizer(cfg.data)
     os.makedirs(out_dir, exist_ok=True)
     write_weights(tensors, out_dir)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from parallelism.chips import CHIPS, chip_of
+from trainer.model import adapters
 from trainer.model.spec import Architecture
 
 
@@ -71,13 +72,17 @@ def attention_forward_flops(arch: Architecture, seq_len: int) -> float:
 
 def flops_per_token(arch: Architecture, abstract_params: dict, seq_len: int, reference: bool = False) -> float:
     """Training FLOPs per token: FORMULA; with `reference` (DPO), also a forward pass of the reference weights
-    (2 * N_matmul + the attention's forward), a third more."""
+    (2 * N_matmul + the attention's forward), a third more; under model.lora less the frozen weights'
+    gradients (2 * their N): activations' gradients still flow through them, theirs are not taken."""
     forward = 2.0 * matmul_params(arch, abstract_params) + attention_forward_flops(arch, seq_len)
     # Multi-token prediction's modules: their parameters are in N, their attention and their uses of the
     # shared head (counted once in N) are not
     depth = arch.mtp.depth
     forward += depth * (2.0 * arch.vocab_size * arch.d_model + 2.0 * arch.n_heads * sum(arch.attention_dims) * seq_len)
-    return forward * (4 if reference else 3)
+    total = forward * (4 if reference else 3)
+    if arch.lora.rank:  # low-rank adapters: the frozen base's weight gradients (2 * its N) are never computed
+        total -= 2.0 * matmul_params(arch, adapters.split(abstract_params)[1])
+    return total
 
 
 @functools.cache

@@ -233,9 +233,11 @@ def gathered_bytes(spec, mesh_shape: dict[str, int], act_bytes: int) -> int:
 
 
 def state_bytes(setup) -> dict[str, int]:
-    """Bytes of the parameters (as stored, fp32) and the optimiser state on one device, from the shardings."""
+    """Bytes of the parameters (as stored, fp32) and the optimiser state on one device, from the shardings;
+    under model.lora the state's parameters are the adapters and `frozen` is the base beside them."""
     state = setup.abstract_state()
-    return {"params": shard_bytes(state.params), "optimizer": shard_bytes(state.opt_state)}
+    frozen = shard_bytes(setup.step_inputs()[0]) if setup.adapted else 0
+    return {"params": shard_bytes(state.params), "optimizer": shard_bytes(state.opt_state), "frozen": frozen}
 
 
 def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None) -> dict[str, int]:
@@ -243,15 +245,17 @@ def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None)
     search vary remat, loss chunk and accumulation over one built setup."""
     spec, state = spec or setup.spec, state or state_bytes(setup)
     compute = jnp.dtype(cfg.precision.compute_dtype).itemsize
-    fp32 = state["params"]  # the stored parameters are fp32
+    fp32 = state["params"]  # the trained parameters, stored fp32 (under model.lora: the adapters)
+    stored = fp32 + state.get("frozen", 0)  # every weight the model applies (model.lora's frozen base too)
     shape = dict(setup.mesh.shape)
-    activations = activation_bytes(cfg, spec, shape, setup.mesh.devices.flat[0].platform, fp32)
+    activations = activation_bytes(cfg, spec, shape, setup.mesh.devices.flat[0].platform, stored)
     out = {
-        "params": fp32 * compute // 4,
-        "master_weights": fp32 if compute != 4 else 0,
+        "params": stored * compute // 4,
+        "master_weights": stored if compute != 4 else 0,
         "grads": fp32 * (2 if cfg.train.grad_accum_steps > 1 else 1),
         "optimizer": state["optimizer"],
-        **({"reference": fp32} if cfg.data.format == "preference" else {}),
+        # DPO's reference: a second copy, but under model.lora the base with the adapters off (none)
+        **({"reference": fp32} if cfg.data.format == "preference" and not state.get("frozen") else {}),
         "update": max(0, fp32 - activations),
         "gathered": gathered_bytes(spec, shape, compute),
         "activations": activations,

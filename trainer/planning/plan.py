@@ -87,12 +87,14 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         "n_params_non_embedding": counts["non_embedding"],
         "n_params_embedding": counts["embedding"],
         "n_params_active": counts["total"] - inactive_params(setup.spec.arch, setup.model.abstract_params),
+        "n_params_trained": sum(x.size for x in jax.tree.leaves(setup.abstract_state().params)),
         "flops_per_token": fpt,
         "flops_formula": FORMULA
         + " + DPO's reference forward, a third of it" * setup.preference
         + " (a local layer's keys: its window's; latent attention's head_dim: (qk + v) / 2)"
         * bool(setup.spec.arch.sliding_window or setup.spec.arch.mla.kv_rank)
-        + " + the MTP modules' head and attention" * bool(setup.spec.arch.mtp.depth),
+        + " + the MTP modules' head and attention" * bool(setup.spec.arch.mtp.depth)
+        + " - the frozen weights' gradients, 2N (model.lora)" * setup.adapted,
         "tokens_per_step": t.global_batch_size * seq,
         "flops_per_step": fpt * t.global_batch_size * seq,
         "mesh": dict(setup.mesh.shape),
