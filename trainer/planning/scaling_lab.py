@@ -238,7 +238,7 @@ def _write_config_file(out: str, point, result: dict) -> str:
         f" N = {point.rung.n_params:,},\ntrained {point.steps} steps ({point.tokens:,} tokens); predicted eval "
         f"loss {result['model']['predicted_loss']:.4f}.\n\n"
         f"    python scripts/train.py --config {path} --workdir {point.workdir}\n"
-        '"""\n\nfrom trainer.config import from_dict\n\n\ndef get_config():\n'
+        '"""\n\nfrom trainer.config.forms import from_dict\n\n\ndef get_config():\n'
         f"    return from_dict({point.cfg.to_dict()!r})\n"
     )
     if _primary():
