@@ -44,6 +44,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "q_latent": (),
     "kv_latent": (),
     "lora": (),  # a low-rank adapter's rank (trainer/model/primitives.py Adapter): a few columns, kept whole
+    # A quantised base's blocks of scales along a weight's inputs (trainer/model/quantised.py): 1/64 of the
+    # weight, kept whole, as a block count need not divide the mesh.
+    "quant_blocks": (),
     "vocab": ("tensor",),
     # Stacked layers and the pipeline's stage buffers: contiguous blocks of
     # layers per stage (parallelism/pipeline.py); a no-op while mesh.stage = 1.

@@ -146,6 +146,8 @@ def test_a_lora_run_resumes_exactly(base_run, tmp_path):
         (dict(init_from=""), "give them with --config.checkpoint.init_from"),
         (dict(stage=2), "adapters do not run through pipeline stages"),
         (dict(moe=True), "names gate,up,down, which this model has none of; the projections it adapts: q,k,v,o"),
+        (dict(base="nf4", d_ff=129), "packs two 4-bit values a byte along w_down's inputs, which number 129"),
+        (dict(base="int8", rank=0), "model.lora.base=int8 quantises the frozen base beside adapters (QLoRA); set"),
     ],
 )
 def test_bad_adapter_settings_are_one_sentence_before_anything_compiles(changes, says):
@@ -160,5 +162,7 @@ def test_bad_adapter_settings_are_one_sentence_before_anything_compiles(changes,
         cfg.train.pipeline_microbatches = 2
     if "moe" in changes:
         cfg.model.moe.update(num_experts=4, experts_per_token=2)
+    if "d_ff" in changes:
+        cfg.model.d_ff = changes["d_ff"]
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
         build(cfg)

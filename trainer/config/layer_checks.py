@@ -27,6 +27,9 @@ def _check_adapters(cfg: ml_collections.ConfigDict) -> None:
     """What low-rank adapters (model.lora.rank > 0) need: known projections, a base to adapt, no stages."""
     a = cfg.model.lora
     choice("model.lora.base", a.base, ADAPTER_BASES)
+    if a.base and not a.rank:
+        raise ConfigError(f"model.lora.base={a.base} quantises the frozen base beside adapters (QLoRA); set "
+                          "model.lora.rank > 0 too, or model.lora.base=''.")  # fmt: skip
     if not a.rank:
         return
     unknown = [t for t in a.targets if t not in ADAPTER_TARGETS]
@@ -37,9 +40,6 @@ def _check_adapters(cfg: ml_collections.ConfigDict) -> None:
     if cfg.model.mla.kv_rank and latent:
         raise ConfigError(f"model.lora.targets={','.join(a.targets)}: latent attention's projections "
                           f"(model.mla.kv_rank > 0) take no adapters here; leave out {','.join(latent)}.")  # fmt: skip
-    if a.base:
-        raise ConfigError(f"model.lora.base={a.base} (QLoRA: a quantised frozen base) is not built yet; use "
-                          "model.lora.base='' (the base in its param dtype).")  # fmt: skip
     if a.dropout:
         raise ConfigError(f"model.lora.dropout={a.dropout}: dropout on the adapters' input is not built yet; set "
                           "it to 0.")  # fmt: skip

@@ -23,7 +23,7 @@ from trainer.data.chat import template_for
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer
 from trainer.interop import peft
 from trainer.interop.families import from_hf_tensors, hf_config, model_keys_from_hf, to_hf_tensors
-from trainer.model import adapters
+from trainer.model import adapters, quantised
 from trainer.model.spec import Adapters, Architecture
 
 WEIGHTS_FILE = "model.safetensors"
@@ -178,12 +178,12 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter
     params = jax.device_get(params)
     tokenizer = hf_tokenizer(cfg.data)
     if adapter:  # with the run's tokenizer: its chat template is the fine-tune's, not the base's
-        peft.to_peft(adapters.split(params)[0], arch)  # what can refuse, before anything is written
-        peft.write(adapters.split(params)[0], arch, lora, out_dir, base=saved_config(workdir).checkpoint.init_from)
+        tensors = peft.to_peft(adapters.split(params)[0], arch)  # what can refuse, before anything is written
+        peft.write(tensors, lora, out_dir, base=saved_config(workdir).checkpoint.init_from)
         tokenizer.save_pretrained(out_dir)
         return step
-    if lora.rank:  # the model the adapters make, as plain weights
-        params = adapters.fold(params, lora.alpha / lora.rank)
+    if lora.rank:  # the model the adapters make, as plain weights (a QLoRA base as the run saw it, dequantised)
+        params = jax.device_get(adapters.fold(quantised.dequantised(params), lora.alpha / lora.rank))
     tensors = to_hf_tensors(params, arch)
     os.makedirs(out_dir, exist_ok=True)
     write_weights(tensors, out_dir)

@@ -99,10 +99,10 @@ def check_config(saved: dict, lora, where: str) -> None:
         raise ConfigError(f"the adapter in {where} was made with {', '.join(differ)}; set model.lora to match it.")
 
 
-def write(added: dict, spec: Architecture, lora, out_dir: str, base: str = "") -> None:
+def write(tensors: dict[str, np.ndarray], lora, out_dir: str, base: str = "") -> None:
+    """An adapter directory PEFT loads: `to_peft`'s tensors and their adapter_config.json."""
     from safetensors.numpy import save_file
 
-    tensors = to_peft(added, spec)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE))
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:

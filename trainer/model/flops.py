@@ -30,11 +30,12 @@ import jax
 import jax.numpy as jnp
 
 from parallelism.chips import CHIPS, chip_of
-from trainer.model import adapters
+from trainer.model import adapters, quantised
 from trainer.model.spec import Architecture
 
 
 def count_params(abstract_params: dict) -> dict[str, int]:
+    abstract_params = quantised.as_stored(abstract_params)  # a QLoRA base's weights as applied, not its scales
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(abstract_params))
     embedding = math.prod(abstract_params["embed"].shape)
     head = math.prod(abstract_params["lm_head"].shape) if "lm_head" in abstract_params else 0

@@ -17,10 +17,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallelism.rules import LogicalSharding
+from trainer.model import quantised
 from trainer.model.attention import attend, cached_attention, ring_attention
 from trainer.model.latent import LatentAttention
 from trainer.model.moe import MoE
 from trainer.model.primitives import MLP, Adapter, RMSNorm, adapted, apply_rope, param
+from trainer.model.quantised import weight
 from trainer.model.spec import ModelSpec
 
 RESIDUAL = ("batch", "residual_seq", "embed")  # the residual stream between blocks
@@ -42,6 +44,8 @@ class Attention(nnx.Module):
                                       ("o", ((n, h), ("heads", "head_dim")), ((d,), ("embed",)))):  # fmt: skip
             if a.lora.on(name):
                 setattr(self, f"lora_{name}", Adapter(rngs, a.lora, inputs[0], inputs[1], outputs[0], outputs[1]))
+        for name in ("wq", "wk", "wv", "wo") if a.lora.quantised else ():
+            quantised.store(self, name, a.lora.quantised)
         if a.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(h, a.norm_eps, "head_dim"), RMSNorm(h, a.norm_eps, "head_dim")
         self.window = a.sliding_window if local else 0
@@ -57,9 +61,9 @@ class Attention(nnx.Module):
         attends over the cache; returns (output, updated cache)."""
         dt = self.execution.compute_dtype
         tables = tables["local" if self.window else "global"]
-        q = adapted(self, "q", jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt)), x)
-        k = adapted(self, "k", jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt)), x)
-        v = adapted(self, "v", jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt)), x)
+        q = adapted(self, "q", jnp.einsum("btd,dnh->btnh", x, weight(self, "wq", dt)), x)
+        k = adapted(self, "k", jnp.einsum("btd,dkh->btkh", x, weight(self, "wk", dt)), x)
+        v = adapted(self, "v", jnp.einsum("btd,dkh->btkh", x, weight(self, "wv", dt)), x)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.q_scale != 1.0:
@@ -81,7 +85,7 @@ class Attention(nnx.Module):
             k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])
             v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])
             out, new_cache = cached_attention(q, k_cache, v_cache, positions, sinks), (k_cache, v_cache)
-        return adapted(self, "o", jnp.einsum("btnh,nhd->btd", out, self.wo[...].astype(dt)), out), new_cache
+        return adapted(self, "o", jnp.einsum("btnh,nhd->btd", out, weight(self, "wo", dt)), out), new_cache
 
 
 class Block(nnx.Module):

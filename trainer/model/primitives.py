@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallelism.rules import LogicalSharding
+from trainer.model import quantised
+from trainer.model.quantised import weight
 from trainer.model.spec import Adapters, ModelSpec, RopeScaling
 
 
@@ -107,12 +109,14 @@ class MLP(nnx.Module):
                                    ("down", (width, a.d_model), ("mlp", "embed"))):  # fmt: skip
             if a.lora.on(name):
                 setattr(self, f"lora_{name}", Adapter(rngs, a.lora, shape[:1], names[:1], shape[1:], names[1:]))
+        for name in ("w_gate", "w_up", "w_down") if a.lora.quantised else ():
+            quantised.store(self, name, a.lora.quantised)
         self.activation = a.mlp_activation
         self.execution, self.shard = spec.execution, shard
 
     def __call__(self, x):
         dt = self.execution.compute_dtype
-        gate = adapted(self, "gate", x @ self.w_gate[...].astype(dt), x)
-        up = adapted(self, "up", x @ self.w_up[...].astype(dt), x)
+        gate = adapted(self, "gate", x @ weight(self, "w_gate", dt), x)
+        up = adapted(self, "up", x @ weight(self, "w_up", dt), x)
         hidden = self.shard.constrain(ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp"))
-        return adapted(self, "down", hidden @ self.w_down[...].astype(dt), hidden)
+        return adapted(self, "down", hidden @ weight(self, "w_down", dt), hidden)

@@ -100,9 +100,15 @@ class Adapters:
     rank: int = 0
     alpha: float = 16.0
     targets: tuple[str, ...] = ADAPTER_TARGETS
+    base: str = ""  # "", int8 or nf4 (QLoRA: trainer/model/quantised.py)
 
     def on(self, target: str) -> bool:
         return self.rank > 0 and target in self.targets
+
+    @property
+    def quantised(self) -> str:
+        """How the frozen base is stored: "" (its param dtype), int8 or nf4."""
+        return self.base if self.rank > 0 else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +181,8 @@ class Architecture:
         values = {f.name: cfg.model[f.name] for f in dataclasses.fields(cls)}
         moe = {f.name: values["moe"][f.name] for f in dataclasses.fields(Experts)}
         mla = {f.name: values["mla"][f.name] for f in dataclasses.fields(Latent)}
-        lora = Adapters(int(values["lora"]["rank"]), float(values["lora"]["alpha"]), tuple(values["lora"]["targets"]))
+        lora = Adapters(int(values["lora"]["rank"]), float(values["lora"]["alpha"]), tuple(values["lora"]["targets"]),
+                        values["lora"]["base"])
         return cls(**{**values, "rope_scaling": RopeScaling(**values["rope_scaling"]), "moe": Experts(**moe),
                       "mla": Latent(**mla), "mtp": MultiToken(values["mtp"]["depth"]), "lora": lora})  # fmt: skip
 

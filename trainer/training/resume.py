@@ -30,7 +30,7 @@ import numpy as np
 from trainer.config.errors import ConfigError, StorageError
 from trainer.config.forms import flatten, from_dict, with_changes
 from trainer.data.streams import Stream
-from trainer.model import adapters
+from trainer.model import adapters, quantised
 from trainer.model.spec import Architecture
 from trainer.optim.optimizer import make_optimizer
 from trainer.storage import compile_cache, faults
@@ -219,7 +219,13 @@ def load_init_params(cfg, setup) -> tuple[dict, str, int]:
         elif step not in steps:
             raise ConfigError(f"checkpoint.init_from: {path} has no checkpoint at step {step}; it has steps {steps}.")
         try:
-            return ckpt.restore_params(step, frozen(abstract, setup.model) if setup.adapted else abstract), path, step
+            if not setup.adapted:
+                return ckpt.restore_params(step, abstract), path, step
+            base = frozen(abstract, setup.model)
+            if not quantised.is_quantised(base):
+                return ckpt.restore_params(step, base), path, step
+            # A QLoRA base: the checkpoint's weights as trained, quantised as they arrive.
+            return quantised.quantise_tree(ckpt.restore_params(step, quantised.as_stored(base)), base), path, step
         except Unreadable as e:
             if e.kind != faults.DAMAGED:
                 raise StorageError(faults.stopped(f"checkpoint.init_from: {e.what}", e.error, e.kind, 0)) from e
