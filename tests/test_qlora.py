@@ -69,8 +69,6 @@ def test_the_quantised_base_is_bitsandbytes_nf4_and_the_adapted_model_is_the_flo
         cfg = qlora(scheme, checkpoint={"init_from": base_run})
         setup = build(cfg)  # 8 devices: the weights quantised into their fsdp shards
         base, _, _ = load_init_params(cfg, setup)
-        held = sum(x.nbytes for x in jax.tree.leaves(base["layers"]["attn"]))
-        assert held < sum(floats["layers"]["attn"][w].nbytes for w in ("wq", "wk", "wv", "wo")) / (7 if scheme == "nf4" else 3.5)
         restored = jax.tree.map(np.asarray, quantised.dequantised(base))
         want = {}
         for block in ("attn", "mlp"):

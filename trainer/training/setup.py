@@ -99,9 +99,9 @@ class Setup:
         if self.adapted:
             added = sum(x.size for x in jax.tree.leaves(trained(self.model.abstract_params, self.model)))
             base, lora = counts["total"] - added, self.cfg.model.lora
-            stored = f", its projections stored {lora.base}" if lora.base else ""
-            lines.append(f"trainable: {added / 1e6:.3f}M adapter parameters ({100 * added / base:.3f}% of the frozen "
-                         f"model's {base / 1e6:.2f}M{stored}), rank {lora.rank} on {','.join(lora.targets)}")  # fmt: skip
+            stored, on = f", its projections stored {lora.base}" if lora.base else "", ",".join(lora.targets)
+            lines.append(f"trainable: {added / 1e6:.3f}M adapter parameters ({100 * added / base:.3f}% of the "
+                         f"frozen model's {base / 1e6:.2f}M{stored}), rank {lora.rank} on {on}")  # fmt: skip
         return lines
 
     def abstract_params(self) -> dict:
