@@ -181,8 +181,8 @@ class Architecture:
         values = {f.name: cfg.model[f.name] for f in dataclasses.fields(cls)}
         moe = {f.name: values["moe"][f.name] for f in dataclasses.fields(Experts)}
         mla = {f.name: values["mla"][f.name] for f in dataclasses.fields(Latent)}
-        lora = Adapters(int(values["lora"]["rank"]), float(values["lora"]["alpha"]), tuple(values["lora"]["targets"]),
-                        values["lora"]["base"])
+        lora = values["lora"]
+        lora = Adapters(int(lora["rank"]), float(lora["alpha"]), tuple(lora["targets"]), lora["base"])
         return cls(**{**values, "rope_scaling": RopeScaling(**values["rope_scaling"]), "moe": Experts(**moe),
                       "mla": Latent(**mla), "mtp": MultiToken(values["mtp"]["depth"]), "lora": lora})  # fmt: skip
 
