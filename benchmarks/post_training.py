@@ -1,5 +1,5 @@
-"""Tokens per second and compiled memory of an SFT step, a LoRA SFT step and a DPO step against a pretraining
-step of the same model.
+"""Tokens per second and compiled memory of an SFT step, a LoRA and a QLoRA SFT step and a DPO step against a
+pretraining step of the same model.
 
     python benchmarks/post_training.py --config configs/tiny.py [--steps 5] [--rounds 3] [--append]
 
@@ -11,7 +11,8 @@ what pretraining's does. DPO's runs a forward pass of the reference weights besi
 and backward (FLOPs per token 8N against 6N) and holds the reference on the devices (one more copy of the
 parameters): `dpo_over_pretrain` is its time per step over pretraining's. A DPO pair is two sequences,
 so its tokens per second are twice its pairs' tokens per second. LoRA's SFT (`--lora_rank`, on every
-projection) trains adapters beside the frozen weights (`lora_over_sft`: its time over full SFT's); `*_gib`
+projection) trains adapters beside the frozen weights (`lora_over_sft`: its time over full SFT's); QLoRA's
+the same adapters beside an nf4 base, dequantised a layer at a time (`qlora_over_lora`); `*_gib`
 is XLA's memory for each compiled step on one device (trainer/training/step.py memory_per_device).
 """
 
@@ -30,7 +31,7 @@ from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
 _STEPS = flags.DEFINE_integer("steps", 5, "Steps per timed turn.")
-_ROUNDS = flags.DEFINE_integer("rounds", 3, "Alternating turns of the three steps.")
+_ROUNDS = flags.DEFINE_integer("rounds", 3, "Alternating turns of the steps.")
 _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
 _LORA_RANK = flags.DEFINE_integer("lora_rank", 16, "The LoRA SFT step's model.lora.rank.")
 
@@ -63,6 +64,8 @@ def main():
 
     formats = {"pretrain": {}, "sft": {"data.format": "chat"},
                "lora": {"data.format": "chat", "model.lora.rank": _LORA_RANK.value, "checkpoint.init_from": "unused"},
+               "qlora": {"data.format": "chat", "model.lora.rank": _LORA_RANK.value, "model.lora.base": "nf4",
+                         "checkpoint.init_from": "unused"},
                "dpo": {"data.format": "preference", "checkpoint.init_from": "unused"}}  # fmt: skip
     data = batch(base)
     steps, carries, setups, memory = {}, {}, {}, {}
@@ -96,6 +99,7 @@ def main():
     figures["sft_over_pretrain"] = median["sft"] / median["pretrain"]
     figures["dpo_over_pretrain"] = median["dpo"] / median["pretrain"]
     figures["lora_over_sft"] = median["lora"] / median["sft"]
+    figures["qlora_over_lora"] = median["qlora"] / median["lora"]
     report("post_training", figures, append=_APPEND.value)
 
 

@@ -99,9 +99,16 @@ def test_only_the_adapters_train_and_checkpoint_and_the_base_stays_bit_for_bit(b
     assert len(moved) == 7 and min(moved) > 0  # every B (zero at the start) trained, in the scanned stack
 
 
-def test_a_lora_step_on_8_devices_equals_one_device_and_the_base_input_is_untouched(base_run):
-    one = build(adapted(checkpoint={"init_from": base_run}, mesh=dict(fsdp=1)), jax.devices()[:1])
-    eight = build(adapted(checkpoint={"init_from": base_run}, mesh=dict(data=2, fsdp=2, tensor=2)))
+MOE = dict(num_experts=4, experts_per_token=2, shared_experts=1)
+
+
+@pytest.mark.parametrize(("mesh", "moe"), [(dict(data=2, fsdp=2, tensor=2), {}), (dict(data=2, fsdp=2, expert=2), MOE)],
+                         ids=["data-fsdp-tensor", "experts"])  # fmt: skip
+def test_a_lora_step_on_8_devices_equals_one_device_and_the_base_input_is_untouched(base_run, mesh, moe):
+    """Dense, and a mixture with shared experts (their gate, up and down adapted) over mesh.expert."""
+    one = build(adapted(checkpoint={"init_from": base_run}, mesh=dict(fsdp=1), model=dict(moe=moe)),
+                jax.devices()[:1])  # fmt: skip
+    eight = build(adapted(checkpoint={"init_from": base_run}, mesh=mesh, model=dict(moe=moe)))
     batch = {k: np.asarray(np.random.default_rng(3).integers(0, 384, (8, 32)), np.int32)
              for k in ("tokens",)}  # fmt: skip
     batch.update(positions=np.tile(np.arange(32, dtype=np.int32), (8, 1)), segment_ids=np.ones((8, 32), np.int32))

@@ -142,7 +142,8 @@ def _declared() -> dict[str, dict]:
             v_dim=Num(128, "[1, inf)"),
         ),
         # Low-rank adapters (LoRA; trainer/model/spec.py Adapters): rank > 0 trains them alone, scaled by
-        # alpha / rank, beside the frozen weights of checkpoint.init_from. base: "" (as trained).
+        # alpha / rank, beside the frozen weights of checkpoint.init_from. base: "" (as trained), int8 or nf4
+        # (QLoRA: the base's projections stored quantised; trainer/model/quantised.py).
         lora=dict(
             rank=Num(0, "[0, inf)"),
             alpha=Num(16.0, "(0, inf)"),

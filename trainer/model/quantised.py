@@ -123,6 +123,17 @@ def _map(tree: dict, leaf) -> dict:
     return out
 
 
+def held(tree: dict) -> list:
+    """The quantised weights' stored values and scales in `tree`, as a list of leaves."""
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += held(value)
+        elif str(key).endswith(SCALE) or str(key) + SCALE in tree:
+            out.append(value)
+    return out
+
+
 def is_quantised(tree: dict) -> bool:
     return any(str(k).endswith(SCALE) or (isinstance(v, dict) and is_quantised(v)) for k, v in tree.items())
 

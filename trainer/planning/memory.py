@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from trainer.config import microbatch_size
+from trainer.model import quantised
 from trainer.model.attention import context_kernel
 
 # How far the total may be from XLA:TPU's heap on compiles it was never fitted to: within 35% in all 32 of
@@ -234,10 +235,12 @@ def gathered_bytes(spec, mesh_shape: dict[str, int], act_bytes: int) -> int:
 
 def state_bytes(setup) -> dict[str, int]:
     """Bytes of the parameters (as stored, fp32) and the optimiser state on one device, from the shardings;
-    under model.lora the state's parameters are the adapters and `frozen` is the base beside them."""
+    under model.lora the state's parameters are the adapters, `frozen` is the base beside them and
+    `quantised` the part of it a QLoRA base holds quantised (values and scales)."""
     state = setup.abstract_state()
-    frozen = shard_bytes(setup.step_inputs()[0]) if setup.adapted else 0
-    return {"params": shard_bytes(state.params), "optimizer": shard_bytes(state.opt_state), "frozen": frozen}
+    base = setup.step_inputs()[0] if setup.adapted else {}
+    return {"params": shard_bytes(state.params), "optimizer": shard_bytes(state.opt_state),
+            "frozen": shard_bytes(base), "quantised": shard_bytes(quantised.held(base))}  # fmt: skip
 
 
 def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None) -> dict[str, int]:
@@ -250,7 +253,8 @@ def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None)
     shape = dict(setup.mesh.shape)
     activations = activation_bytes(cfg, spec, shape, setup.mesh.devices.flat[0].platform, stored)
     out = {
-        "params": stored * compute // 4,
+        # The weights in the compute dtype; a quantised base is dequantised a layer at a time instead.
+        "params": (stored - state.get("quantised", 0)) * compute // 4,
         "master_weights": stored if compute != 4 else 0,
         "grads": fp32 * (2 if cfg.train.grad_accum_steps > 1 else 1),
         "optimizer": state["optimizer"],
