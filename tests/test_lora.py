@@ -173,3 +173,24 @@ def test_bad_adapter_settings_are_one_sentence_before_anything_compiles(changes,
         cfg.model.d_ff = changes["d_ff"]
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
         build(cfg)
+
+
+def test_a_peft_adapter_missing_a_tensor_or_of_another_shape_is_one_sentence():
+    """PEFT's tensors of our adapters come back as they went; one missing, or one of another rank or model
+    width, is a sentence naming it."""
+    from trainer.interop import peft
+
+    spec = ModelSpec.from_config(adapted())
+    added = adapters.split(init_params(spec, NO_MESH, 0))[0]
+    added = jax.tree.map(lambda x: np.asarray(x) + 0.1, added)  # B too: not all zeros
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), added)
+    tensors = peft.to_peft(added, spec.arch)
+    back = peft.from_peft(tensors, abstract, spec.arch)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(added), strict=True):
+        np.testing.assert_array_equal(got, want)
+    key = next(k for k in tensors if k.endswith("self_attn.v_proj.lora_A.weight"))
+    with pytest.raises(ConfigError, match=f"the adapter has no {key.replace('.', '[.]')}; it was trained for other"):
+        peft.from_peft({k: v for k, v in tensors.items() if k != key}, abstract, spec.arch)
+    wider = {**tensors, key: np.zeros((tensors[key].shape[0] * 2, tensors[key].shape[1]), np.float32)}
+    with pytest.raises(ConfigError, match=r"is \(8, 64\), where this config's model and rank make \(4, 64\)"):
+        peft.from_peft(wider, abstract, spec.arch)
