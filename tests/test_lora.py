@@ -22,9 +22,9 @@ from trainer.training.setup import build
 NO_MESH = LogicalSharding.create(None)
 
 
-def adapted(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"), **sections):
+def adapted(rank=4, alpha=8.0, targets=("q", "k", "v", "o", "gate", "up", "down"), lora_dropout=0.0, **sections):
     cfg = micro_config(**sections)
-    cfg.model.lora.update(rank=rank, alpha=alpha, targets=targets)
+    cfg.model.lora.update(rank=rank, alpha=alpha, targets=targets, dropout=lora_dropout)
     return cfg
 
 
@@ -47,6 +47,24 @@ def test_an_adapted_mlp_is_its_base_plus_alpha_over_rank_times_x_a_b_in_numpy():
     gate, up = project("gate", x), project("up", x)
     hidden = gate / (1 + np.exp(-gate)) * up
     np.testing.assert_allclose(np.asarray(mlp(jnp.asarray(x))), project("down", hidden), rtol=2e-5, atol=2e-6)
+
+    # With a training step's key and model.lora.dropout=0.25, each adapter's input (not the weight's) is
+    # dropped, the rest scaled by 1 / 0.75. The masks are the key's: drawn here as the layer draws them.
+    dropped = MLP(ModelSpec.from_config(adapted(targets=("gate", "up", "down"), lora_dropout=0.25)), NO_MESH,
+                  nnx.Rngs(0))  # fmt: skip
+    nnx.update(dropped, nnx.state(mlp))
+    key = jax.random.key(7)
+
+    def masked(name, v):
+        index = ("q", "k", "v", "o", "gate", "up", "down").index(name)
+        keep = np.asarray(jax.random.bernoulli(jax.random.fold_in(key, index), 0.75, v.shape))
+        assert 0.6 < keep.mean() < 0.9
+        return v @ w[name] + scale * ((v * keep / 0.75) @ a[name]) @ b[name]
+
+    gate, up = masked("gate", x), masked("up", x)
+    hidden = gate / (1 + np.exp(-gate)) * up
+    np.testing.assert_allclose(np.asarray(dropped(jnp.asarray(x), key)), masked("down", hidden), rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(dropped(jnp.asarray(x))), np.asarray(mlp(jnp.asarray(x))), rtol=1e-6)
 
 
 def test_the_adapted_model_starts_as_its_base_and_equals_it_with_the_adapters_folded_in():
@@ -102,13 +120,14 @@ def test_only_the_adapters_train_and_checkpoint_and_the_base_stays_bit_for_bit(b
 MOE = dict(num_experts=4, experts_per_token=2, shared_experts=1)
 
 
-@pytest.mark.parametrize(("mesh", "moe"), [(dict(data=2, fsdp=2, tensor=2), {}), (dict(data=2, fsdp=2, expert=2), MOE)],
-                         ids=["data-fsdp-tensor", "experts"])  # fmt: skip
-def test_a_lora_step_on_8_devices_equals_one_device_and_the_base_input_is_untouched(base_run, mesh, moe):
-    """Dense, and a mixture with shared experts (their gate, up and down adapted) over mesh.expert."""
-    one = build(adapted(checkpoint={"init_from": base_run}, mesh=dict(fsdp=1), model=dict(moe=moe)),
-                jax.devices()[:1])  # fmt: skip
-    eight = build(adapted(checkpoint={"init_from": base_run}, mesh=mesh, model=dict(moe=moe)))
+@pytest.mark.parametrize(("mesh", "moe", "dropout"), [(dict(data=2, fsdp=2, tensor=2), {}, 0.0),
+                                                      (dict(data=2, fsdp=2, expert=2), MOE, 0.25)],
+                         ids=["data-fsdp-tensor", "experts-dropout"])  # fmt: skip
+def test_a_lora_step_on_8_devices_equals_one_device_and_the_base_input_is_untouched(base_run, mesh, moe, dropout):
+    """Dense, and a mixture with shared experts (their gate, up and down adapted) over mesh.expert with the
+    adapters' dropout on: the masks are drawn over the whole batch, so the mesh does not change them."""
+    one, eight = (build(adapted(checkpoint={"init_from": base_run}, mesh=m, model=dict(moe=moe), lora_dropout=dropout),
+                        devices) for m, devices in ((dict(fsdp=1), jax.devices()[:1]), (mesh, None)))  # fmt: skip
     batch = {k: np.asarray(np.random.default_rng(3).integers(0, 384, (8, 32)), np.int32)
              for k in ("tokens",)}  # fmt: skip
     batch.update(positions=np.tile(np.arange(32, dtype=np.int32), (8, 1)), segment_ids=np.ones((8, 32), np.int32))
@@ -134,14 +153,21 @@ def _noise(shape) -> np.ndarray:
     return np.random.default_rng(int(np.prod(shape))).normal(0, 0.05, shape).astype(np.float32)
 
 
-def test_a_lora_run_resumes_exactly(base_run, tmp_path):
-    cfg = adapted(train=dict(steps=4, log_every=1), checkpoint={"every_steps": 2, "init_from": base_run})
-    straight = train(cfg, str(tmp_path / "straight"))
-    first = adapted(train=dict(steps=2, log_every=1), checkpoint={"every_steps": 2, "init_from": base_run})
-    assert train(first, str(tmp_path / "resumed"))["step"] == 2
-    resumed = train(cfg, str(tmp_path / "resumed"))
+def test_a_lora_run_with_dropout_resumes_exactly(base_run, tmp_path):
+    """With the adapters' dropout on (its masks from the seed, step and microbatch) and two microbatches."""
+
+    def run(steps, dropout, name):
+        steps = dict(steps=steps, log_every=1, grad_accum_steps=2, global_batch_size=16)
+        cfg = adapted(lora_dropout=dropout, train=steps, checkpoint={"every_steps": 2, "init_from": base_run})
+        return train(cfg, str(tmp_path / name))
+
+    straight = run(4, 0.1, "straight")
+    assert run(2, 0.1, "resumed")["step"] == 2
+    resumed = run(4, 0.1, "resumed")
     for name in ("loss", "grad_norm", "param_norm"):
         assert resumed[name] == pytest.approx(straight[name], rel=1e-6), name
+    without = run(4, 0.0, "without")
+    assert abs(without["grad_norm"] - straight["grad_norm"]) > 1e-4 * straight["grad_norm"]  # dropout did act
 
 
 @pytest.mark.parametrize(

@@ -40,9 +40,6 @@ def _check_adapters(cfg: ml_collections.ConfigDict) -> None:
     if cfg.model.mla.kv_rank and latent:
         raise ConfigError(f"model.lora.targets={','.join(a.targets)}: latent attention's projections "
                           f"(model.mla.kv_rank > 0) take no adapters here; leave out {','.join(latent)}.")  # fmt: skip
-    if a.dropout:
-        raise ConfigError(f"model.lora.dropout={a.dropout}: dropout on the adapters' input is not built yet; set "
-                          "it to 0.")  # fmt: skip
     if not cfg.checkpoint.init_from:
         raise ConfigError("model.lora.rank > 0 trains adapters beside frozen weights: give them with "
                           "--config.checkpoint.init_from=DIR (a run, or convert_hf.py import's output).")  # fmt: skip

@@ -77,27 +77,28 @@ class Decoder(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
         return self.logits(self.features(tokens, positions, segment_ids))
 
-    def loss_sums(self, tokens, positions, segment_ids, loss_mask=None):
+    def loss_sums(self, tokens, positions, segment_ids, loss_mask=None, dropout_key=None):
         """Next-token (cross-entropy sum, token count, log(Z)^2 sum, largest |logit|; see loss.py), and the MoE
         layers' statistics ({} without experts; each (moe layers, ...), see moe.py). `loss_mask`: the tokens
-        trained on (post-training), all where None."""
+        trained on (post-training), all where None. `dropout_key`: a training step's key for the adapters'
+        dropout (model.lora.dropout); None: none."""
         targets, weights = target_weights(tokens, segment_ids, loss_mask)
         order = self._order(tokens.shape[1])
         if order is not None:  # each position's loss is its own: taken in the layers' order, nothing moves back
             targets, weights = targets[:, order], weights[:, order]
-        features, stats, hidden = self._through_layers(tokens, positions, segment_ids)
+        features, stats, hidden = self._through_layers(tokens, positions, segment_ids, dropout_key)
         if self.arch.mtp.depth:  # validation keeps the context axis away: the sequence is in its own order
             stats = {**stats, "mtp": mtp_sums(self.mtp, self._embed, self.logits, hidden, tokens,
                                               self._tables(positions), segment_ids, loss_mask,
                                               self.execution.loss_chunk)}  # fmt: skip
         return (*chunked_loss_sums(self.logits, features, targets, weights, self.execution.loss_chunk), stats)
 
-    def target_logprobs(self, tokens, positions, segment_ids):
+    def target_logprobs(self, tokens, positions, segment_ids, dropout_key=None):
         """(each position's log-probability of the next token, (batch, seq) fp32, in the sequence's order; the
         MoE layers' statistics)."""
         targets = target_weights(tokens, segment_ids)[0]
         order = self._order(tokens.shape[1])
-        features, stats, _ = self._through_layers(tokens, positions, segment_ids)
+        features, stats, _ = self._through_layers(tokens, positions, segment_ids, dropout_key)
         if order is not None:
             targets = targets[:, order]
         out = chunked_target_logprobs(self.logits, features, targets, self.execution.loss_chunk)
@@ -109,7 +110,7 @@ class Decoder(nnx.Module):
         x = self._through_layers(tokens, positions, segment_ids)[0]
         return x if order is None else x[:, np.argsort(order)]
 
-    def _through_layers(self, tokens, positions, segment_ids):
+    def _through_layers(self, tokens, positions, segment_ids, dropout_key=None):
         """(features in the layers' order, MoE statistics, the last layer's output before the final norm).
         With the sequence split over the context axis the layers see it in zig-zag order
         (trainer/model/context.py)."""
@@ -119,14 +120,14 @@ class Decoder(nnx.Module):
         if order is not None:
             tokens, positions = tokens[:, order], positions[:, order]
             segment_ids = None if segment_ids is None else segment_ids[:, order]
-        hidden, stats = self._layers(tokens, positions, segment_ids)
+        hidden, stats = self._layers(tokens, positions, segment_ids, dropout_key)
         return self.final_norm(hidden), stats, hidden
 
     def _order(self, seq_len: int) -> np.ndarray | None:
         context = ways(self.shard)
         return None if context == 1 else zigzag(seq_len, context)
 
-    def _layers(self, tokens, positions, segment_ids):
+    def _layers(self, tokens, positions, segment_ids, dropout_key=None):
         run = self.execution
         x = self._embed(tokens)
         if run.stages > 1:  # dense global layers only (validation refuses experts and windows in a pipeline)
@@ -135,11 +136,16 @@ class Decoder(nnx.Module):
             return self._pipelined(layer, stacked, x, positions, segment_ids), {}
         tables = self._tables(positions)
 
-        def block(graphdef, params, x, _):
-            x, _, stats = nnx.merge(graphdef, params)(x, tables, segment_ids)
+        def block(graphdef, params, x, key):
+            x, _, stats = nnx.merge(graphdef, params)(x, tables, segment_ids, key=key)
             return x, stats
 
-        x, outs = self._run(block, x, remat=True)
+        keys = None
+        if dropout_key is not None:  # a key for each layer, taken with its weights through the scans
+            counts = collections.Counter(stack for stack, _ in self.arch.stacks())
+            keys = {stack: jax.random.split(jax.random.fold_in(dropout_key, i), n)
+                    for i, (stack, n) in enumerate(counts.items())}  # fmt: skip
+        x, outs = self._run(block, x, keys, remat=True)
         return x, outs.get("layers", {})  # the MoE layers' statistics ({} from dense blocks)
 
     def _tables(self, positions) -> dict:

@@ -47,9 +47,10 @@ class LatentAttention(nnx.Module):
         self.dims = (m.nope_dim, m.rope_dim, m.v_dim)
         self.execution, self.shard = spec.execution, shard
 
-    def __call__(self, x, tables, segment_ids, cache=None):
+    def __call__(self, x, tables, segment_ids, cache=None, key=None):
         """As layers.Attention: `tables` {"global": RoPE tables of rope_dim}; with `cache` = (latents,
-        rope keys, positions), writes this call's at `positions` and attends over the cache."""
+        rope keys, positions), writes this call's at `positions` and attends over the cache. `key` is unused:
+        latent attention takes no adapters."""
 
         dt = self.execution.compute_dtype
         nope, rope, v_dim = self.dims

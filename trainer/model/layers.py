@@ -43,7 +43,7 @@ class Attention(nnx.Module):
                                       ("v", ((d,), ("embed",)), ((k, h), ("kv_heads", "head_dim"))),
                                       ("o", ((n, h), ("heads", "head_dim")), ((d,), ("embed",)))):  # fmt: skip
             if a.lora.on(name):
-                setattr(self, f"lora_{name}", Adapter(rngs, a.lora, inputs[0], inputs[1], outputs[0], outputs[1]))
+                setattr(self, f"lora_{name}", Adapter(rngs, a.lora, *inputs, *outputs, spec.execution.adapter_dropout))
         for name in ("wq", "wk", "wv", "wo") if a.lora.quantised else ():
             quantised.store(self, name, a.lora.quantised)
         if a.qk_norm:
@@ -55,15 +55,15 @@ class Attention(nnx.Module):
         self.q_scale = (h / a.attn_scale_dim) ** 0.5 if a.attn_scale_dim else 1.0
         self.execution, self.shard = spec.execution, shard
 
-    def __call__(self, x, tables, segment_ids, cache=None):
+    def __call__(self, x, tables, segment_ids, cache=None, key=None):
         """`tables`: {"global": ..., "local": ...} RoPE tables. With `cache` = (k_cache, v_cache, positions) (a
         local layer's: (k_ring, v_ring, ring positions, positions)), writes this call's keys and values and
-        attends over the cache; returns (output, updated cache)."""
+        attends over the cache; returns (output, updated cache). `key`: the adapters' dropout key (training)."""
         dt = self.execution.compute_dtype
         tables = tables["local" if self.window else "global"]
-        q = adapted(self, "q", jnp.einsum("btd,dnh->btnh", x, weight(self, "wq", dt)), x)
-        k = adapted(self, "k", jnp.einsum("btd,dkh->btkh", x, weight(self, "wk", dt)), x)
-        v = adapted(self, "v", jnp.einsum("btd,dkh->btkh", x, weight(self, "wv", dt)), x)
+        q = adapted(self, "q", jnp.einsum("btd,dnh->btnh", x, weight(self, "wq", dt)), x, key)
+        k = adapted(self, "k", jnp.einsum("btd,dkh->btkh", x, weight(self, "wk", dt)), x, key)
+        v = adapted(self, "v", jnp.einsum("btd,dkh->btkh", x, weight(self, "wv", dt)), x, key)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.q_scale != 1.0:
@@ -85,7 +85,7 @@ class Attention(nnx.Module):
             k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])
             v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])
             out, new_cache = cached_attention(q, k_cache, v_cache, positions, sinks), (k_cache, v_cache)
-        return adapted(self, "o", jnp.einsum("btnh,nhd->btd", out, weight(self, "wo", dt)), out), new_cache
+        return adapted(self, "o", jnp.einsum("btnh,nhd->btd", out, weight(self, "wo", dt)), out, key), new_cache
 
 
 class Block(nnx.Module):
@@ -107,16 +107,18 @@ class Block(nnx.Module):
             self.mlp = MLP(spec, shard, rngs)
         self.shard = shard
 
-    def __call__(self, x, tables, segment_ids, cache=None):
-        """(the residual stream after the block, the updated cache, the MoE layer's statistics or {})."""
-        attended, cache = self.attn(self.attn_norm(x), tables, segment_ids, cache)
+    def __call__(self, x, tables, segment_ids, cache=None, key=None):
+        """(the residual stream after the block, the updated cache, the MoE layer's statistics or {}). `key`:
+        the layer's dropout key for its adapters (training steps with model.lora.dropout), else None."""
+        keys = (None, None) if key is None else (jax.random.fold_in(key, 0), jax.random.fold_in(key, 1))
+        attended, cache = self.attn(self.attn_norm(x), tables, segment_ids, cache, keys[0])
         if hasattr(self, "attn_out_norm"):
             attended = self.attn_out_norm(attended)
         x = x + attended
         if hasattr(self, "moe"):
-            out, stats = self.moe(self.mlp_norm(x), None if segment_ids is None else segment_ids > 0)
+            out, stats = self.moe(self.mlp_norm(x), None if segment_ids is None else segment_ids > 0, keys[1])
         else:
-            out, stats = self.mlp(self.mlp_norm(x)), {}
+            out, stats = self.mlp(self.mlp_norm(x), keys[1]), {}
         if hasattr(self, "mlp_out_norm"):
             out = self.mlp_out_norm(out)
         return self.shard.constrain(x + out, RESIDUAL), cache, stats

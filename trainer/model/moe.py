@@ -272,12 +272,13 @@ class MoE(nnx.Module):
         self.shared = MLP(spec, shard, rngs, width=m.shared_experts * f) if m.shared_experts else None
         self.k, self.config, self.execution, self.shard = m.experts_per_token, m, spec.execution, shard
 
-    def __call__(self, x, valid=None):
-        """`valid` (b, t): the tokens that are not padding (None: all are)."""
+    def __call__(self, x, valid=None, key=None):
+        """`valid` (b, t): the tokens that are not padding (None: all are). `key`: the shared experts' adapters'
+        dropout key (training)."""
         run, dt = self.execution, self.execution.compute_dtype
         chosen, weights, stats = route(x, self.router[...], self.router_bias[...], self.k, valid, self.config)
         weights_in_dt = (w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
         out, stats["dropped"] = experts(x, chosen, weights, *weights_in_dt, self.shard, run)
         if self.shared is not None:
-            out = out + self.shared(x)
+            out = out + self.shared(x, key)
         return out.astype(x.dtype), stats

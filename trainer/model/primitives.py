@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from parallelism.rules import LogicalSharding
+from trainer.config import ADAPTER_TARGETS
 from trainer.model import quantised
 from trainer.model.quantised import weight
 from trainer.model.spec import Adapters, ModelSpec, RopeScaling
@@ -31,26 +32,33 @@ class Adapter(nnx.Module):
     (W's inputs..., rank) and B (rank, W's outputs...), each sharded by the logical axes of the part of W it
     stands for (the rank's axis: `lora`, whole by default). B starts at zero, so an adapted model starts as
     its base; A starts as PEFT's does, uniform in +-1/sqrt(fan_in). `x . A` contracts x's last dims with
-    A's input dims, as the projection contracts them with W's."""
+    A's input dims, as the projection contracts them with W's. Given a `key` (a training step's), x is
+    dropped out first at rate `dropout` (model.lora.dropout), as PEFT drops the adapter's input."""
 
     def __init__(self, rngs: nnx.Rngs, lora: Adapters, inputs: tuple, input_names: tuple, outputs: tuple,
-                 output_names: tuple):  # fmt: skip
+                 output_names: tuple, dropout: float = 0.0):  # fmt: skip
         bound = 1 / math.prod(inputs) ** 0.5
         a = jax.random.uniform(rngs.params(), (*inputs, lora.rank), jnp.float32, -bound, bound)
         self.a = nnx.Param(a, sharding_names=(*input_names, "lora"), eager_sharding=False)
         self.b = nnx.Param(jnp.zeros((lora.rank, *outputs), jnp.float32), sharding_names=("lora", *output_names),
                            eager_sharding=False)  # fmt: skip
-        self.scale, self.n_inputs = lora.alpha / lora.rank, len(inputs)
+        self.scale, self.n_inputs, self.dropout = lora.alpha / lora.rank, len(inputs), dropout
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+        if key is not None and self.dropout:
+            keep = jax.random.bernoulli(key, 1 - self.dropout, x.shape)
+            x = jnp.where(keep, x / jnp.asarray(1 - self.dropout, x.dtype), jnp.zeros((), x.dtype))
         down = jnp.tensordot(x, self.a[...].astype(x.dtype), axes=self.n_inputs)
         return jnp.tensordot(down, self.b[...].astype(x.dtype), axes=1) * jnp.asarray(self.scale, x.dtype)
 
 
-def adapted(module: nnx.Module, target: str, y: jax.Array, x: jax.Array) -> jax.Array:
-    """A projection's output `y` of `x`, plus its adapter's update where `target` has one."""
+def adapted(module: nnx.Module, target: str, y: jax.Array, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """A projection's output `y` of `x`, plus its adapter's update where `target` has one (`key`: the layer's
+    dropout key, None outside training)."""
     adapter = getattr(module, f"lora_{target}", None)
-    return y if adapter is None else y + adapter(x)
+    if adapter is None:
+        return y
+    return y + adapter(x, None if key is None else jax.random.fold_in(key, ADAPTER_TARGETS.index(target)))
 
 
 class RMSNorm(nnx.Module):
@@ -108,15 +116,17 @@ class MLP(nnx.Module):
                                    ("up", (a.d_model, width), ("embed", "mlp")),
                                    ("down", (width, a.d_model), ("mlp", "embed"))):  # fmt: skip
             if a.lora.on(name):
-                setattr(self, f"lora_{name}", Adapter(rngs, a.lora, shape[:1], names[:1], shape[1:], names[1:]))
+                setattr(self, f"lora_{name}", Adapter(rngs, a.lora, shape[:1], names[:1], shape[1:], names[1:],
+                                                      spec.execution.adapter_dropout))  # fmt: skip
         for name in ("w_gate", "w_up", "w_down") if a.lora.quantised else ():
             quantised.store(self, name, a.lora.quantised)
         self.activation = a.mlp_activation
         self.execution, self.shard = spec.execution, shard
 
-    def __call__(self, x):
+    def __call__(self, x, key=None):
+        """`key`: the adapters' dropout key (training steps only)."""
         dt = self.execution.compute_dtype
-        gate = adapted(self, "gate", x @ weight(self, "w_gate", dt), x)
-        up = adapted(self, "up", x @ weight(self, "w_up", dt), x)
+        gate = adapted(self, "gate", x @ weight(self, "w_gate", dt), x, key)
+        up = adapted(self, "up", x @ weight(self, "w_up", dt), x, key)
         hidden = self.shard.constrain(ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp"))
-        return adapted(self, "down", hidden @ weight(self, "w_down", dt), hidden)
+        return adapted(self, "down", hidden @ weight(self, "w_down", dt), hidden, key)

@@ -217,6 +217,7 @@ class Execution:
     moe_impl: str = "dropless"  # how experts compute (model.moe.impl, trainer/model/moe.py)
     capacity_factor: float = 1.25  # model.moe.capacity_factor, for moe_impl capacity
     grouped_matmul: str = "auto"  # model.moe.grouped_matmul, for moe_impl dropless
+    adapter_dropout: float = 0.0  # model.lora.dropout: of the adapters' inputs, in training steps only
 
     @classmethod
     def from_config(cls, cfg) -> Execution:
@@ -225,7 +226,8 @@ class Execution:
                    context_attention=m.context_attention, compute_dtype=cfg.precision.compute_dtype,
                    loss_chunk=m.loss_chunk, stages=cfg.mesh.stage,
                    pipeline_microbatches=cfg.train.pipeline_microbatches, moe_impl=m.moe.impl,
-                   capacity_factor=m.moe.capacity_factor, grouped_matmul=m.moe.grouped_matmul)  # fmt: skip
+                   capacity_factor=m.moe.capacity_factor, grouped_matmul=m.moe.grouped_matmul,
+                   adapter_dropout=float(m.lora.dropout))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,11 +37,12 @@ def pair_sums(logprobs: jax.Array, weights: jax.Array, segment_ids: jax.Array) -
     return jax.vmap(row)(logprobs * weights, weights, index)
 
 
-def sums(model, params, reference, batch: dict, dpo) -> tuple[jax.Array, tuple]:
-    """(loss sum over the batch's pairs, (loss sum, pairs, 0, MoE statistics, {metric: sum over pairs}))."""
+def sums(model, params, reference, batch: dict, dpo, key=None) -> tuple[jax.Array, tuple]:
+    """(loss sum over the batch's pairs, (loss sum, pairs, 0, MoE statistics, {metric: sum over pairs})).
+    `key`: the policy's adapter dropout key (model.lora.dropout); the reference runs without."""
     tokens, positions, segments = batch["tokens"], batch["positions"], batch["segment_ids"]
     weights = target_weights(tokens, segments, batch["loss_mask"])[1]
-    policy, stats = model.apply(params, tokens, positions, segments, method="target_logprobs")
+    policy, stats = model.apply(params, tokens, positions, segments, key, method="target_logprobs")
     # The reference is an input the step never differentiates: no gradient reaches it, and none is computed.
     frozen = model.apply(jax.lax.stop_gradient(reference), tokens, positions, segments, method="target_logprobs")[0]
     logps, counts = pair_sums(policy, weights, segments)

@@ -50,16 +50,17 @@ def batch_keys(cfg) -> tuple[str, ...]:
     return BATCH_KEYS + ("loss_mask",) * (cfg.data.format != "text")
 
 
-def _sums(model: ModelDef, params, batch, z_loss: float, moe=None, mtp_weight: float = 0.0):
+def _sums(model: ModelDef, params, batch, z_loss: float, moe=None, mtp_weight: float = 0.0, key=None):
     """(objective sum, (cross-entropy sum, target token count, largest |logit|, MoE statistics, {})) over the
     batch (the empty dict: DPO's metric sums, trainer/objectives/dpo.py).
 
     The MoE layers' auxiliary losses (means over the batch's positions, summed over layers) enter the sum
     times the batch's positions, so that the step's division by them leaves `aux_loss` x balance and
     `z_loss` x the router's log(Z)^2 beside the mean cross-entropy. Multi-token prediction's modules'
-    cross-entropy sums enter times `mtp_weight` / depth (trainer/model/mtp.py)."""
+    cross-entropy sums enter times `mtp_weight` / depth (trainer/model/mtp.py). `key`: the adapters' dropout
+    key (model.lora.dropout), or None."""
     ce, count, log_z_sq, largest, stats = model.apply(
-        params, batch["tokens"], batch["positions"], batch["segment_ids"], batch.get("loss_mask"),
+        params, batch["tokens"], batch["positions"], batch["segment_ids"], batch.get("loss_mask"), key,
         method="loss_sums",
     )  # fmt: skip
     objective = ce + z_loss * log_z_sq
@@ -77,14 +78,15 @@ def split_microbatches(batch: dict, k: int, shard: LogicalSharding) -> dict:
 
 
 def _over_microbatches(fn, batch: dict, k: int, shard: LogicalSharding, init, combine):
-    """`fn` of each of the batch's k microbatches, folded with `combine` (in a scan when k > 1)."""
+    """`fn(microbatch, its index)` of each of the batch's k microbatches, folded with `combine` (in a scan
+    when k > 1)."""
     if k == 1:
-        return fn(batch)
+        return fn(batch, 0)
 
-    def body(carry, micro):
-        return combine(carry, fn(micro)), None
+    def body(carry, indexed):
+        return combine(carry, fn(indexed[1], indexed[0])), None
 
-    return jax.lax.scan(body, init, split_microbatches(batch, k, shard))[0]
+    return jax.lax.scan(body, init, (jnp.arange(k), split_microbatches(batch, k, shard)))[0]
 
 
 def _add(total, new):
@@ -142,18 +144,19 @@ def make_train_step(
     preference = cfg.data.format == "preference"
     no_extra = {f"dpo/{m}": 0.0 for m in dpo.METRICS} if preference else {}
     adapted = bool(model.arch.lora.rank)
+    dropout = adapted and cfg.model.lora.dropout > 0
 
-    def scaled(params, batch, factor, inputs):
+    def scaled(params, batch, factor, inputs, key):
         if adapted:  # the gradient is of the adapters alone: the base is an input, not a variable
             base = inputs[0]
             params, reference = adapters.join(params, base), adapters.join(adapters.switched_off(params), base)
         else:
             reference = inputs[0] if inputs else None
         if preference:
-            objective, aux = dpo.sums(model, params, reference, batch, cfg.dpo)
+            objective, aux = dpo.sums(model, params, reference, batch, cfg.dpo, key)
             aux = (*aux[:4], {f"dpo/{m}": v for m, v in aux[4].items()})
         else:
-            objective, aux = _sums(model, params, batch, z_loss, moe, mtp_weight)
+            objective, aux = _sums(model, params, batch, z_loss, moe, mtp_weight, key)
         return objective * factor, aux
 
     grad_fn = jax.value_and_grad(scaled, has_aux=True)
@@ -170,8 +173,13 @@ def make_train_step(
         # A poisoned drill batch makes the factor, and so the loss and gradients, non-finite.
         factor = scale * loss_multiplier / positions
 
-        def micro_step(micro):
-            (_, (ce, count, largest, moe_stats, extra)), grads = grad_fn(state.params, micro, factor, inputs)
+        # The adapters' dropout: masks from the run's seed, the step and the microbatch alone, so a resumed
+        # or rolled-back run draws the same ones.
+        step_key = jax.random.fold_in(jax.random.key(cfg.train.seed), state.step) if dropout else None
+
+        def micro_step(micro, i):
+            key = None if step_key is None else jax.random.fold_in(step_key, i)
+            (_, (ce, count, largest, moe_stats, extra)), grads = grad_fn(state.params, micro, factor, inputs, key)
             return jax.tree.map(lambda g: g.astype(jnp.float32), grads), ce, count, largest, moe_stats, extra
 
         def combine(total, new):
@@ -248,7 +256,7 @@ def make_eval_step(model: ModelDef, shard: LogicalSharding, microbatches: int) -
     trained on, where the batch says which)."""
 
     def eval_step(params, batch):
-        def micro_sums(micro):
+        def micro_sums(micro, _):
             return _sums(model, params, micro, 0.0)[1][:2]  # the cross-entropy alone
 
         return _over_microbatches(micro_sums, batch, microbatches, shard, (0.0, 0.0), _add)
