@@ -143,7 +143,8 @@ def _declared() -> dict[str, dict]:
         ),
         # Low-rank adapters (LoRA; trainer/model/spec.py Adapters): rank > 0 trains them alone, scaled by
         # alpha / rank, beside the frozen weights of checkpoint.init_from. base: "" (as trained), int8 or nf4
-        # (QLoRA: the base's projections stored quantised; trainer/model/quantised.py).
+        # (QLoRA: the base's projections stored quantised; trainer/model/quantised.py). dropout: of the
+        # adapters' inputs, in training steps.
         lora=dict(
             rank=Num(0, "[0, inf)"),
             alpha=Num(16.0, "(0, inf)"),
