@@ -12,7 +12,9 @@ and backward (FLOPs per token 8N against 6N) and holds the reference on the devi
 parameters): `dpo_over_pretrain` is its time per step over pretraining's. A DPO pair is two sequences,
 so its tokens per second are twice its pairs' tokens per second. LoRA's SFT (`--lora_rank`, on every
 projection) trains adapters beside the frozen weights (`lora_over_sft`: its time over full SFT's); QLoRA's
-the same adapters beside an nf4 base, dequantised a layer at a time (`qlora_over_lora`); `*_gib`
+the same adapters beside an nf4 base, dequantised a layer at a time (`qlora_over_lora`); DPO's with the
+same adapters holds no second copy of the weights: its reference is the base with the adapters off
+(`dpo_lora_gib` against `dpo_gib`); `*_gib`
 is XLA's memory for each compiled step on one device (trainer/training/step.py memory_per_device).
 """
 
@@ -66,7 +68,9 @@ def main():
                "lora": {"data.format": "chat", "model.lora.rank": _LORA_RANK.value, "checkpoint.init_from": "unused"},
                "qlora": {"data.format": "chat", "model.lora.rank": _LORA_RANK.value, "model.lora.base": "nf4",
                          "checkpoint.init_from": "unused"},
-               "dpo": {"data.format": "preference", "checkpoint.init_from": "unused"}}  # fmt: skip
+               "dpo": {"data.format": "preference", "checkpoint.init_from": "unused"},
+               "dpo_lora": {"data.format": "preference", "model.lora.rank": _LORA_RANK.value,
+                            "checkpoint.init_from": "unused"}}  # fmt: skip
     data = batch(base)
     steps, carries, setups, memory = {}, {}, {}, {}
     for name, changes in formats.items():
