@@ -11,6 +11,7 @@ linear layer. Embeddings, the head, norms, routers, routed experts and latent at
 - nf4: 4-bit NormalFloat (the QLoRA paper's 16 levels), one fp32 absolute maximum per block of 64 inputs
   along the weight's last input axis (the whole axis where it is not a multiple of 64): bitsandbytes'
   blocks of a torch [out, in] weight, so a model imported from Hugging Face gets the base PEFT's QLoRA does.
+  Two codes are packed a byte (uint8) along that axis.
 
 A checkpoint holds the base as trained (checkpoint.init_from's weights); it is quantised as it is read, the
 same way every time, so a resumed run sees the same base bits. A layer dequantises one weight at a time, in
@@ -18,6 +19,8 @@ its scan, so no whole-precision copy of the base exists.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -135,7 +138,7 @@ def held(tree: dict) -> list:
 
 
 def is_quantised(tree: dict) -> bool:
-    return any(str(k).endswith(SCALE) or (isinstance(v, dict) and is_quantised(v)) for k, v in tree.items())
+    return bool(held(tree))
 
 
 def as_stored(abstract: dict, dtype=jnp.float32) -> dict:
@@ -145,24 +148,17 @@ def as_stored(abstract: dict, dtype=jnp.float32) -> dict:
 
 
 def quantise_tree(floats: dict, abstract: dict) -> dict:
-    """`floats` (as_stored's form) quantised into `abstract`'s form and shardings, one weight at a time (each
-    float weight is donated as it is quantised)."""
+    """`floats` (as_stored's form) quantised into `abstract`'s form and shardings, one weight at a time."""
     out = {}
     for key, spec in abstract.items():
         if isinstance(spec, dict):
             out[key] = quantise_tree(floats[key], spec)
-        elif str(key).endswith(SCALE):
-            continue
         elif str(key) + SCALE in abstract:
-            scale = abstract[str(key) + SCALE]
-            scheme = "int8" if spec.dtype == jnp.int8 else "nf4"
-
-            def f(w, name=str(key), scheme=scheme):
-                return quantise(w, name, scheme)
-
-            out[key], out[str(key) + SCALE] = jax.jit(f, out_shardings=(spec.sharding, scale.sharding),
-                                                      )(floats[key])  # fmt: skip
-        else:
+            scale, scheme = abstract[str(key) + SCALE], "int8" if spec.dtype == jnp.int8 else "nf4"
+            place = jax.jit(functools.partial(quantise, name=str(key), scheme=scheme),
+                            out_shardings=(spec.sharding, scale.sharding))  # fmt: skip
+            out[key], out[str(key) + SCALE] = place(floats[key])
+        elif not str(key).endswith(SCALE):
             out[key] = floats[key]
     return out
 
