@@ -120,11 +120,12 @@ def test_only_the_adapters_train_and_checkpoint_and_the_base_stays_bit_for_bit(b
 MOE = dict(num_experts=4, experts_per_token=2, shared_experts=1)
 
 
-@pytest.mark.parametrize(("mesh", "moe", "dropout"), [(dict(data=2, fsdp=2, tensor=2), {}, 0.0),
+@pytest.mark.parametrize(("mesh", "moe", "dropout"), [(dict(data=2, fsdp=2, tensor=2, rules=dict(lora=("fsdp",))), {}, 0.0),
                                                       (dict(data=2, fsdp=2, expert=2), MOE, 0.25)],
                          ids=["data-fsdp-tensor", "experts-dropout"])  # fmt: skip
 def test_a_lora_step_on_8_devices_equals_one_device_and_the_base_input_is_untouched(base_run, mesh, moe, dropout):
-    """Dense, and a mixture with shared experts (their gate, up and down adapted) over mesh.expert with the
+    """Dense, with each adapter's rank split over fsdp (mesh.rules.lora=fsdp: B is sharded, not whole on every
+    device), and a mixture with shared experts (their gate, up and down adapted) over mesh.expert with the
     adapters' dropout on: the masks are drawn over the whole batch, so the mesh does not change them."""
     one, eight = (build(adapted(checkpoint={"init_from": base_run}, mesh=m, model=dict(moe=moe), lora_dropout=dropout),
                         devices) for m, devices in ((dict(fsdp=1), jax.devices()[:1]), (mesh, None)))  # fmt: skip
@@ -181,6 +182,7 @@ def test_a_lora_run_with_dropout_resumes_exactly(base_run, tmp_path):
         (dict(moe=True), "names gate,up,down, which this model has none of; the projections it adapts: q,k,v,o"),
         (dict(base="nf4", d_ff=129), "packs two 4-bit values a byte along w_down's inputs, which number 129"),
         (dict(base="int8", rank=0), "model.lora.base=int8 quantises the frozen base beside adapters (QLoRA); set"),
+        (dict(rank=3, lora_rule=True), "model.lora.rank=3 does not divide over mesh.fsdp=2 (mesh.rules.lora splits"),
     ],
 )
 def test_bad_adapter_settings_are_one_sentence_before_anything_compiles(changes, says):
@@ -197,6 +199,9 @@ def test_bad_adapter_settings_are_one_sentence_before_anything_compiles(changes,
         cfg.model.moe.update(num_experts=4, experts_per_token=2)
     if "d_ff" in changes:
         cfg.model.d_ff = changes["d_ff"]
+    if "lora_rule" in changes:
+        cfg.mesh.update(fsdp=2, data=-1)
+        cfg.mesh.rules.lora = ("fsdp",)
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")):
         build(cfg)
 

@@ -292,7 +292,8 @@ def check_mesh_fit(cfg: ml_collections.ConfigDict, mesh) -> None:
 # axes; in the order the checks report them.
 SIZED_BY = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "model.d_ff", "vocab": "model.vocab_size",
             "embed": "model.d_model", "expert": "model.moe.num_experts", "head_dim": "model.head_dim",
-            "layers": "model.n_layers", "q_latent": "model.mla.q_rank", "kv_latent": "model.mla.kv_rank"}  # fmt: skip
+            "layers": "model.n_layers", "q_latent": "model.mla.q_rank", "kv_latent": "model.mla.kv_rank",
+            "lora": "model.lora.rank"}  # fmt: skip
 
 
 def check_adapters(model) -> None:
