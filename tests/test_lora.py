@@ -120,7 +120,10 @@ def test_only_the_adapters_train_and_checkpoint_and_the_base_stays_bit_for_bit(b
 MOE = dict(num_experts=4, experts_per_token=2, shared_experts=1)
 
 
-@pytest.mark.parametrize(("mesh", "moe", "dropout"), [(dict(data=2, fsdp=2, tensor=2, rules=dict(lora=("fsdp",))), {}, 0.0),
+SPLIT_RANK = dict(data=2, fsdp=2, tensor=2, rules=dict(lora=("fsdp",)))
+
+
+@pytest.mark.parametrize(("mesh", "moe", "dropout"), [(SPLIT_RANK, {}, 0.0),
                                                       (dict(data=2, fsdp=2, expert=2), MOE, 0.25)],
                          ids=["data-fsdp-tensor", "experts-dropout"])  # fmt: skip
 def test_a_lora_step_on_8_devices_equals_one_device_and_the_base_input_is_untouched(base_run, mesh, moe, dropout):
