@@ -295,6 +295,16 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def whole(tree):
+    """Host copies of sharded arrays, whole on every process (a rollout's completions: each process holds
+    some rows, and every process rewards them all)."""
+    if jax.process_count() == 1:
+        return jax.tree.map(np.asarray, tree)
+    from jax.experimental import multihost_utils
+
+    return jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)), tree)
+
+
 def fetch(tree):
     """Host copies of replicated arrays (metrics, losses): each process reads its own replica,
     since a multi-process array spans devices that this process cannot address."""

@@ -1,4 +1,4 @@
-"""Write the small conversation corpora configs/sft_tiny.py and configs/dpo_tiny.py train on (no download):
+"""Write the small corpora configs/sft_tiny.py, dpo_tiny.py and grpo_tiny.py train on (no download):
 
     python scripts/make_chat_data.py [--out runs/chat_data] [--rows 4000] [--seed 0]
 
@@ -6,7 +6,8 @@ The task is a format a base model does not follow: the user asks for a word reve
 answers `ANSWER: <the word reversed>`. <out>/sft/rows.jsonl holds conversations (`messages`; a quarter of
 them with a system message, a quarter with two exchanges); <out>/dpo/rows.jsonl holds preference pairs
 whose chosen reply is the answer in that format and whose rejected reply repeats the word, unreversed and
-without the format.
+without the format; <out>/rl/rows.jsonl holds prompts (`prompt`, the request) with their `answer` (the word
+reversed), what GRPO samples completions for and checks.
 """
 
 import json
@@ -18,7 +19,7 @@ from absl import flags
 
 from trainer.run import cli
 
-_OUT = flags.DEFINE_string("out", "runs/chat_data", "Folder to write sft/rows.jsonl and dpo/rows.jsonl into.")
+_OUT = flags.DEFINE_string("out", "runs/chat_data", "Folder to write {sft,dpo,rl}/rows.jsonl into.")
 _ROWS = flags.DEFINE_integer("rows", 4000, "Rows of each corpus.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the words drawn.")
 
@@ -34,7 +35,7 @@ def exchange(rng) -> list[dict]:
 
 def main():
     rng = np.random.default_rng(_SEED.value)
-    for name in ("sft", "dpo"):
+    for name in ("sft", "dpo", "rl"):
         os.makedirs(os.path.join(_OUT.value, name), exist_ok=True)
     with open(os.path.join(_OUT.value, "sft", "rows.jsonl"), "w") as f:
         for i in range(_ROWS.value):
@@ -46,7 +47,12 @@ def main():
             w = word(rng)
             f.write(json.dumps({"prompt": f"Reverse: {w}", "chosen": f"ANSWER: {w[::-1]}",
                                 "rejected": w}) + "\n")  # fmt: skip
-    print(f"wrote {_ROWS.value} conversations to {_OUT.value}/sft and {_ROWS.value} pairs to {_OUT.value}/dpo")
+    with open(os.path.join(_OUT.value, "rl", "rows.jsonl"), "w") as f:
+        for _ in range(_ROWS.value):
+            w = word(rng)
+            f.write(json.dumps({"prompt": f"Reverse: {w}", "answer": w[::-1]}) + "\n")
+    print(f"wrote {_ROWS.value} conversations to {_OUT.value}/sft, {_ROWS.value} pairs to {_OUT.value}/dpo and "
+          f"{_ROWS.value} prompts to {_OUT.value}/rl")  # fmt: skip
 
 
 if __name__ == "__main__":

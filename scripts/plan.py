@@ -147,6 +147,19 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
+def print_rollout(r: dict) -> None:
+    """GRPO's sampling of a batch of completions: its own program, beside the step's."""
+    gib, m = 2**30, r["bytes_per_device"]
+    print(f"rollout           {m['total'] / gib:.2f} GiB a device by arithmetic: " + ", ".join(
+        f"{k.replace('_', ' ')} {v / gib:.2f}" for k, v in m.items() if k != "total"))  # fmt: skip
+    if "compiled_bytes_per_device" in r:
+        verdict = "" if "fits" not in r else " (fits)" if r["fits"] else " (does NOT fit)"
+        refused = f"; the compiler refused: {r['out_of_memory']}" if "out_of_memory" in r else ""
+        print(f"                  {r['compiled_bytes_per_device'] / gib:.2f} GiB compiled (the sampler's program) + "
+              f"{r['resident_bytes_per_device'] / gib:.2f} resident beside it (optimiser state, reference){verdict}"
+              f"{refused}")  # fmt: skip
+
+
 def main():
     # Before JAX starts a backend: a target's devices are libtpu's or the CUDA plugin's descriptions and
     # simulated ones the CPU's, so this machine's own TPU or GPU is never started. JAX has already read the
@@ -218,6 +231,8 @@ def main():
         heap = f"a heap of {needed / gib:.2f} GiB per device; " if needed else ""
         print(f"                  does NOT fit these {result['device_kind']} chips: {heap}the compiler refused: "
               f"{result['out_of_memory']}")  # fmt: skip
+    if "rollout" in result:
+        print_rollout(result["rollout"])
     if "target" in result:
         print_target(result)
     print_scaling(result)

@@ -32,9 +32,12 @@ TOKENIZERS = ("byte", "sentencepiece", "hf")
 TRACKERS = ("tensorboard", "wandb")
 MIXTURE_UNITS = ("tokens", "documents")
 MOE_IMPLS = ("dropless", "capacity")
-FORMATS = ("text", "chat", "preference")  # data.format (trainer/data/chat.py)
+FORMATS = ("text", "chat", "preference", "prompts")  # data.format (trainer/data/chat.py)
 LOSS_ON = ("all", "assistant", "last_turn")  # data.loss_on
 DPO_LOSSES = ("sigmoid", "ipo")
+RL_LOSSES = ("grpo", "dr_grpo")  # rl.loss (trainer/objectives/grpo.py)
+RL_KEYS = ("reward", "reward_weights", "format_regex", "group_size", "max_new_tokens", "temperature", "top_p",
+           "epsilon", "updates_per_batch", "beta", "loss")  # fmt: skip
 ADAPTER_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # model.lora.targets (trainer/model/spec.py Adapters)
 ADAPTER_BASES = ("", "int8", "nf4")  # model.lora.base
 ACTIVATIONS = ("silu", "gelu_tanh")  # model.mlp_activation: SwiGLU's gate, or GeGLU's (Gemma)
@@ -225,6 +228,22 @@ def _declared() -> dict[str, dict]:
         loss="sigmoid",  # one of DPO_LOSSES: DPO's -log sigmoid, or IPO's squared distance to 1/(2 beta)
         label_smoothing=Num(0.0, "[0, 0.5)"),  # sigmoid: the share of pairs taken to be labelled the wrong way
     )
+    # Reinforcement learning on checkable rewards (data.format=prompts): GRPO, its completions sampled by our own
+    # sampler from the policy being trained (trainer/training/rollouts.py; trainer/objectives/grpo.py, rewards.py).
+    # train.global_batch_size counts completions: group_size of each of global_batch_size / group_size prompts.
+    c.rl = dict(
+        reward="exact",  # a comma list: exact, format, or module:function called f(prompt, completion, answer)
+        reward_weights="",  # a comma list of floats, one per reward ("" = all 1); the rewards add
+        format_regex="",  # the `format` reward: 1 where the completion matches it (re.search), else 0
+        group_size=Num(4, "[1, inf)"),  # completions sampled per prompt; their rewards are compared
+        max_new_tokens=Num(32, "[1, inf)"),
+        temperature=Num(1.0, "(0, inf)"),
+        top_p=Num(1.0, "(0, 1]"),
+        epsilon=Num(0.2, "(0, 1)"),  # the policy ratio is clipped to [1 - epsilon, 1 + epsilon]
+        updates_per_batch=Num(1, "[1, inf)"),  # policy steps on each batch of completions (TRL's num_iterations)
+        beta=Num(0.0, "[0, inf)"),  # the KL penalty to checkpoint.init_from's weights (k3); 0 holds no reference
+        loss="grpo",  # one of RL_LOSSES
+    )
     c.precision = dict(
         param_dtype="float32",
         compute_dtype="bfloat16",
@@ -358,10 +377,11 @@ READ_ONLY_UNDER = {
     "data.eos_id": ("data.source", ("dolma",)),
     "model.moe.capacity_factor": ("model.moe.impl", ("capacity",)),
     "data.loss_on": ("data.format", ("chat",)),
-    "data.chat_template": ("data.format", ("chat", "preference")),
+    "data.chat_template": ("data.format", ("chat", "preference", "prompts")),
     "dpo.beta": ("data.format", ("preference",)),
     "dpo.loss": ("data.format", ("preference",)),
     "dpo.label_smoothing": ("dpo.loss", ("sigmoid",)),
+    **{f"rl.{k}": ("data.format", ("prompts",)) for k in RL_KEYS},
     "model.moe.grouped_matmul": ("model.moe.impl", ("dropless",)),
 }
 # Keys read only when another is not 0 (named first, and alone, when it is): the experts' own with experts.

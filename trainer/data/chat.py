@@ -4,7 +4,9 @@ token told apart as context or reply.
 A corpus of `data.format=chat` has rows with a `messages` list of {role, content} (the Hugging Face and
 OpenAI form), or a `prompt` and a `completion` (a string each, taken as one user and one assistant turn, or
 lists of messages); `data.format=preference` has rows with a `prompt` and the `chosen` and `rejected`
-replies (strings, or lists of assistant messages), what DPO trains on. Preparing one stores each row as a
+replies (strings, or lists of assistant messages), what DPO trains on; `data.format=prompts` rows with a
+`prompt` (a string or messages) and an `answer` (any JSON value), what reinforcement learning samples
+completions for and rewards (trainer/objectives/rewards.py). Preparing one stores each row as a
 canonical JSON text (`row_text`), checked then, so that a bad row is named by its file and line before
 anything is trained.
 
@@ -47,7 +49,7 @@ BUILT_IN = (
 MARKS = {"<pad>": 0, "<s>": 1, "</s>": 2}
 
 
-ROW_FIELDS = {"chat": "messages|prompt,completion", "preference": "prompt,chosen,rejected"}
+ROW_FIELDS = {"chat": "messages|prompt,completion", "preference": "prompt,chosen,rejected", "prompts": "prompt,answer"}
 
 
 def fields(format: str) -> str:
@@ -68,7 +70,15 @@ def row_text(row, format: str, loss_on: str, where: str) -> str:
     (`where`: its file and line) and what is wrong with it."""
     if not isinstance(row, dict):
         raise ConfigError(f"{where} is not a JSON object; each row of a {format} corpus is one.")
-    if format == "preference":
+    if format == "prompts":  # reinforcement learning's: the prompt as given (a reward sees it so), any JSON answer
+        missing = [k for k in ("prompt", "answer") if k not in row or row[k] in ("", None, [])]
+        if missing:
+            raise ConfigError(f"{where} has no {' or '.join(missing)}; each row of a prompts corpus needs a prompt and "
+                              "the answer its reward checks.")  # fmt: skip
+        if prompt_messages(row["prompt"], where)[-1]["role"] == "assistant":
+            raise ConfigError(f"{where}: its prompt ends with an assistant message; it ends where the reply begins.")
+        out = {"prompt": row["prompt"], "answer": row["answer"]}
+    elif format == "preference":
         missing = [k for k in ("prompt", "chosen", "rejected") if not row.get(k)]
         if missing:
             raise ConfigError(
@@ -100,6 +110,11 @@ def row_text(row, format: str, loss_on: str, where: str) -> str:
             )
         out = {"messages": messages}
     return json.dumps(out, ensure_ascii=False, sort_keys=True)
+
+
+def prompt_messages(prompt, where: str = "a prompt") -> list[dict]:
+    """A prompts row's prompt (a string: one user turn; or a list of messages) as messages, checked."""
+    return _messages(prompt, "user", where, "prompt")
 
 
 def _messages(value, role: str, where: str, field: str) -> list[dict]:
@@ -225,6 +240,8 @@ def encode(tokenizer, template: Template, text: str, where: str = "a row") -> di
     """A prepared row (row_text) as token ids and each token's code: {"tokens", "turns"}, and for a preference
     row also {"rejected", "rejected_turns"} (prompt and chosen reply, prompt and rejected reply)."""
     row = json.loads(text)
+    if "answer" in row:  # a prompts row: the prompt rendered up to the reply it asks for
+        return {"tokens": prompt_ids(tokenizer, template, prompt_messages(row["prompt"], where))}
     if "messages" in row:
         tokens, turns = conversation(tokenizer, template, row["messages"], where)
         return {"tokens": tokens, "turns": turns}

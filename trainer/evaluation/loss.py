@@ -36,6 +36,7 @@ from trainer.objectives.language_model import target_weights
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.workdir import path, write_file
+from trainer.training import rollouts
 from trainer.training.resume import load_params
 from trainer.training.setup import Setup
 from trainer.training.step import BATCH_NAMES, batch_keys, jit_eval_step, make_eval_step
@@ -217,6 +218,8 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
         )
     cfg = run_tokenizer.settle(cfg, workdir)
     corpora.check_vocab(cfg)
+    if cfg.data.format == "prompts":
+        return _rewarded(cfg, workdir, step, max_batches, devices, say)
     if cfg.data.source != "synthetic":
         corpora.open_split(cfg.data, cfg.data.eval_split)
     elif not max_batches:
@@ -263,6 +266,24 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
         say(f"read {sums['documents']:,} documents, {int(count):,} predicted tokens in {sums['batches']} batches: "
             f"loss {loss:.4f} on {what} {cfg.data.eval_split} split (training's eval_loss reads its first "
             f"train.eval_batches={cfg.train.eval_batches} batches only)")  # fmt: skip
+        write_file(result["file"], json.dumps(result))
+        say(f"wrote {result['file']}")
+    return result
+
+
+def _rewarded(cfg, workdir: str, step: int | None, max_batches: int, devices, say) -> dict:
+    """A GRPO run's checkpoint (data.format=prompts): one greedy completion of each held-out prompt (the first
+    `max_batches` batches' prompts, or all), rewarded as training rewards them (trainer/training/rollouts.py)."""
+    corpora.open_split(cfg.data, cfg.data.eval_split)
+    setup, step, params = load_params(cfg, workdir, step, devices)
+    result = {"step": step, **rollouts.HeldOut(setup, streams.Stream.from_config(cfg), max_batches)(params),
+              "split": cfg.data.eval_split, "mesh": dict(setup.mesh.shape),
+              "evaluated": what_was_evaluated(cfg, workdir, step, max_batches)}  # fmt: skip
+    result["file"] = str(path(workdir) / "eval" / record_name(result["evaluated"]))
+    if jax.process_index() == 0:
+        solved = f", solved {result['eval_solved']:.4f}" if "eval_solved" in result else ""
+        say(f"step {step}: reward {result['eval_reward']:.4f}{solved} over {int(result['eval_prompts'])} prompts of "
+            f"the {cfg.data.eval_split} split, one greedy completion each")  # fmt: skip
         write_file(result["file"], json.dumps(result))
         say(f"wrote {result['file']}")
     return result

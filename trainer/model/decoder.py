@@ -93,16 +93,19 @@ class Decoder(nnx.Module):
                                               self.execution.loss_chunk)}  # fmt: skip
         return (*chunked_loss_sums(self.logits, features, targets, weights, self.execution.loss_chunk), stats)
 
-    def target_logprobs(self, tokens, positions, segment_ids, dropout_key=None):
+    def target_logprobs(self, tokens, positions, segment_ids, dropout_key=None, temperature: float = 1.0,
+                        entropy: bool = False):  # fmt: skip
         """(each position's log-probability of the next token, (batch, seq) fp32, in the sequence's order; the
-        MoE layers' statistics)."""
+        MoE layers' statistics). `temperature` divides the logits first (a sampler's distribution); with
+        `entropy` the first is (log-probabilities, each position's entropy)."""
         targets = target_weights(tokens, segment_ids)[0]
         order = self._order(tokens.shape[1])
         features, stats, _ = self._through_layers(tokens, positions, segment_ids, dropout_key)
         if order is not None:
             targets = targets[:, order]
-        out = chunked_target_logprobs(self.logits, features, targets, self.execution.loss_chunk)
-        return (out if order is None else out[:, np.argsort(order)]), stats
+        logits = self.logits if temperature == 1.0 else (lambda x: self.logits(x).astype(jnp.float32) / temperature)
+        out = chunked_target_logprobs(logits, features, targets, self.execution.loss_chunk, entropy)
+        return (out if order is None else jax.tree.map(lambda o: o[:, np.argsort(order)], out)), stats
 
     def features(self, tokens, positions, segment_ids) -> jax.Array:
         """The final-normed residual stream (batch, seq, d_model), through the layers as the execution says."""

@@ -18,9 +18,10 @@ from parallelism.rules import LogicalSharding
 from trainer.model.decoder import ModelDef
 from trainer.model.spec import ModelSpec, for_inference
 
-CACHE_NAMES = ("layers", None, None, "kv_heads", "head_dim")  # a single prompt: batch and time stay whole
-RING_NAMES = ("layers", None, None)  # a local layer's ring: the position each slot holds
-LATENT_NAMES = ("layers", None, None, None)  # latent attention's cache: whole on every device
+# The batch axis as make_generate places it (whole, or split for a rollout's completions); time stays whole.
+CACHE_NAMES = ("layers", "batch", None, "kv_heads", "head_dim")
+RING_NAMES = ("layers", "batch", None)  # a local layer's ring: the position each slot holds
+LATENT_NAMES = ("layers", "batch", None, None)  # latent attention's cache: every head reads the whole latent
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -62,42 +63,61 @@ def empty_cache(spec: ModelSpec, batch: int, length: int, shard: LogicalSharding
     return cache
 
 
-def make_generate(spec: ModelSpec, shard: LogicalSharding, *, max_new_tokens: int,
-                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0):  # fmt: skip
-    """A jitted (params, prompt (batch, P) int32, seed[, lengths (batch,)]) -> (batch, max_new_tokens)
-    continuation.
+def make_generate(spec: ModelSpec, shard: LogicalSharding, *, max_new_tokens: int, temperature: float = 0.0,
+                  top_k: int = 0, top_p: float = 1.0, with_logprobs: bool = False,
+                  split_batch: bool = False):  # fmt: skip
+    """A jitted (params, prompt (batch, P) int32, seed[, lengths (batch,)[, keys (batch,)]]) -> (batch,
+    max_new_tokens) continuation; `with_logprobs`: and each new token's log-probability, alike.
 
     With `lengths`, row i's prompt is its first lengths[i] tokens (the rest is padding): each row goes on from
-    its own end, writing over its padding in the cache before any query can see it. A handful of prompts
-    cannot be split over the data-parallel devices, so the batch axis is replicated; parameters keep their
-    placement.
+    its own end, writing over its padding in the cache before any query can see it. With `keys` (one random
+    key a row; `seed` is then unused), row i draws its tokens from keys[i] alone, so a prompt sampled alone
+    or among others gives the same tokens (reinforcement learning's rollouts); else the batch shares one
+    stream of keys from `seed`. A log-probability is the token's under the logits divided by the
+    temperature, before top-k and top-p cut them (what a trainer recomputes); greedy decoding (temperature
+    0) reports the logits' own. A handful of prompts cannot be split over the data-parallel devices, so the
+    batch axis is replicated, unless `split_batch` (a rollout's completions, as many as a training batch
+    has rows: split as the batch is, each device sampling its own rows); parameters keep their placement.
     """
     # Prompts and caches are short and grow a token at a time: whole sequences on every device, so a
     # model trained with a context axis decodes as any other.
-    shard = LogicalSharding.create(shard.mesh, {**dict(shard.rules), "batch": (), "seq": (), "residual_seq": ()})
+    rules = {**dict(shard.rules), "seq": (), "residual_seq": ()}
+    shard = LogicalSharding.create(shard.mesh, rules if split_batch else {**rules, "batch": ()})
     spec = for_inference(spec)
     model = ModelDef.create(spec, shard)
+    scale = temperature or 1.0
+
+    def pick(logits, i, keys, row_keys):
+        if row_keys is None:
+            token = sample(logits, keys[i], temperature, top_k, top_p)
+        else:
+            one = lambda row, key: sample(row[None], jax.random.fold_in(key, i), temperature, top_k, top_p)[0]  # noqa: E731
+            token = jax.vmap(one)(logits, row_keys)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
+        return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
     @jax.jit
-    def generate(params, prompt, seed, lengths=None):
+    def generate(params, prompt, seed, lengths=None, keys=None):
         batch, prompt_len = prompt.shape
         lengths = jnp.full((batch,), prompt_len) if lengths is None else lengths
         cache = empty_cache(spec, batch, prompt_len + max_new_tokens, shard)
-        keys = jax.random.split(jax.random.key(seed), max_new_tokens)
+        shared = jax.random.split(jax.random.key(seed), max_new_tokens)
         # A row's padding has no position (-1): a local layer's ring must not take it in over real keys.
         positions = jnp.where(jnp.arange(prompt_len) < lengths[:, None], jnp.arange(prompt_len), -1)
         logits, cache = model.apply(params, prompt, positions, cache, method="decode")
-        first = sample(logits[jnp.arange(batch), lengths - 1], keys[0], temperature, top_k, top_p)
+        first, first_logp = pick(logits[jnp.arange(batch), lengths - 1], 0, shared, keys)
         out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
+        logps = jnp.zeros((batch, max_new_tokens), jnp.float32).at[:, 0].set(first_logp)
 
         def step(i, carry):
-            out, cache = carry
+            out, logps, cache = carry
             token = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)
             pos = (lengths + i - 1)[:, None]
             logits, cache = model.apply(params, token, pos, cache, method="decode")
-            return out.at[:, i].set(sample(logits[:, -1], keys[i], temperature, top_k, top_p)), cache
+            new, logp = pick(logits[:, -1], i, shared, keys)
+            return out.at[:, i].set(new), logps.at[:, i].set(logp), cache
 
-        out, _ = jax.lax.fori_loop(1, max_new_tokens, step, (out, cache))
-        return out
+        out, logps, _ = jax.lax.fori_loop(1, max_new_tokens, step, (out, logps, cache))
+        return (out, logps) if with_logprobs else out
 
     return generate

@@ -75,14 +75,21 @@ def chunked_loss_sums(logits_fn, features: jax.Array, targets: jax.Array, weight
     return ce, jnp.sum(weights), log_z_sq, largest
 
 
-def chunked_target_logprobs(logits_fn, features: jax.Array, targets: jax.Array, chunk: int) -> jax.Array:
-    """Each position's fp32 log-probability of its target, (batch, seq): what DPO sums over a reply. With
+def chunked_target_logprobs(logits_fn, features: jax.Array, targets: jax.Array, chunk: int,
+                             entropy: bool = False):  # fmt: skip
+    """Each position's fp32 log-probability of its target, (batch, seq): what DPO sums over a reply; with
+    `entropy`, also each position's entropy of its distribution (reinforcement learning's metric). With
     0 < `chunk` < seq made `chunk` positions at a time, each chunk's logits recomputed in the backward pass
     (see chunked_loss_sums)."""
 
     def logprobs(x, t):
         logits = logits_fn(x).astype(jnp.float32)
-        return jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(logits, axis=-1)
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0] - log_z
+        if not entropy:
+            return picked
+        logp = logits - log_z[..., None]
+        return picked, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
     seq = targets.shape[1]
     if not 0 < chunk < seq:
@@ -92,4 +99,4 @@ def chunked_target_logprobs(logits_fn, features: jax.Array, targets: jax.Array, 
         return a.reshape(a.shape[0], seq // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)
 
     out = jax.lax.map(lambda inputs: jax.checkpoint(logprobs)(*inputs), (split(features), split(targets)))
-    return out.swapaxes(0, 1).reshape(targets.shape)
+    return jax.tree.map(lambda o: o.swapaxes(0, 1).reshape(targets.shape), out)

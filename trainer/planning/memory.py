@@ -18,7 +18,8 @@ shows, and tests/test_memory_calibration.py holds this file to it):
   is the larger of the two phases (XLA:TPU's live ranges at small's peak hold
   the gradients and no update).
 - `reference`: DPO's frozen reference weights, stored as the parameters are (fp32), so that at the start
-  the policy and its reference score every pair alike.
+  the policy and its reference score every pair alike; GRPO's with rl.beta > 0 (rollout_bytes has the
+  rollout's own memory, KV cache included).
 - `gathered`: what FSDP all-gathers beyond the device's own shard (gathered_bytes).
 - `activations`: what the backward pass keeps for one microbatch under the remat
   policy, the fp32 logits, and under remat the larger of the logits (less the
@@ -211,6 +212,10 @@ def attention_weights(a) -> float:
     )
 
 
+def _holds_reference(cfg) -> bool:
+    return cfg.data.format == "preference" or (cfg.data.format == "prompts" and cfg.rl.beta > 0)
+
+
 def gathered_bytes(spec, mesh_shape: dict[str, int], act_bytes: int) -> int:
     """What FSDP gathers whole beyond a device's own shard: the embedding and output head in the
     compute dtype with the head's fp32 gradient before it is reduce-scattered, and two layers' weights
@@ -243,6 +248,37 @@ def state_bytes(setup) -> dict[str, int]:
             "frozen": shard_bytes(base), "quantised": shard_bytes(quantised.held(base))}  # fmt: skip
 
 
+def rollout_bytes(cfg, setup, state: dict[str, int] | None = None) -> dict[str, int]:
+    """A GRPO rollout's memory per device (data.format=prompts; trainer/training/rollouts.py), beside the
+    train step's: the weights as stored (the sampler reads the state's own) and the optimiser state, both
+    resident; the reference where rl.beta asks for it; FSDP's gathered weights; the KV cache of the batch of
+    completions (train.global_batch_size rows of data.seq_len, key/value heads split over tensor, as the
+    sampler places it; latent attention's latent whole) and one
+    position's fp32 logits a row (twice: top-p sorts a copy), the rows split over the data-parallel axes as
+    a training batch's are."""
+    state, a, shape = state or state_bytes(setup), setup.spec.arch, setup.mesh.shape
+    compute = jnp.dtype(cfg.precision.compute_dtype).itemsize
+    seq, tensor = cfg.data.seq_len, shape["tensor"]
+    rows = cfg.train.global_batch_size // (shape["data"] * shape["fsdp"] * shape["expert"])
+    if a.mla.kv_rank:
+        per_token_layer = (a.mla.kv_rank + a.mla.rope_dim) * compute
+    else:
+        ways = tensor if a.n_kv_heads % tensor == 0 else 1
+        per_token_layer = 2 * a.n_kv_heads // ways * a.head_dim * compute
+    cache = sum(rows * (min(seq, a.sliding_window) if stack == "local_layers" else seq) * per_token_layer
+                for stack, _ in a.stacks())  # fmt: skip
+    out = {
+        "weights": state["params"] + state.get("frozen", 0),
+        "optimizer": state["optimizer"],
+        **({"reference": state["params"]} if cfg.rl.beta > 0 and not state.get("frozen") else {}),
+        "gathered": gathered_bytes(setup.spec, dict(setup.mesh.shape), compute),
+        "kv_cache": cache,
+        "logits": 2 * rows * a.vocab_size * 4,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
 def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None) -> dict[str, int]:
     """The analytic breakdown, per device, with its total. `spec` and `state` (from state_bytes) let a
     search vary remat, loss chunk and accumulation over one built setup."""
@@ -258,8 +294,9 @@ def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None)
         "master_weights": stored if compute != 4 else 0,
         "grads": fp32 * (2 if cfg.train.grad_accum_steps > 1 else 1),
         "optimizer": state["optimizer"],
-        # DPO's reference: a second copy, but under model.lora the base with the adapters off (none)
-        **({"reference": fp32} if cfg.data.format == "preference" and not state.get("frozen") else {}),
+        # DPO's reference: a second copy, but under model.lora the base with the adapters off (none); GRPO's
+        # with rl.beta, held beside the step for the rollouts (trainer/training/rollouts.py)
+        **({"reference": fp32} if _holds_reference(cfg) and not state.get("frozen") else {}),
         "update": max(0, fp32 - activations),
         "gathered": gathered_bytes(spec, shape, compute),
         "activations": activations,

@@ -25,11 +25,13 @@ from parallelism.chips import CHIPS, gpu_memory_share
 from trainer.config import microbatch_size
 from trainer.config.errors import ConfigError
 from trainer.model.flops import FORMULA, count_params, flops_per_token, inactive_params, matmul_params
+from trainer.model.sampling import make_generate
 from trainer.model.splash import hlo_call_cost
 from trainer.planning import fit as fitting
 from trainer.planning import memory, scaling
 from trainer.planning.targets import Target, parse_target, target_devices
 from trainer.storage import compile_cache
+from trainer.training import rollouts
 from trainer.training.setup import build
 from trainer.training.state import param_shardings
 from trainer.training.step import OutOfHbm, compile_with_heap
@@ -153,6 +155,10 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         result["compiled_breakdown"] = breakdown
         if hardware is not None:
             result.update(on_target(hardware, slices, compiled["hlo"], result))
+    if cfg.data.format == "prompts":  # GRPO: the rollout's program beside the step's
+        result["rollout"] = rollout_plan(cfg, setup, platform, hardware, slices)
+        if "fits" in result:
+            result["fits"] = result["fits"] and result["rollout"].get("fits", True)
     if fit and not result["fits"]:
         n_matmul = matmul_params(setup.spec.arch, setup.model.abstract_params)
         compile_variant = lambda variant: plan(variant, devices=devices, target=target, slices=slices)  # noqa: E731
@@ -181,6 +187,32 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
             ),  # fmt: skip
         }
     return result
+
+
+def rollout_plan(cfg, setup, platform: str, hardware: Target | None, slices: int) -> dict:
+    """A GRPO rollout's memory per device: the arithmetic (memory.rollout_bytes) and the sampler's program
+    compiled for the same devices (trainer/model/sampling.py, the batch of completions at once), whose
+    arguments hold the weights but not what stays resident beside it (the optimiser state, and the
+    reference with rl.beta), added for the verdict as `resident_bytes_per_device`."""
+    rl, rows = cfg.rl, cfg.train.global_batch_size
+    arithmetic = memory.rollout_bytes(cfg, setup)
+    out = {"bytes_per_device": arithmetic}
+    generate = make_generate(setup.spec, setup.shard, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+                             top_p=rl.top_p, with_logprobs=True, split_batch=True)  # fmt: skip
+    prompt = jax.ShapeDtypeStruct((rows, cfg.data.seq_len - rl.max_new_tokens), jnp.int32)
+    keys = jax.eval_shape(lambda: rollouts.row_keys(0, 0, rows // rl.group_size, rl.group_size))
+    lowered = generate.lower(setup.abstract_params(), prompt, 0, jax.ShapeDtypeStruct((rows,), jnp.int32), keys)
+    compiled = _compiled(lowered, platform, aside=hardware is not None)
+    resident = arithmetic["optimizer"] + arithmetic.get("reference", 0)
+    out["resident_bytes_per_device"] = resident
+    if "out_of_memory" in compiled:
+        return {**out, "fits": False, "compiled_bytes_per_device": compiled["heap"],
+                "out_of_memory": compiled["out_of_memory"]}  # fmt: skip
+    breakdown = dict(compiled["breakdown"])
+    out["compiled_bytes_per_device"], out["compiled_breakdown"] = breakdown.pop("total"), breakdown
+    if hardware is not None:
+        out["fits"] = out["compiled_bytes_per_device"] + resident <= hardware.chip.usable_hbm_bytes
+    return out
 
 
 def _compiled(lowered, platform: str, aside: bool = False) -> dict:

@@ -44,7 +44,7 @@ from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.goodput import Goodput, duration
 from trainer.storage.local_tier import LocalTier
 from trainer.storage.metrics import MetricsWriter, floats
-from trainer.training import batch_ramp, clock, resume, stability
+from trainer.training import batch_ramp, clock, resume, rollouts, stability
 from trainer.training.setup import Setup
 from trainer.training.state import state_from_params
 from trainer.training.step import memory_per_device
@@ -120,8 +120,14 @@ class Run:
         self.target = t.steps * t.global_batch_size  # sequences to train on
         self.stream = streams.Stream.from_config(cfg)
         self.rows = self._local_rows(self.batch)
+        self.rl = cfg.data.format == "prompts"  # batches sampled from the policy (trainer/training/rollouts.py)
+        self.reference = None
+        if self.rl and not setup.adapted:  # GRPO's reference scores the rollouts; the step takes no inputs
+            self.reference, self.inputs = (self.inputs or (None,))[0], ()
         # First: held-out batches that score nothing are refused before a checkpoint is read or config written.
-        self.evaluator = Evaluator(setup, self.rows, self.inputs) if t.eval_every else None
+        held_out = (lambda: rollouts.HeldOut(setup, self.stream, t.eval_batches)) if self.rl else (
+            lambda: Evaluator(setup, self.rows, self.inputs))  # fmt: skip
+        self.evaluator = held_out() if t.eval_every else None
         self.ckpt = Checkpointer(
             wd.checkpoint_dir(workdir), keep=cfg.checkpoint.keep, keep_every=cfg.checkpoint.keep_every,
             async_save=cfg.checkpoint["async"],
@@ -169,7 +175,8 @@ class Run:
             data = self.workers = workers.ProcessRows(self.stream, cfg.data.train_split, self.rows, state,
                                                       shuffle=True, workers=cfg.data.workers)  # fmt: skip
         self.row_batches = data
-        self.data = streams.prefetch(data, self._plan, self.data_read)
+        # A rollout samples from the weights of the step before it: nothing can be read ahead.
+        self.data = data if self.rl else streams.prefetch(data, self._plan, self.data_read)
         self.hang = HangWatch(t.hang_seconds, lambda: self.step, workdir,
                               lambda: self.workers.stacks() if self.workers else [])  # fmt: skip
         self.files = wd.GrowingFiles(workdir) if self.primary else None
@@ -211,7 +218,16 @@ class Run:
         return step, (resume.state_from_local(fields, self.setup, saved_cfg), False, label, data)
 
     def _new_data(self):
+        if self.rl:
+            return rollouts.Rollouts(self.setup, self.stream, self.rows, self._policy, self.cfg.rl.beta > 0)
         return iter(streams.batches(self.stream, self.cfg.data.train_split, self.rows, shuffle=True))
+
+    def _policy(self) -> tuple:
+        """(the weights the model applies now, GRPO's reference weights or None)."""
+        weights = self.setup.weights(self.state.params, self.inputs)
+        if not self.cfg.rl.beta:
+            return weights, None
+        return weights, self.setup.reference(weights, self.inputs) if self.setup.adapted else self.reference
 
     def _local_rows(self, size: int) -> list[int]:
         """This process's rows of a batch of `size` rows (a batch-size ramp uses a few sizes)."""
@@ -303,6 +319,7 @@ class Run:
             "mfu": self.flops_per_token * tokens_per_sec / self.peak if self.peak else None,
             "step_time": elapsed / max(step - self.mark_step, 1),
             **self._mixture_shares(),
+            **(self.data.figures(step) if self.rl else {}),
             **self.goodput.totals(),
         }
         self.last.update(logged)  # beside the latest evaluation's figures
@@ -370,12 +387,7 @@ class Run:
             self.goodput.enter("eval")
             result = self.evaluator(self.setup.weights(self.state.params, self.inputs), self.hang.progress)
             self.last.update(result, eval_covers=self.evaluator.covers(result) if "eval_tokens" in result else "")
-            line = (f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f}; "
-                    f"{self.evaluator.covers(result)})") if "unigram_loss" in result else (
-                    f"step {step:>6}  eval DPO loss {result['eval_loss']:.4f}  reward accuracy "
-                    f"{result['eval_dpo/accuracy']:.3f}  margin {result['eval_dpo/margins']:.3f} "
-                    f"({int(result['eval_pairs'])} held-out pairs)")  # fmt: skip
-            self.writer.write(step, result, console=line)
+            self.writer.write(step, result, console=self._eval_line(step, result))
             if self.samples is not None:
                 with self.hang.suspended() if not self.sampled else contextlib.nullcontext():  # the first compiles
                     self.writer.samples(step, self.samples(self.setup.weights(self.state.params, self.inputs)))
@@ -399,6 +411,18 @@ class Run:
             self.hang.progress()
         self.goodput.enter("step")
         self.mark_time += time.perf_counter() - paused
+
+    def _eval_line(self, step: int, result: dict) -> str:
+        if "unigram_loss" in result:
+            return (f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f}; "
+                    f"{self.evaluator.covers(result)})")  # fmt: skip
+        if "eval_reward" in result:
+            solved = f"  solved {result['eval_solved']:.3f}" if "eval_solved" in result else ""
+            return (f"step {step:>6}  eval reward {result['eval_reward']:.4f}{solved} (greedy, "
+                    f"{int(result['eval_prompts'])} held-out prompts)")  # fmt: skip
+        return (f"step {step:>6}  eval DPO loss {result['eval_loss']:.4f}  reward accuracy "
+                f"{result['eval_dpo/accuracy']:.3f}  margin {result['eval_dpo/margins']:.3f} "
+                f"({int(result['eval_pairs'])} held-out pairs)")  # fmt: skip
 
     def save_now(self) -> None:
         if self.step not in self.ckpt.steps():
@@ -441,8 +465,9 @@ def _console_line(step: int, batches: float, total: int, m: dict) -> str:
     scale = f"  scale {m['loss_scale']:.0f}" if m["loss_scale"] != 1.0 else ""
     # Training time left at the latest step time (evaluations and checkpoints not counted).
     eta = duration(max(total - batches, 0) * m["step_time"])
+    reward = f"  reward {m['rl/reward']:.3f}" if "rl/reward" in m else ""  # the rollout's, under GRPO
     return (
-        f"step {step:>6} ({batches:g}/{total})  loss {m['loss']:.4f}  lr {m['lr']:.2e}  "
+        f"step {step:>6} ({batches:g}/{total})  loss {m['loss']:.4f}{reward}  lr {m['lr']:.2e}  "
         f"grad_norm {m['grad_norm']:.3f}{scale}  tok/s {m['tokens_per_sec']:,.0f}  mfu {mfu}  "
         f"step {m['step_time']:.3f}s  eta {eta}"
     )

@@ -10,7 +10,7 @@ import jax
 
 from parallelism.distributed import barrier, first_process_says
 from trainer.config.forms import with_changes
-from trainer.data import corpora, run_tokenizer
+from trainer.data import corpora, prompts, run_tokenizer, streams
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluation import samples
 from trainer.interop import harness
@@ -50,6 +50,9 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
         barrier("dataset prepared")
         splits = [cfg.data.train_split] + ([cfg.data.eval_split] if cfg.train.eval_every else [])
         corpora.check_every_host_reads_it(cfg.data, splits)
+        if cfg.data.format == "prompts":  # every prompt leaves room for its completion
+            rows = prompts.rows(streams.Stream.from_config(cfg), cfg.data.train_split, shuffle=False)
+            prompts.check_room(rows, len(rows), cfg.data.seq_len, cfg.rl.max_new_tokens)
     init, inputs = None, ()
     if wd.saved_steps(workdir):
         resume.check_resume(workdir, cfg, setup)
@@ -57,7 +60,8 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
         check_fresh_start(workdir, cfg)
         if cfg.checkpoint.init_from:
             init = resume.load_init_params(cfg, setup)
-    if setup.preference or setup.adapted:  # the reference, or the frozen base: pinned at the run's start
+    rl_reference = cfg.data.format == "prompts" and cfg.rl.beta > 0  # GRPO's KL pulls towards it
+    if setup.preference or setup.adapted or rl_reference:  # the reference, or the frozen base: pinned at the start
         reference, pinned = resume.load_reference(cfg, setup, workdir, init)
         inputs, cfg = (reference,), with_changes(cfg, {"checkpoint.init_from": pinned})
     # The run's identity: its workdir's, or a new one (a new run, or its workdir deleted and made again),

@@ -10,7 +10,8 @@ means, half-life ~70 steps) follow applied steps only.
 The device also keeps the verdicts of the last `bad_window` steps, so that the
 loop, reading them at its log points (no extra host syncs), can see
 `max_bad_steps` bad steps in the window, or a loss above `diverge_factor` x its
-running mean for `diverge_steps` steps in a row, and roll back to the newest
+running mean for `diverge_steps` steps in a row (not under GRPO, whose loss sits near 0 of either sign), and
+roll back to the newest
 checkpoint saved while healthy, skip the data read since, and lower the
 learning rate (trainer/run/rollback.py). The drills in `config.debug` feed it
 corrupted batches or a learning rate far too high, counted in global batches of the data stream.
@@ -57,6 +58,8 @@ def update_statistics(cfg, stats: dict, step: jax.Array, ok, bad, loss: jax.Arra
 
     ready = stats["stat_steps"] >= cfg.stability.stats_warmup
     diverged = ok & ready & (loss > cfg.stability.diverge_factor * stats["loss_mean"])
+    if cfg.data.format == "prompts":  # GRPO's loss sits near 0, of either sign: no measure of a run's health
+        diverged = jnp.zeros_like(diverged)
     return {
         **stats,
         "grad_norm_mean": ema(stats["grad_norm_mean"], grad_norm),

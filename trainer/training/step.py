@@ -34,7 +34,7 @@ from parallelism.rules import LogicalSharding
 from trainer.model import adapters
 from trainer.model.decoder import ModelDef
 from trainer.model.moe import empty_statistics
-from trainer.objectives import dpo
+from trainer.objectives import dpo, grpo
 from trainer.optim.optimizer import applied_learning_rate, with_hyperparams
 from trainer.optim.schedules import make_schedule
 from trainer.training import clock, stability
@@ -46,8 +46,12 @@ BATCH_NAMES = ("batch", "seq")
 
 
 def batch_keys(cfg) -> tuple[str, ...]:
-    """What a batch holds: post-training's also say which tokens are trained on (trainer/data/chat.py)."""
-    return BATCH_KEYS + ("loss_mask",) * (cfg.data.format != "text")
+    """What a batch holds: post-training's also say which tokens are trained on (trainer/data/chat.py);
+    reinforcement learning's also its completions' log-probabilities and advantages (trainer/objectives/grpo.py)."""
+    keys = BATCH_KEYS + ("loss_mask",) * (cfg.data.format != "text")
+    if cfg.data.format == "prompts":
+        keys += ("old_logps", "advantages") + ("ref_logps",) * (cfg.rl.beta > 0)
+    return keys
 
 
 def _sums(model: ModelDef, params, batch, z_loss: float, moe=None, mtp_weight: float = 0.0, key=None):
@@ -142,7 +146,9 @@ def make_train_step(
     )
     no_stats = empty_statistics(model.arch)
     preference = cfg.data.format == "preference"
+    rl = cfg.data.format == "prompts"
     no_extra = {f"dpo/{m}": 0.0 for m in dpo.METRICS} if preference else {}
+    no_extra = {f"rl/{m}": 0.0 for m in grpo.METRICS} if rl else no_extra
     adapted = bool(model.arch.lora.rank)
     dropout = adapted and cfg.model.lora.dropout > 0
 
@@ -155,6 +161,9 @@ def make_train_step(
         if preference:
             objective, aux = dpo.sums(model, params, reference, batch, cfg.dpo, key)
             aux = (*aux[:4], {f"dpo/{m}": v for m, v in aux[4].items()})
+        elif rl:  # the reference's log-probabilities came with the batch
+            objective, aux = grpo.sums(model, params, batch, cfg.rl, key)
+            aux = (*aux[:4], {f"rl/{m}": v for m, v in aux[4].items()})
         else:
             objective, aux = _sums(model, params, batch, z_loss, moe, mtp_weight, key)
         return objective * factor, aux
@@ -284,7 +293,8 @@ def jit_eval_step(eval_fn, weight_shardings: dict, shard: LogicalSharding, keys=
 
 def abstract_batch(global_batch: int, seq_len: int, sharding, keys=BATCH_KEYS) -> dict:
     """The batch's shapes and placement, for compiling ahead of the first real batch."""
-    return {k: jax.ShapeDtypeStruct((global_batch, seq_len), jnp.int32, sharding=sharding) for k in keys}
+    dtype = lambda k: jnp.float32 if k in grpo.FIELDS else jnp.int32  # noqa: E731
+    return {k: jax.ShapeDtypeStruct((global_batch, seq_len), dtype(k), sharding=sharding) for k in keys}
 
 
 def memory_per_device(compiled, platform: str, heap: int | None = None) -> dict[str, int]:

@@ -33,6 +33,7 @@ from trainer.config import (
     READ_ONLY_WITH,
     REMAT_POLICIES,
     RENAMED,
+    RL_LOSSES,
     SCHEDULES,
     SOURCES,
     TOKEN_DTYPES,
@@ -47,6 +48,7 @@ from trainer.config.layer_checks import check_layers
 from trainer.config.layer_checks import choice as _choice
 from trainer.data.mixture import parse_mixture
 from trainer.model import adapters
+from trainer.objectives import rewards
 from trainer.optim import mup, schedules
 from trainer.training import batch_ramp
 
@@ -229,11 +231,14 @@ def _check_post_training(cfg) -> None:
     d = cfg.data
     if d.format == "text":
         return
-    if d.source != "text_files" or (d.mixture and d.format == "preference"):
+    one = d.format in ("preference", "prompts")
+    if d.source != "text_files" or (d.mixture and one):
         raise ConfigError(
             f"data.format={d.format} reads .jsonl or .parquet rows prepared here: set data.source=text_files and "
-            f"give data.paths{' (one corpus: no data.mixture)' * (d.format == 'preference')}."
+            f"give data.paths{' (one corpus: no data.mixture)' * one}."
         )
+    if d.format == "prompts":
+        _check_rl(cfg)
     if d.format == "preference" and not cfg.checkpoint.init_from:
         raise ConfigError(
             "DPO (data.format=preference) measures the policy against the weights it starts from: give them with "
@@ -241,6 +246,32 @@ def _check_post_training(cfg) -> None:
         )
     if d.format == "preference" and cfg.mesh.stage > 1:
         raise ConfigError("DPO runs without pipeline stages: set mesh.stage=1.")
+
+
+def _check_rl(cfg) -> None:
+    """GRPO's settings (data.format=prompts), and its rewards importable, before anything compiles."""
+    rl, t = cfg.rl, cfg.train
+    _choice("rl.loss", rl.loss, RL_LOSSES)
+    if rl.group_size < 2:
+        raise ConfigError(f"rl.group_size={rl.group_size}: GRPO compares a prompt's completions with each other, and "
+                          "one alone has an advantage of 0 (nothing to learn); sample at least 2.")  # fmt: skip
+    if t.global_batch_size % rl.group_size:
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} (completions a step) is not a multiple of "
+                          f"rl.group_size={rl.group_size}; make it one (prompts x group_size).")  # fmt: skip
+    if rl.max_new_tokens >= cfg.data.seq_len:
+        raise ConfigError(f"rl.max_new_tokens={rl.max_new_tokens} leaves no room for a prompt in data.seq_len="
+                          f"{cfg.data.seq_len}; raise data.seq_len or lower rl.max_new_tokens.")  # fmt: skip
+    if rl.beta > 0 and not cfg.checkpoint.init_from:
+        raise ConfigError(f"rl.beta={rl.beta} pulls the policy towards a reference, the weights it starts from: give "
+                          "them with --config.checkpoint.init_from=DIR[@STEP], or set rl.beta=0.")  # fmt: skip
+    if cfg.mesh.stage > 1 or cfg.data.workers:
+        raise ConfigError("reinforcement learning (data.format=prompts) runs without pipeline stages or data "
+                          "workers: set mesh.stage=1 and data.workers=0.")  # fmt: skip
+    if cfg.checkpoint.every_steps % rl.updates_per_batch:
+        raise ConfigError(f"checkpoint.every_steps={cfg.checkpoint.every_steps} is not a multiple of "
+                          f"rl.updates_per_batch={rl.updates_per_batch}: a checkpoint inside a rollout's updates "
+                          "cannot resume them exactly; make it one.")  # fmt: skip
+    rewards.load(rl)
 
 
 def _check_pipeline(cfg: ml_collections.ConfigDict) -> None:

@@ -32,9 +32,10 @@ FORMAT = "array_record"
 
 
 # A store's token features by the corpus's data.format: a conversation's tokens carry their codes
-# (trainer/data/chat.py), a preference row's also the prompt with the rejected reply and its codes.
+# (trainer/data/chat.py), a preference row's also the prompt with the rejected reply and its codes; a prompts
+# row's are its prompt's, rendered up to the reply (its answer stays in the text store).
 TOKEN_FEATURES = {"text": ("tokens",), "chat": ("tokens", "turns"),
-                  "preference": ("tokens", "turns", "rejected", "rejected_turns")}  # fmt: skip
+                  "preference": ("tokens", "turns", "rejected", "rejected_turns"), "prompts": ("tokens",)}  # fmt: skip
 
 
 @dataclasses.dataclass(eq=False)

@@ -1,0 +1,210 @@
+"""Reinforcement learning's batches (data.format=prompts): completions sampled from the policy being trained,
+on its own mesh and weights, rewarded, and laid out for the GRPO step (trainer/objectives/grpo.py).
+
+Rollout k takes the prompts k x P onwards of the shuffled split (trainer/data/prompts.py; P =
+train.global_batch_size / rl.group_size) and samples rl.group_size completions of each with the KV-cache
+sampler (trainer/model/sampling.py): row r of the batch is completion r mod G of prompt r div G. Each row
+draws from a key of its own, made from the seed, the prompt's place in the stream and the completion's
+number, so a prompt gives the same completions alone or among others, on any mesh, and a resumed run the
+same as one never stopped. A completion ends at the first end-of-turn token (trainer/data/chat.py
+end_of_turn_ids), which it keeps; one that reaches rl.max_new_tokens without it is truncated.
+
+The trainer then recomputes each completion token's log-probability (old_logps: the ratio's denominator)
+with the training step's own forward pass, and the reference's where rl.beta > 0; the sampler's are kept
+beside, and their difference logged (`rl/logp_diff_mean`, `rl/logp_diff_max`). A rollout serves
+rl.updates_per_batch steps; its state is the number of rollouts taken, so a checkpoint at a rollout's end
+resumes exactly (checkpoint.every_steps is a multiple of rl.updates_per_batch; a preemption mid-rollout
+resumes at the next rollout, its remaining updates not taken).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from parallelism.distributed import fetch, whole
+from trainer.data import chat, prompts
+from trainer.data.streams import to_global
+from trainer.data.tokenizers import load_tokenizer
+from trainer.model.sampling import make_generate
+from trainer.objectives import grpo, rewards
+
+_TAG = 0x524C  # rollouts' keys are folded from the seed with this, apart from dropout's
+
+
+def row_keys(seed: int, first: int, count: int, group: int) -> jax.Array:
+    """The sampling keys of `count` prompts from stream place `first` on, `group` completions each."""
+    base = jax.random.fold_in(jax.random.key(seed), _TAG)
+    return jnp.stack([jax.random.fold_in(jax.random.fold_in(base, first + j), g)
+                      for j in range(count) for g in range(group)])  # fmt: skip
+
+
+def completion_ends(tokens: np.ndarray, end_ids: set[int]) -> np.ndarray:
+    """Each row's completion length: through its first end-of-turn token, else the whole row."""
+    ended = np.isin(tokens, list(end_ids))
+    return np.where(ended.any(axis=1), ended.argmax(axis=1) + 1, tokens.shape[1])
+
+
+def layout(prompt_tokens: list[np.ndarray], completions: np.ndarray, lengths: np.ndarray, seq_len: int) -> dict:
+    """Rows of prompt then completion (the first lengths[r] of its tokens), padded to seq_len; `loss_mask` on
+    the completion's tokens."""
+    rows = len(prompt_tokens)
+    out = {k: np.zeros((rows, seq_len), np.int32) for k in ("tokens", "positions", "segment_ids", "loss_mask")}
+    for r, (p, n) in enumerate(zip(prompt_tokens, lengths, strict=True)):
+        end = len(p) + n
+        out["tokens"][r, : len(p)], out["tokens"][r, len(p) : end] = p, completions[r, :n]
+        out["positions"][r, :end], out["segment_ids"][r, :end] = np.arange(end), 1
+        out["loss_mask"][r, len(p) : end] = 1
+    return out
+
+
+class Rollouts:
+    """The loop's batches under data.format=prompts: next() -> (rows, this process's part of the batch)."""
+
+    def __init__(self, setup, stream, rows: list[int], current, reference):
+        """`current()`: (the policy's weights as the model applies them, the weights of its reference or None)
+        now; `reference`: whether rl.beta asks for the reference's log-probabilities."""
+        cfg = setup.cfg
+        self.cfg, self.rl, self.setup, self.rows, self.current = cfg, cfg.rl, setup, rows, current
+        self.group, self.size = cfg.rl.group_size, cfg.train.global_batch_size
+        self.prompts = prompts.rows(stream, cfg.data.train_split, shuffle=True)
+        self.rewards = rewards.load(cfg.rl)
+        self.tokenizer = load_tokenizer(cfg.data)
+        self.end_ids = chat.end_of_turn_ids(self.tokenizer, chat.template_for(cfg.data, self.tokenizer))
+        rl = cfg.rl
+        self.generate = make_generate(setup.spec, setup.shard, max_new_tokens=rl.max_new_tokens,
+                                      temperature=rl.temperature, top_p=rl.top_p, with_logprobs=True,
+                                      split_batch=True)  # fmt: skip
+        self.score = make_scorer(setup, cfg.rl.temperature)
+        self.with_reference = reference
+        self.taken, self.served, self.batch = 0, 0, None
+        self.metrics: dict[int, dict] = {}  # by rollout
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[int, dict[str, np.ndarray]]:
+        if self.batch is None or self.served == self.rl.updates_per_batch:
+            self.batch, self.served = self.rollout(self.taken), 0
+            self.taken += 1
+        self.served += 1
+        return self.size, {k: v[self.rows] for k, v in self.batch.items()}
+
+    def rollout(self, k: int) -> dict[str, np.ndarray]:
+        """Rollout k's whole batch (every process makes the same), its figures kept in `metrics[k]`."""
+        cfg, rl, count = self.cfg, self.rl, self.size // self.group
+        weights, reference = self.current()
+        taken = prompts.batch(self.prompts, k, count)
+        width = cfg.data.seq_len - rl.max_new_tokens
+        prompt = np.zeros((self.size, width), np.int32)
+        lengths = np.zeros(self.size, np.int32)
+        for r in range(self.size):
+            p = taken[r // self.group].tokens
+            prompt[r, : len(p)], lengths[r] = p, len(p)
+        start = time.perf_counter()
+        keys = row_keys(cfg.train.seed, k * count, count, self.group)
+        out, sampled = whole(self.generate(weights, prompt, 0, lengths, keys))
+        sample_seconds = time.perf_counter() - start
+        ends = completion_ends(out, self.end_ids)
+        out = np.where(np.arange(out.shape[1]) < ends[:, None], out, self.tokenizer.pad_id)
+        batch = layout([taken[r // self.group].tokens for r in range(self.size)], out, ends, cfg.data.seq_len)
+        scores = np.zeros((self.size, len(self.rewards)), np.float64)
+        for r in range(self.size):
+            p = taken[r // self.group]
+            text = self.tokenizer.decode([int(t) for t in out[r, : ends[r]] if int(t) not in self.end_ids])
+            where = f"row {p.index + 1} of the {cfg.data.train_split} split (its completion {text!r})"
+            scores[r] = rewards.score(self.rewards, p.prompt, text, p.answer, where)
+        total = scores @ np.array([w.weight for w in self.rewards])
+        advantages = grpo.advantages(total, self.group, rl.loss)
+        start = time.perf_counter()
+        placed = to_global(batch, self.setup.batch_sharding, self.size)
+        batch["old_logps"] = fetch(self.score(weights, placed)) * batch["loss_mask"]
+        if self.with_reference:
+            batch["ref_logps"] = fetch(self.score(reference, placed)) * batch["loss_mask"]
+        score_seconds = time.perf_counter() - start
+        batch["advantages"] = np.repeat(advantages[:, None], cfg.data.seq_len, axis=1).astype(np.float32)
+        mask = batch["loss_mask"].astype(bool)
+        by_row = np.zeros_like(batch["old_logps"])
+        for r in range(self.size):  # the sampler's, laid out by token as the trainer's are
+            by_row[r, lengths[r] : lengths[r] + ends[r]] = sampled[r, : ends[r]]
+        gap = np.abs(by_row - batch["old_logps"])[mask]
+        figures = {"rl/reward": float(total.mean()), "rl/reward_std": float(total.std()),
+                   "rl/completion_length": float(ends.mean()),
+                   "rl/truncated": float(np.mean(~np.isin(out[np.arange(self.size), ends - 1], list(self.end_ids)))),
+                   "rl/logp_diff_mean": float(gap.mean()), "rl/logp_diff_max": float(gap.max()),
+                   "rl/sample_seconds": sample_seconds, "rl/score_seconds": score_seconds}  # fmt: skip
+        for j, r in enumerate(self.rewards):
+            figures[f"rl/reward/{r.name}"] = float(scores[:, j].mean())
+            figures[f"rl/reward/{r.name}_std"] = float(scores[:, j].std())
+            if r.name == "exact":
+                figures["rl/solved"] = float(scores[:, j].mean())
+        self.metrics = {**{i: m for i, m in self.metrics.items() if i > k - 4}, k: figures}
+        return batch
+
+    def figures(self, step: int) -> dict:
+        """The figures of the rollout that step `step` (counted from 1) trained on, if still kept."""
+        return self.metrics.get((step - 1) // self.rl.updates_per_batch, {})
+
+    def get_state(self) -> dict:
+        return {"rows": {"0": {"rollouts": self.taken}}}
+
+    def set_state(self, state: dict) -> None:
+        self.taken, self.batch = int(state["rows"]["0"]["rollouts"]), None
+
+    def close(self) -> None:
+        pass
+
+
+def make_scorer(setup, temperature: float):
+    """A jitted (weights, batch) -> each token's log-probability after its prefix (batch, seq; 0 at a row's
+    first), by the training step's forward pass at the sampling temperature."""
+    model = setup.model
+
+    def score(weights, batch):
+        logps = model.apply(weights, batch["tokens"], batch["positions"], batch["segment_ids"], None, temperature,
+                            method="target_logprobs")[0]  # fmt: skip
+        return jnp.pad(logps[:, :-1], ((0, 0), (1, 0)))
+
+    return jax.jit(score, out_shardings=setup.shard.replicated())
+
+
+class HeldOut:
+    """Evaluation under data.format=prompts (the loop's, and eval.py's): one greedy completion of each of the
+    held-out split's first `batches` x P prompts (P prompts a batch, in order; all of them for 0), rewarded
+    as training rewards them: `eval_reward` (their weighted sum's mean), `eval_solved` (the exact reward's
+    mean, where rl.reward has it) and `eval_prompts`."""
+
+    def __init__(self, setup, stream, batches: int):
+        cfg = setup.cfg
+        self.cfg, self.count = cfg, cfg.train.global_batch_size // cfg.rl.group_size
+        self.prompts = prompts.rows(stream, cfg.data.eval_split, shuffle=False)
+        self.total = min(len(self.prompts), batches * self.count) if batches else len(self.prompts)
+        self.rewards = rewards.load(cfg.rl)
+        self.tokenizer = load_tokenizer(cfg.data)
+        self.end_ids = chat.end_of_turn_ids(self.tokenizer, chat.template_for(cfg.data, self.tokenizer))
+        self.generate = make_generate(setup.spec, setup.shard, max_new_tokens=cfg.rl.max_new_tokens)
+
+    def __call__(self, weights, progress=lambda: None) -> dict:
+        width, found = self.cfg.data.seq_len - self.cfg.rl.max_new_tokens, []
+        for first in range(0, self.total, self.count):
+            taken = [self.prompts[i] for i in range(first, min(first + self.count, self.total))]
+            prompt, lengths = np.zeros((self.count, width), np.int32), np.ones(self.count, np.int32)
+            for r, p in enumerate(taken):
+                prompt[r, : len(p.tokens)], lengths[r] = p.tokens, len(p.tokens)
+            out = fetch(self.generate(weights, prompt, 0, lengths))
+            ends = completion_ends(out, self.end_ids)
+            for r, p in enumerate(taken):
+                text = self.tokenizer.decode([int(t) for t in out[r, : ends[r]] if int(t) not in self.end_ids])
+                where = f"row {p.index + 1} of the {self.cfg.data.eval_split} split (its completion {text!r})"
+                found.append(rewards.score(self.rewards, p.prompt, text, p.answer, where))
+            progress()
+        scores = np.array(found)
+        result = {"eval_reward": float((scores @ np.array([r.weight for r in self.rewards])).mean()),
+                  "eval_prompts": float(len(found))}  # fmt: skip
+        names = [r.name for r in self.rewards]
+        if "exact" in names:
+            result["eval_solved"] = float(scores[:, names.index("exact")].mean())
+        return result
