@@ -5,12 +5,13 @@
     python scripts/train.py --config configs/sft_tiny.py           # runs/sft_tiny
     python scripts/train.py --config configs/grpo_tiny.py          # runs/grpo_tiny
 
-Starts from sft_tiny's weights, which answer "Reverse: <word>" in the format "ANSWER: <reversed>" but seldom
+Starts from sft_tiny's weights, which answer "Reverse: <word>" in the format "ANSWER: <reversed>" but not
 with the right letters. Each step samples 8 completions of each of 4 prompts from the policy being trained
-(trainer/training/rollouts.py), rewards each with `exact` (1 if its answer is the word reversed) plus a tenth of
-`format` (1 if it keeps the format), and takes GRPO's clipped step with a KL pull (rl.beta) towards the
-weights it started from. The held-out prompts' greedy answers are scored every 50 steps (eval_solved:
-the share exactly right); docs/post_training.md has the numbers before and after.
+(trainer/training/rollouts.py), rewards each with `exact` (1 if its answer is the word reversed), `similar`
+(partial credit by edit distance) and a tenth of `format` (1 if it keeps the format), and takes GRPO's
+clipped step with a KL pull (rl.beta) towards the weights it started from. The held-out prompts' greedy
+answers are scored every 100 steps (eval_solved: the share exactly right); docs/post_training.md has the
+numbers before and after.
 """
 
 import os
@@ -21,9 +22,9 @@ from trainer.config.forms import from_file
 def get_config():
     c = from_file(os.path.join(os.path.dirname(__file__), "sft_tiny.py"))
     c.data.update(name="chat_rl", paths="runs/chat_data/rl/*.jsonl", format="prompts", validation_fraction=0.05)
-    c.rl.update(reward="exact,similar,format", reward_weights="1,0.5,0.1", format_regex=r"^ANSWER: [a-z]+$",
+    c.rl.update(reward="exact,similar,format", reward_weights="1,1,0.1", format_regex=r"^ANSWER: [a-z]+$",
                 group_size=8, max_new_tokens=16, temperature=1.0, beta=0.04, epsilon=0.2, loss="grpo")  # fmt: skip
-    c.optim.update(lr=2e-4, warmup_steps=10, schedule="cosine", weight_decay=0.0)
-    c.train.update(steps=200, global_batch_size=32, log_every=10, eval_every=50, eval_batches=16)
+    c.optim.update(lr=3e-4, warmup_steps=10, schedule="cosine", weight_decay=0.0)
+    c.train.update(steps=300, global_batch_size=32, log_every=10, eval_every=100, eval_batches=16)
     c.checkpoint.update({"every_steps": 50, "init_from": "runs/sft_tiny"})
     return c

@@ -28,6 +28,7 @@ def quick(corpus_dir, out):
         ("compile_layers.py", [*SYNTHETIC, "--layers=1"], "compile_layers"),
         ("context.py", [*SYNTHETIC, "--seq_lens=64", "--contexts=2", "--steps=1"], "context"),
         ("grouped_matmul.py", ["--rows=1024", "--d_model=256", "--d_ff=256", "--experts=4"], "grouped_matmul"),
+        ("grpo.py", [*TINY, "--new_tokens=8", "--steps=1"], "grpo"),
         ("harness.py", [*SYNTHETIC, "--requests=16"], "harness"),
         ("input_pipeline.py", [*data, "--batches=2", "--steps=1"], "input_pipeline"),
         ("input_pipeline.py", [*data, "--per_core", "--batches=2"], "input_pipeline_per_core"),
