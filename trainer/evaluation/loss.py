@@ -271,6 +271,20 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     return result
 
 
+def eval_line(step: int, result: dict, covers: str = "") -> str:
+    """The loop's console line for an evaluation: held-out loss (`covers`: what it read), DPO's pairs, or
+    GRPO's rewarded prompts."""
+    if "unigram_loss" in result:
+        return f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f}; {covers})"
+    if "eval_reward" in result:
+        solved = f"  solved {result['eval_solved']:.3f}" if "eval_solved" in result else ""
+        return (f"step {step:>6}  eval reward {result['eval_reward']:.4f}{solved} (greedy, "
+                f"{int(result['eval_prompts'])} held-out prompts)")  # fmt: skip
+    return (f"step {step:>6}  eval DPO loss {result['eval_loss']:.4f}  reward accuracy "
+            f"{result['eval_dpo/accuracy']:.3f}  margin {result['eval_dpo/margins']:.3f} "
+            f"({int(result['eval_pairs'])} held-out pairs)")  # fmt: skip
+
+
 def _rewarded(cfg, workdir: str, step: int | None, max_batches: int, devices, say) -> dict:
     """A GRPO run's checkpoint (data.format=prompts): one greedy completion of each held-out prompt (the first
     `max_batches` batches' prompts, or all), rewarded as training rewards them (trainer/training/rollouts.py)."""

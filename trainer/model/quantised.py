@@ -13,8 +13,9 @@ linear layer. Embeddings, the head, norms, routers, routed experts and latent at
   blocks of a torch [out, in] weight, so a model imported from Hugging Face gets the base PEFT's QLoRA does.
   Two codes are packed a byte (uint8) along that axis.
 
-A checkpoint holds the base as trained (checkpoint.init_from's weights); it is quantised as it is read, the
-same way every time, so a resumed run sees the same base bits. A layer dequantises one weight at a time, in
+A checkpoint holds the base as trained (checkpoint.init_from's weights); it is read into host memory and
+quantised onto the devices a layer at a time, the same way every time, so a resumed run sees the same base
+bits and the devices never hold the base at full precision. A layer dequantises one weight at a time, in
 its scan, so no whole-precision copy of the base exists.
 """
 
@@ -147,20 +148,43 @@ def as_stored(abstract: dict, dtype=jnp.float32) -> dict:
     return _map(abstract, lambda name, v, s: jax.ShapeDtypeStruct(unpacked_shape(name, v), dtype, sharding=v.sharding))
 
 
+def on_host(abstract: dict) -> dict:
+    """`abstract` (as_stored's form) placed whole in this process's host memory (its first CPU device): where a
+    checkpoint's base is read before quantise_tree moves it to the devices a layer at a time, so the base at
+    full precision never sits on them whole (an 8B model's 32 GB of fp32 beside a 16 GB chip)."""
+    host = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=host), abstract)
+
+
 def quantise_tree(floats: dict, abstract: dict) -> dict:
-    """`floats` (as_stored's form) quantised into `abstract`'s form and shardings, one weight at a time."""
+    """`floats` (as_stored's form, on the host or the devices) quantised into `abstract`'s form and shardings,
+    a stacked weight one layer at a time; the other weights placed as `abstract` says."""
     out = {}
     for key, spec in abstract.items():
         if isinstance(spec, dict):
             out[key] = quantise_tree(floats[key], spec)
         elif str(key) + SCALE in abstract:
             scale, scheme = abstract[str(key) + SCALE], "int8" if spec.dtype == jnp.int8 else "nf4"
-            place = jax.jit(functools.partial(quantise, name=str(key), scheme=scheme),
-                            out_shardings=(spec.sharding, scale.sharding))  # fmt: skip
-            out[key], out[str(key) + SCALE] = place(floats[key])
+            out[key], out[str(key) + SCALE] = _by_layer(floats[key], str(key), scheme, spec, scale)
         elif not str(key).endswith(SCALE):
-            out[key] = floats[key]
+            out[key] = jax.device_put(floats[key], spec.sharding)
     return out
+
+
+def _by_layer(w: jax.Array, name: str, scheme: str, spec, scale) -> tuple[jax.Array, jax.Array]:
+    """(values, scales) of weight `name`, quantised a layer at a time where it is stacked (a layer's values
+    and scales are those of the stack's slice: every scale is within a layer)."""
+    lead = len(w.shape) - sum(AXES[name])
+    if lead == 0:
+        place = jax.jit(functools.partial(quantise, name=name, scheme=scheme),
+                        out_shardings=(spec.sharding, scale.sharding))  # fmt: skip
+        return place(jax.device_put(w, spec.sharding))
+    one = lambda s: jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*tuple(s.spec)[1:]))  # noqa: E731
+    place = jax.jit(functools.partial(quantise, name=name, scheme=scheme),
+                    out_shardings=(one(spec.sharding), one(scale.sharding)))  # fmt: skip
+    pieces = [place(jax.device_put(w[i], one(spec.sharding))) for i in range(w.shape[0])]
+    stack = lambda sharding: jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)  # noqa: E731
+    return (stack(spec.sharding)(*[v for v, _ in pieces]), stack(scale.sharding)(*[s for _, s in pieces]))
 
 
 def dequantised(tree: dict) -> dict:

@@ -30,7 +30,7 @@ from trainer.config.forms import from_dict
 from trainer.data import corpora, streams, workers
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluation import samples
-from trainer.evaluation.loss import Evaluator
+from trainer.evaluation.loss import Evaluator, eval_line
 from trainer.interop import harness
 from trainer.model.flops import flops_per_token, peak_flops
 from trainer.run import preflight
@@ -41,9 +41,9 @@ from trainer.run.rollback import roll_back
 from trainer.storage import compile_cache
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
-from trainer.storage.goodput import Goodput, duration
+from trainer.storage.goodput import Goodput
 from trainer.storage.local_tier import LocalTier
-from trainer.storage.metrics import MetricsWriter, floats
+from trainer.storage.metrics import MetricsWriter, console_line, floats
 from trainer.training import batch_ramp, clock, resume, rollouts, stability
 from trainer.training.setup import Setup
 from trainer.training.state import state_from_params
@@ -323,7 +323,7 @@ class Run:
             **self.goodput.totals(),
         }
         self.last.update(logged)  # beside the latest evaluation's figures
-        console = _console_line(step, values["sequences"] / self.batch, self.cfg.train.steps, logged)
+        console = console_line(step, values["sequences"] / self.batch, self.cfg.train.steps, logged)
         self.writer.write(step, logged, console=console)
         self.goodput.write()
         self.mark_step, self.mark_time = step, time.perf_counter()
@@ -387,7 +387,8 @@ class Run:
             self.goodput.enter("eval")
             result = self.evaluator(self.setup.weights(self.state.params, self.inputs), self.hang.progress)
             self.last.update(result, eval_covers=self.evaluator.covers(result) if "eval_tokens" in result else "")
-            self.writer.write(step, result, console=self._eval_line(step, result))
+            covers = self.evaluator.covers(result) if "unigram_loss" in result else ""
+            self.writer.write(step, result, console=eval_line(step, result, covers))
             if self.samples is not None:
                 with self.hang.suspended() if not self.sampled else contextlib.nullcontext():  # the first compiles
                     self.writer.samples(step, self.samples(self.setup.weights(self.state.params, self.inputs)))
@@ -411,18 +412,6 @@ class Run:
             self.hang.progress()
         self.goodput.enter("step")
         self.mark_time += time.perf_counter() - paused
-
-    def _eval_line(self, step: int, result: dict) -> str:
-        if "unigram_loss" in result:
-            return (f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f}; "
-                    f"{self.evaluator.covers(result)})")  # fmt: skip
-        if "eval_reward" in result:
-            solved = f"  solved {result['eval_solved']:.3f}" if "eval_solved" in result else ""
-            return (f"step {step:>6}  eval reward {result['eval_reward']:.4f}{solved} (greedy, "
-                    f"{int(result['eval_prompts'])} held-out prompts)")  # fmt: skip
-        return (f"step {step:>6}  eval DPO loss {result['eval_loss']:.4f}  reward accuracy "
-                f"{result['eval_dpo/accuracy']:.3f}  margin {result['eval_dpo/margins']:.3f} "
-                f"({int(result['eval_pairs'])} held-out pairs)")  # fmt: skip
 
     def save_now(self) -> None:
         if self.step not in self.ckpt.steps():
@@ -458,16 +447,3 @@ class Run:
             self.files.close()
         if self.hang is not None:  # last: the final checkpoint's commit and the files' upload are watched too
             self.hang.close()
-
-
-def _console_line(step: int, batches: float, total: int, m: dict) -> str:
-    mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
-    scale = f"  scale {m['loss_scale']:.0f}" if m["loss_scale"] != 1.0 else ""
-    # Training time left at the latest step time (evaluations and checkpoints not counted).
-    eta = duration(max(total - batches, 0) * m["step_time"])
-    reward = f"  reward {m['rl/reward']:.3f}" if "rl/reward" in m else ""  # the rollout's, under GRPO
-    return (
-        f"step {step:>6} ({batches:g}/{total})  loss {m['loss']:.4f}{reward}  lr {m['lr']:.2e}  "
-        f"grad_norm {m['grad_norm']:.3f}{scale}  tok/s {m['tokens_per_sec']:,.0f}  mfu {mfu}  "
-        f"step {m['step_time']:.3f}s  eta {eta}"
-    )

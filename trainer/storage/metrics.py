@@ -20,6 +20,7 @@ import numpy as np
 
 from trainer.config.errors import ConfigError
 from trainer.storage import workdir as wd
+from trainer.storage.goodput import duration
 from trainer.storage.trackers import TensorBoard, WandB
 from trainer.storage.workdir import GrowingFiles
 
@@ -156,3 +157,17 @@ def floats(values: dict) -> dict[str, float]:
         else:
             out.update({f"{name}/{i}": float(x) for i, x in enumerate(v)})
     return out
+
+
+def console_line(step: int, batches: float, total: int, m: dict) -> str:
+    """A logged step's line on the console."""
+    mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
+    scale = f"  scale {m['loss_scale']:.0f}" if m["loss_scale"] != 1.0 else ""
+    # Training time left at the latest step time (evaluations and checkpoints not counted).
+    eta = duration(max(total - batches, 0) * m["step_time"])
+    reward = f"  reward {m['rl/reward']:.3f}" if "rl/reward" in m else ""  # the rollout's, under GRPO
+    return (
+        f"step {step:>6} ({batches:g}/{total})  loss {m['loss']:.4f}{reward}  lr {m['lr']:.2e}  "
+        f"grad_norm {m['grad_norm']:.3f}{scale}  tok/s {m['tokens_per_sec']:,.0f}  mfu {mfu}  "
+        f"step {m['step_time']:.3f}s  eta {eta}"
+    )

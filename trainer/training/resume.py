@@ -224,8 +224,9 @@ def load_init_params(cfg, setup) -> tuple[dict, str, int]:
             base = frozen(abstract, setup.model)
             if not quantised.is_quantised(base):
                 return ckpt.restore_params(step, base), path, step
-            # A QLoRA base: the checkpoint's weights as trained, quantised as they arrive.
-            return quantised.quantise_tree(ckpt.restore_params(step, quantised.as_stored(base)), base), path, step
+            # A QLoRA base: the checkpoint's weights as trained, read into host memory, quantised onto the devices.
+            floats = ckpt.restore_params(step, quantised.on_host(quantised.as_stored(base)))
+            return quantised.quantise_tree(floats, base), path, step
         except Unreadable as e:
             if e.kind != faults.DAMAGED:
                 raise StorageError(faults.stopped(f"checkpoint.init_from: {e.what}", e.error, e.kind, 0)) from e
