@@ -71,6 +71,8 @@ def print_target(result):
         return
     c, used = result["cost"], result["compiled_bytes_per_device"]
     verdict = "fits" if result["fits"] else f"does NOT fit: {(used - usable) / gib:.2f} GiB over"
+    if "rollout" in result and not result["fits"] and used <= usable:  # GRPO: the reference, or the rollout
+        verdict = "does NOT fit: with the reference beside the step, or in the rollout (above)"
     print(f"target            {result['target']} x {result['slices']} ({result['topology']}, "
           f"{result['devices']} x {result['device_kind']}): {used / gib:.2f} GiB per device "
           f"of {usable / gib:.2f} usable ({hbm / gib:.0f} GiB HBM; {result['usable_hbm_because']}), "

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import micro_config
 
+from trainer.model import sampling
 from trainer.model.sampling import make_generate, sample
 from trainer.training.setup import build
 
@@ -44,6 +45,27 @@ def test_cached_greedy_decoding_equals_recomputing_the_prefix(mesh, n_devices):
     got = np.asarray(generate(params, prompt, 0, lengths))
     np.testing.assert_array_equal(got[1], naive_generate(setup, params, prompt[1:, :4], 12)[0])
     np.testing.assert_array_equal(got[0], naive_generate(setup, params, prompt[:1], 12)[0])
+
+
+def test_a_long_prompt_prefilled_in_chunks_decodes_as_the_whole_prefix_recomputed(monkeypatch):
+    """Prompts longer than PREFILL_CHUNK (300 and 130 tokens, padded to one width; 5 is one chunk's worth
+    and all padding after) go through the prefill a chunk at a time, a local layer's ring included: each
+    row's greedy continuation equals recomputing its whole prefix without a cache, and every new token's
+    log-probability the prompt prefilled whole."""
+    cfg = micro_config(model=dict(max_seq_len=512, sliding_window=64, global_every=2))
+    setup = build(cfg, jax.devices()[:1])
+    params = setup.new_state().params
+    prompt = np.random.default_rng(2).integers(3, 384, (3, 300)).astype(np.int32)
+    lengths = np.array([300, 130, 5], np.int32)
+    runs = []
+    for chunk in (sampling.PREFILL_CHUNK, 512):
+        monkeypatch.setattr(sampling, "PREFILL_CHUNK", chunk)
+        generate = make_generate(setup.spec, setup.shard, max_new_tokens=6, with_logprobs=True)
+        runs.append([np.asarray(a) for a in generate(params, prompt, 0, lengths)])
+    (got, logps), (_, whole) = runs
+    for row, length in enumerate(lengths):
+        np.testing.assert_array_equal(got[row], naive_generate(setup, params, prompt[row : row + 1, :length], 6)[0])
+    np.testing.assert_allclose(logps, whole, rtol=1e-5, atol=1e-5)
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy_and_sampling_equals_uncached_sampling():

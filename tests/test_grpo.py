@@ -239,3 +239,17 @@ def test_a_prompt_too_long_for_its_completion_is_named_before_anything_compiles(
     with pytest.raises(ConfigError, match=r"row \d+'s prompt is \d+ tokens, which leaves no room in data.seq_len=32"):
         train(cfg, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_the_planner_counts_a_rollouts_cache_and_compiles_its_sampler(rows, tmp_path):
+    """The rollout's KV cache by closed form (rows split over data x fsdp, key/value heads over tensor, held
+    twice) and the sampler's program compiled for the same devices beside the step's."""
+    from trainer.planning.plan import plan
+
+    cfg = rl_config(rows, tmp_path, mesh=dict(data=2, fsdp=2, tensor=2))
+    result = plan(cfg)
+    m = cfg.model
+    rows_per_device, kv_per_device = cfg.train.global_batch_size // 4, m.n_kv_heads // 2
+    cache = 2 * rows_per_device * cfg.data.seq_len * m.n_layers * 2 * kv_per_device * (m.d_model // m.n_heads) * 4
+    assert result["rollout"]["bytes_per_device"]["kv_cache"] == cache
+    assert result["rollout"]["compiled_bytes_per_device"] > 0 and result["compiled_bytes_per_device"] > 0

@@ -222,13 +222,14 @@ class Decoder(nnx.Module):
         joined = jax.tree.map(lambda *a: jnp.concatenate(a), *(outs[s] for s in stacks))
         return jax.tree.map(lambda a: a[index], joined)
 
-    def decode(self, tokens, positions, cache: dict):
+    def decode(self, tokens, positions, cache: dict, last: jax.Array | None = None):
         """Logits for `tokens` at `positions` given a KV cache of earlier positions; returns (logits, cache).
 
         `cache` is {stack: (k, v)} (trainer/model/sampling.py `empty_cache`), each (layers, batch, max_len,
         kv_heads, head_dim); a local stack's (k, v, ring positions) rings of `sliding_window` slots. One call
         can prefill a whole prompt or extend by a token; a position of -1 is padding, which a ring never
-        takes in.
+        takes in. With `last` (batch,), each row's logits at that position alone, (batch, 1, vocab): a
+        prefill needs no more, and a batch of long prompts' every logit would outweigh the cache.
         """
         chex.assert_equal_shape([tokens, positions])
         tables = self._tables(positions)
@@ -238,6 +239,8 @@ class Decoder(nnx.Module):
             return x, kv
 
         x, outs = self._run(block, self._embed(tokens), {stack: tuple(kv) for stack, kv in cache.items()})
+        if last is not None:
+            x = x[jnp.arange(x.shape[0]), last][:, None]
         return self.logits(self.final_norm(x)), outs
 
     def hidden_states(self, tokens) -> jax.Array:

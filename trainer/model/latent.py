@@ -69,7 +69,7 @@ class LatentAttention(nnx.Module):
             return self._expanded(q_nope, q_rope, latent, k_rope, w_kv, segment_ids), None
         latents, rope_keys, positions = cache
         write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(c, new, at, axis=0))
-        latents = write(latents, latent.astype(latents.dtype), positions[:, 0])
+        latents = write(latents, latent.astype(latents.dtype), positions[:, 0])  # -1: at the end (layers.py)
         rope_keys = write(rope_keys, k_rope[:, :, 0].astype(rope_keys.dtype), positions[:, 0])
         # Absorbed: scores q_nope . (c W_uk) = (q_nope W_uk^T) . c, and the output (p c) W_uv.
         q_latent = jnp.einsum("btnh,rnh->btnr", q_nope, w_kv[..., :nope])

@@ -82,6 +82,8 @@ class Attention(nnx.Module):
             k_cache, v_cache, positions = cache
             # Each row writes at its own position: prompts of different lengths decode side by side.
             write = jax.vmap(lambda c, new, at: jax.lax.dynamic_update_slice_in_dim(c, new, at, axis=0))
+            # A call all padding (-1: a prefill chunk past a row's prompt) writes at the end, as a negative start
+            # counts from there: slots in every query's future until generation writes them.
             k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])
             v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])
             out, new_cache = cached_attention(q, k_cache, v_cache, positions, sinks), (k_cache, v_cache)

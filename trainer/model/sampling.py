@@ -18,6 +18,7 @@ from parallelism.rules import LogicalSharding
 from trainer.model.decoder import ModelDef
 from trainer.model.spec import ModelSpec, for_inference
 
+PREFILL_CHUNK = 128  # prompt tokens a prefill call takes at once (make_generate)
 # The batch axis as make_generate places it (whole, or split for a rollout's completions); time stays whole.
 CACHE_NAMES = ("layers", "batch", None, "kv_heads", "head_dim")
 RING_NAMES = ("layers", "batch", None)  # a local layer's ring: the position each slot holds
@@ -96,16 +97,42 @@ def make_generate(spec: ModelSpec, shard: LogicalSharding, *, max_new_tokens: in
         logp = jax.nn.log_softmax(logits.astype(jnp.float32) / scale, axis=-1)
         return token, jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
 
+    def prefill(params, prompt, positions, lengths, cache):
+        """(each row's logits at its prompt's last token, the cache): the prompt in chunks of PREFILL_CHUNK,
+        so a chunk's attention scores (rows x heads x chunk x cache length) bound the memory, not the
+        prompt's (a rollout's 32 rows of 1,024 prompt tokens over 2,048 slots: 8 GiB of fp32 scores a
+        device whole, at llm_1b's heads; 1 GiB in chunks)."""
+        batch, width = prompt.shape
+        chunk = min(width, PREFILL_CHUNK)
+        if chunk == width:
+            logits, cache = model.apply(params, prompt, positions, cache, lengths - 1, method="decode")
+            return logits[:, 0], cache
+
+        def body(i, carry):
+            found, cache = carry
+            start = i * chunk
+            tokens, where = (jax.lax.dynamic_slice_in_dim(a, start, chunk, axis=1) for a in (prompt, positions))
+            last = jnp.clip(lengths - 1 - start, 0, chunk - 1)
+            logits, cache = model.apply(params, tokens, where, cache, last, method="decode")
+            here = (lengths - 1 >= start) & (lengths - 1 < start + chunk)
+            return jnp.where(here[:, None], logits[:, 0], found), cache
+
+        found = jnp.zeros((batch, spec.arch.vocab_size), jnp.float32)
+        return jax.lax.fori_loop(0, width // chunk, body, (found, cache))
+
     @jax.jit
     def generate(params, prompt, seed, lengths=None, keys=None):
         batch, prompt_len = prompt.shape
         lengths = jnp.full((batch,), prompt_len) if lengths is None else lengths
-        cache = empty_cache(spec, batch, prompt_len + max_new_tokens, shard)
+        if prompt_len > PREFILL_CHUNK and prompt_len % PREFILL_CHUNK:  # whole chunks: the rest is padding
+            prompt = jnp.pad(prompt, ((0, 0), (0, -prompt_len % PREFILL_CHUNK)))
+        width = prompt.shape[1]
+        cache = empty_cache(spec, batch, width + max_new_tokens, shard)
         shared = jax.random.split(jax.random.key(seed), max_new_tokens)
         # A row's padding has no position (-1): a local layer's ring must not take it in over real keys.
-        positions = jnp.where(jnp.arange(prompt_len) < lengths[:, None], jnp.arange(prompt_len), -1)
-        logits, cache = model.apply(params, prompt, positions, cache, method="decode")
-        first, first_logp = pick(logits[jnp.arange(batch), lengths - 1], 0, shared, keys)
+        positions = jnp.where(jnp.arange(width) < lengths[:, None], jnp.arange(width), -1)
+        last_logits, cache = prefill(params, prompt, positions, lengths, cache)
+        first, first_logp = pick(last_logits, 0, shared, keys)
         out = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(first)
         logps = jnp.zeros((batch, max_new_tokens), jnp.float32).at[:, 0].set(first_logp)
 

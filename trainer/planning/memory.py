@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from trainer.config import microbatch_size
 from trainer.model import quantised
 from trainer.model.attention import context_kernel
+from trainer.model.sampling import PREFILL_CHUNK
 
 # How far the total may be from XLA:TPU's heap on compiles it was never fitted to: within 35% in all 32 of
 # benchmarks/memory_calibration.py's held-out set (within 10% in 23), the bound stated before they were compiled.
@@ -252,10 +253,11 @@ def rollout_bytes(cfg, setup, state: dict[str, int] | None = None) -> dict[str, 
     """A GRPO rollout's memory per device (data.format=prompts; trainer/training/rollouts.py), beside the
     train step's: the weights as stored (the sampler reads the state's own) and the optimiser state, both
     resident; the reference where rl.beta asks for it; FSDP's gathered weights; the KV cache of the batch of
-    completions (train.global_batch_size rows of data.seq_len, key/value heads split over tensor, as the
-    sampler places it; latent attention's latent whole) and one
-    position's fp32 logits a row (twice: top-p sorts a copy), the rows split over the data-parallel axes as
-    a training batch's are."""
+    completions (train.global_batch_size rows of data.seq_len, key/value heads split over tensor, latent
+    attention's latent whole, as the sampler places it; held twice); a prefill chunk's attention scores
+    (trainer/model/sampling.py PREFILL_CHUNK); one position's fp32 logits a row (twice: top-p sorts a copy).
+    The rows are split over the data-parallel axes as a training batch's are. The two doublings are
+    XLA:TPU's buffers in one compile (llm_1b's rollout on v5e-8), not a fit over many."""
     state, a, shape = state or state_bytes(setup), setup.spec.arch, setup.mesh.shape
     compute = jnp.dtype(cfg.precision.compute_dtype).itemsize
     seq, tensor = cfg.data.seq_len, shape["tensor"]
@@ -267,12 +269,17 @@ def rollout_bytes(cfg, setup, state: dict[str, int] | None = None) -> dict[str, 
         per_token_layer = 2 * a.n_kv_heads // ways * a.head_dim * compute
     cache = sum(rows * (min(seq, a.sliding_window) if stack == "local_layers" else seq) * per_token_layer
                 for stack, _ in a.stacks())  # fmt: skip
+    heads = a.n_heads // tensor if a.n_heads % tensor == 0 else a.n_heads
+    chunk = min(seq - cfg.rl.max_new_tokens, PREFILL_CHUNK)
     out = {
         "weights": state["params"] + state.get("frozen", 0),
         "optimizer": state["optimizer"],
         **({"reference": state["params"]} if cfg.rl.beta > 0 and not state.get("frozen") else {}),
         "gathered": gathered_bytes(setup.spec, dict(setup.mesh.shape), compute),
-        "kv_cache": cache,
+        # Twice: the decoding loop carries the cache and its update (XLA:TPU held two copies for llm_1b).
+        "kv_cache": 2 * cache,
+        # A prefill chunk's fp32 attention scores and their softmax, over the whole cache.
+        "prefill_scores": 2 * rows * heads * chunk * seq * 4,
         "logits": 2 * rows * a.vocab_size * 4,
     }
     out["total"] = sum(out.values())

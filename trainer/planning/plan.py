@@ -157,8 +157,10 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
             result.update(on_target(hardware, slices, compiled["hlo"], result))
     if cfg.data.format == "prompts":  # GRPO: the rollout's program beside the step's
         result["rollout"] = rollout_plan(cfg, setup, platform, hardware, slices)
-        if "fits" in result:
-            result["fits"] = result["fits"] and result["rollout"].get("fits", True)
+        if "fits" in result and "compiled_breakdown" in result:  # the reference sits beside the step too
+            beside = result["rollout"]["bytes_per_device"].get("reference", 0)
+            step_fits = result["compiled_bytes_per_device"] + beside <= hardware.chip.usable_hbm_bytes
+            result["fits"] = step_fits and result["rollout"].get("fits", True)
     if fit and not result["fits"]:
         n_matmul = matmul_params(setup.spec.arch, setup.model.abstract_params)
         compile_variant = lambda variant: plan(variant, devices=devices, target=target, slices=slices)  # noqa: E731
