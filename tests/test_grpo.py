@@ -12,6 +12,7 @@ from conftest import micro_config
 from trainer.config.errors import ConfigError
 from trainer.interop.families import to_hf_tensors
 from trainer.interop.huggingface import import_checkpoint, write_tokenizer
+from trainer.model import adapters
 from trainer.model.sampling import make_generate
 from trainer.objectives import grpo
 from trainer.run.loop import train
@@ -253,3 +254,22 @@ def test_the_planner_counts_a_rollouts_cache_and_compiles_its_sampler(rows, tmp_
     cache = 2 * rows_per_device * cfg.data.seq_len * m.n_layers * 2 * kv_per_device * (m.d_model // m.n_heads) * 4
     assert result["rollout"]["bytes_per_device"]["kv_cache"] == cache
     assert result["rollout"]["compiled_bytes_per_device"] > 0 and result["compiled_bytes_per_device"] > 0
+
+
+def test_grpo_with_adapters_pulls_towards_the_base_with_them_off(rows, tmp_path):
+    """model.lora under GRPO with rl.beta: the reference is the base with the adapters switched off (no
+    second copy of the weights), so the first step's KL is exactly 0 (B starts at zero) and a later one's
+    is not; the base's bits never change."""
+    base = str(tmp_path / "base")
+    train(rl_config(rows, tmp_path, train=dict(steps=2)), base)
+    cfg = rl_config(rows, tmp_path, train=dict(steps=3), checkpoint=dict(init_from=base, every_steps=3))
+    cfg.model.lora.update(rank=4, alpha=8.0)
+    cfg.rl.beta = 0.1
+    train(cfg, str(tmp_path / "adapted"))
+    with open(tmp_path / "adapted" / "metrics.jsonl") as f:
+        kl = {r["step"]: r["rl/kl"] for r in map(json.loads, f) if "rl/kl" in r}
+    assert kl[1] == 0.0 and kl[3] > 0.0, kl
+    _, _, weights = load_params(cfg, str(tmp_path / "adapted"))
+    _, _, before = load_params(rl_config(rows, tmp_path), base)
+    for got, want in zip(jax.tree.leaves(adapters.split(weights)[1]), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
