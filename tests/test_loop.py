@@ -5,6 +5,8 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -184,6 +186,22 @@ def test_a_malformed_profile_window_is_refused_before_anything_runs(tmp_path):
     with pytest.raises(ConfigError, match=r"train.profile_steps=\(3, 2\) must be \(first, last\)"):
         train(micro_config(train=dict(profile_steps=(3, 2))), str(tmp_path / "run"))
     assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
+def test_a_run_that_writes_tensorboard_does_not_import_torch(tmp_path):
+    """tensorboardX's writer imports torch where it is installed (the hf extra; ~2 s of a launch) to accept
+    torch tensors, which we never pass: a run writes its event file without it. A fresh interpreter, as a
+    launch is; skipped where torch is not installed (nothing to keep out)."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed: nothing to keep out")
+    code = ("import sys; sys.path.insert(0, 'tests'); from conftest import micro_config; "
+            "from trainer.run.loop import train; train(micro_config(train=dict(steps=2)), sys.argv[1]); "
+            "print('torch' in sys.modules, 'tensorboardX' in sys.modules)")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False True"
+    assert glob.glob(str(tmp_path / "run" / "events.out.tfevents.*"))
 
 
 def test_trackers_get_metrics_events_and_samples_and_samples_are_the_models_greedy_text(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import uuid
 
 from trainer.config.errors import ConfigError
@@ -25,6 +26,22 @@ def numbers(record: dict) -> dict[str, float]:
     return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
+def _summary_writer():
+    """tensorboardX's SummaryWriter, imported without torch: its writer imports torch where it is installed
+    (the hf extra) only to accept torch tensors, which we never pass, and that costs a launch ~2 s. Where the
+    process has imported torch already (a user's own code), it is left as it is."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError while this holds
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoard:
     """Event files in the workdir, written by tensorboardX's SummaryWriter (scalars and text, no TensorFlow);
     text (config, events, samples) appears under `<tag>/text_summary`. Flushed at every log, so a killed
@@ -35,8 +52,7 @@ class TensorBoard:
     killed launch logged past its last checkpoint), so a resumed run draws one line, not a zigzag."""
 
     def __init__(self, directory: str, cfg, resume_step: int = 0):
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = _summary_writer()
         self._writer = SummaryWriter(directory, purge_step=resume_step + 1)
         self._markdown(0, "config", "```\n" + json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n```")
 
