@@ -200,6 +200,31 @@ def test_a_grpo_run_resumes_exactly(rows, tmp_path):
     assert straight["grad_norm"] > 0
 
 
+def test_eval_rewards_each_held_out_prompts_greedy_completion_as_if_alone(rows, tmp_path):
+    """eval.py on a GRPO run (data.format=prompts): the held-out prompts, batched and padded, give the mean
+    reward of each prompt's greedy completion decoded alone and rewarded here."""
+    from rl_rewards import variety
+
+    from trainer.data import prompts, streams
+    from trainer.evaluation.loss import evaluate_checkpoint
+
+    cfg = rl_config(rows, tmp_path, train=dict(steps=2))
+    train(cfg, str(tmp_path / "run"))
+    result = evaluate_checkpoint(cfg, str(tmp_path / "run"), say=lambda *_: None)
+    setup, _, params = load_params(cfg, str(tmp_path / "run"))
+    held = prompts.rows(streams.Stream.from_config(cfg), "validation", shuffle=False)
+    generate = make_generate(setup.spec, setup.shard, max_new_tokens=cfg.rl.max_new_tokens)
+    judge = rollouts.Judge(cfg, "validation")
+    alone = []
+    for i in range(len(held)):
+        out = np.asarray(generate(params, held[i].tokens[None], 0))
+        n = judge.ends(out)[0]
+        text = judge.tokenizer.decode([int(t) for t in out[0, :n] if int(t) not in judge.end_ids])
+        alone.append(variety(held[i].prompt, text, held[i].answer))
+    assert result["eval_prompts"] == len(held) > 0
+    assert result["eval_reward"] == pytest.approx(np.mean(alone), rel=1e-9)
+
+
 @pytest.mark.parametrize(
     ("changes", "says"),
     [

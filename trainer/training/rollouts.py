@@ -61,6 +61,37 @@ def layout(prompt_tokens: list[np.ndarray], completions: np.ndarray, lengths: np
     return out
 
 
+def padded(tokens: list[np.ndarray], rows: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """Prompts as the sampler takes them: (rows, width) int32, each from column 0, and their lengths (1 for a
+    row with no prompt, as at the end of a held-out split)."""
+    prompt, lengths = np.zeros((rows, width), np.int32), np.ones(rows, np.int32)
+    for r, p in enumerate(tokens):
+        prompt[r, : len(p)], lengths[r] = p, len(p)
+    return prompt, lengths
+
+
+class Judge:
+    """Completions rewarded as rl.reward says, on the split they came from."""
+
+    def __init__(self, cfg, split: str):
+        self.rewards, self.split = rewards.load(cfg.rl), split
+        self.tokenizer = load_tokenizer(cfg.data)
+        self.end_ids = chat.end_of_turn_ids(self.tokenizer, chat.template_for(cfg.data, self.tokenizer))
+        self.weights = np.array([r.weight for r in self.rewards])
+
+    def ends(self, out: np.ndarray) -> np.ndarray:
+        return completion_ends(out, self.end_ids)
+
+    def scores(self, out: np.ndarray, ends: np.ndarray, asked: list) -> np.ndarray:
+        """(completions, rewards): completion r (its first ends[r] tokens) of prompt asked[r], each reward."""
+        found = np.zeros((len(asked), len(self.rewards)), np.float64)
+        for r, p in enumerate(asked):
+            text = self.tokenizer.decode([int(t) for t in out[r, : ends[r]] if int(t) not in self.end_ids])
+            where = f"row {p.index + 1} of the {self.split} split (its completion {text!r})"
+            found[r] = rewards.score(self.rewards, p.prompt, text, p.answer, where)
+        return found
+
+
 class Rollouts:
     """The loop's batches under data.format=prompts: next() -> (rows, this process's part of the batch)."""
 
@@ -71,9 +102,7 @@ class Rollouts:
         self.cfg, self.rl, self.setup, self.rows, self.current = cfg, cfg.rl, setup, rows, current
         self.group, self.size = cfg.rl.group_size, cfg.train.global_batch_size
         self.prompts = prompts.rows(stream, cfg.data.train_split, shuffle=True)
-        self.rewards = rewards.load(cfg.rl)
-        self.tokenizer = load_tokenizer(cfg.data)
-        self.end_ids = chat.end_of_turn_ids(self.tokenizer, chat.template_for(cfg.data, self.tokenizer))
+        self.judge = Judge(cfg, cfg.data.train_split)
         rl = cfg.rl
         self.generate = make_generate(setup.spec, setup.shard, max_new_tokens=rl.max_new_tokens,
                                       temperature=rl.temperature, top_p=rl.top_p, with_logprobs=True,
@@ -97,30 +126,22 @@ class Rollouts:
         """Rollout k's whole batch (every process makes the same), its figures kept in `metrics[k]`."""
         cfg, rl, count = self.cfg, self.rl, self.size // self.group
         weights, reference = self.current()
-        taken = prompts.batch(self.prompts, k, count)
-        width = cfg.data.seq_len - rl.max_new_tokens
-        prompt = np.zeros((self.size, width), np.int32)
-        lengths = np.zeros(self.size, np.int32)
-        for r in range(self.size):
-            p = taken[r // self.group].tokens
-            prompt[r, : len(p)], lengths[r] = p, len(p)
+        asked = [p for p in prompts.batch(self.prompts, k, count) for _ in range(self.group)]  # a row each
+        prompt, lengths = padded([p.tokens for p in asked], self.size, cfg.data.seq_len - rl.max_new_tokens)
         start = time.perf_counter()
         keys = row_keys(cfg.train.seed, k * count, count, self.group)
         out, sampled = whole(self.generate(weights, prompt, 0, lengths, keys))
         sample_seconds = time.perf_counter() - start
-        ends = completion_ends(out, self.end_ids)
-        out = np.where(np.arange(out.shape[1]) < ends[:, None], out, self.tokenizer.pad_id)
-        batch = layout([taken[r // self.group].tokens for r in range(self.size)], out, ends, cfg.data.seq_len)
-        scores = np.zeros((self.size, len(self.rewards)), np.float64)
-        for r in range(self.size):
-            p = taken[r // self.group]
-            text = self.tokenizer.decode([int(t) for t in out[r, : ends[r]] if int(t) not in self.end_ids])
-            where = f"row {p.index + 1} of the {cfg.data.train_split} split (its completion {text!r})"
-            scores[r] = rewards.score(self.rewards, p.prompt, text, p.answer, where)
-        total = scores @ np.array([w.weight for w in self.rewards])
+        judge = self.judge
+        ends = judge.ends(out)
+        out = np.where(np.arange(out.shape[1]) < ends[:, None], out, judge.tokenizer.pad_id)
+        batch = layout([p.tokens for p in asked], out, ends, cfg.data.seq_len)
+        scores = judge.scores(out, ends, asked)
+        total = scores @ judge.weights
         advantages = grpo.advantages(total, self.group, rl.loss)
         start = time.perf_counter()
-        placed = to_global(batch, self.setup.batch_sharding, self.size)
+        # Every process holds the whole rollout; each places its own rows of it.
+        placed = to_global({n: v[self.rows] for n, v in batch.items()}, self.setup.batch_sharding, self.size)
         batch["old_logps"] = fetch(self.score(weights, placed)) * batch["loss_mask"]
         if self.with_reference:
             batch["ref_logps"] = fetch(self.score(reference, placed)) * batch["loss_mask"]
@@ -133,10 +154,10 @@ class Rollouts:
         gap = np.abs(by_row - batch["old_logps"])[mask]
         figures = {"rl/reward": float(total.mean()), "rl/reward_std": float(total.std()),
                    "rl/completion_length": float(ends.mean()),
-                   "rl/truncated": float(np.mean(~np.isin(out[np.arange(self.size), ends - 1], list(self.end_ids)))),
+                   "rl/truncated": float(np.mean(~np.isin(out[np.arange(self.size), ends - 1], list(judge.end_ids)))),
                    "rl/logp_diff_mean": float(gap.mean()), "rl/logp_diff_max": float(gap.max()),
                    "rl/sample_seconds": sample_seconds, "rl/score_seconds": score_seconds}  # fmt: skip
-        for j, r in enumerate(self.rewards):
+        for j, r in enumerate(judge.rewards):
             figures[f"rl/reward/{r.name}"] = float(scores[:, j].mean())
             figures[f"rl/reward/{r.name}_std"] = float(scores[:, j].std())
             if r.name == "exact":
@@ -182,29 +203,20 @@ class HeldOut:
         self.cfg, self.count = cfg, cfg.train.global_batch_size // cfg.rl.group_size
         self.prompts = prompts.rows(stream, cfg.data.eval_split, shuffle=False)
         self.total = min(len(self.prompts), batches * self.count) if batches else len(self.prompts)
-        self.rewards = rewards.load(cfg.rl)
-        self.tokenizer = load_tokenizer(cfg.data)
-        self.end_ids = chat.end_of_turn_ids(self.tokenizer, chat.template_for(cfg.data, self.tokenizer))
+        self.judge = Judge(cfg, cfg.data.eval_split)
         self.generate = make_generate(setup.spec, setup.shard, max_new_tokens=cfg.rl.max_new_tokens)
 
     def __call__(self, weights, progress=lambda: None) -> dict:
         width, found = self.cfg.data.seq_len - self.cfg.rl.max_new_tokens, []
         for first in range(0, self.total, self.count):
-            taken = [self.prompts[i] for i in range(first, min(first + self.count, self.total))]
-            prompt, lengths = np.zeros((self.count, width), np.int32), np.ones(self.count, np.int32)
-            for r, p in enumerate(taken):
-                prompt[r, : len(p.tokens)], lengths[r] = p.tokens, len(p.tokens)
+            asked = [self.prompts[i] for i in range(first, min(first + self.count, self.total))]
+            prompt, lengths = padded([p.tokens for p in asked], self.count, width)
             out = fetch(self.generate(weights, prompt, 0, lengths))
-            ends = completion_ends(out, self.end_ids)
-            for r, p in enumerate(taken):
-                text = self.tokenizer.decode([int(t) for t in out[r, : ends[r]] if int(t) not in self.end_ids])
-                where = f"row {p.index + 1} of the {self.cfg.data.eval_split} split (its completion {text!r})"
-                found.append(rewards.score(self.rewards, p.prompt, text, p.answer, where))
+            found.append(self.judge.scores(out, self.judge.ends(out), asked))
             progress()
-        scores = np.array(found)
-        result = {"eval_reward": float((scores @ np.array([r.weight for r in self.rewards])).mean()),
-                  "eval_prompts": float(len(found))}  # fmt: skip
-        names = [r.name for r in self.rewards]
+        scores = np.concatenate(found)
+        result = {"eval_reward": float((scores @ self.judge.weights).mean()), "eval_prompts": float(len(scores))}
+        names = [r.name for r in self.judge.rewards]
         if "exact" in names:
             result["eval_solved"] = float(scores[:, names.index("exact")].mean())
         return result
