@@ -45,6 +45,7 @@ from trainer.data import chat, readers
 from trainer.data.corpora import text_feature
 from trainer.data.mixture import parse_mixture
 from trainer.data.tokenizers import load_tokenizer
+from trainer.storage.workdir import is_remote
 
 SYNTHETIC_DOCUMENTS = 2**62  # "infinite", yet a valid MapDataset length
 
@@ -182,6 +183,17 @@ def _stack(rows) -> dict[str, np.ndarray]:
     return batch
 
 
+def _read_options(stream: Stream) -> grain.ReadOptions:
+    """How each row reads its documents. From local files, in the reading thread: Grain's default read-ahead
+    (16 threads and 500 documents for every row) made the quick start's first 4 held-out batches take 8 s, not
+    0.06 s, and read 32 times slower after (benchmarks/RESULTS.md, restart and prepare); the batches are read
+    ahead whole instead (prefetch). From a bucket, whose every read waits on the network, that read-ahead stays."""
+    corpora = [n for n, _ in stream.mixture] or [stream.name]
+    remote = is_remote(stream.data_dir) or any(is_remote(p) for c in corpora for p in readers.paths_of(stream, c)
+                                               if readers.kind(stream, c) in ("megatron", "dolma"))  # fmt: skip
+    return grain.ReadOptions() if remote else grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
 def batches(stream: Stream, split: str, rows: Sequence[int], *, shuffle: bool) -> grain.IterDataset:
     """Endless batches holding the given rows of the global batch, as numpy arrays.
 
@@ -194,9 +206,10 @@ def batches(stream: Stream, split: str, rows: Sequence[int], *, shuffle: bool) -
         return _RowBatches({r: _PairWindows(docs[r :: stream.rows], stream.seq_len) for r in rows})
     if stream.format == "chat":
         length["loss_mask"] = stream.seq_len
+    read = _read_options(stream)
     if not stream.mixture:
         docs = documents(stream, split, shuffle)
-        row_docs = lambda r: docs[r :: stream.rows].to_iter_dataset()
+        row_docs = lambda r: docs[r :: stream.rows].to_iter_dataset(read)
     else:
         length["source"] = stream.seq_len
         drawn = [(i, weight) for i, (_, weight) in enumerate(stream.mixture) if weight > 0]
@@ -207,7 +220,7 @@ def batches(stream: Stream, split: str, rows: Sequence[int], *, shuffle: bool) -
             row_docs = lambda r: _TokenMix([docs[i][r :: stream.rows] for i, _ in drawn], weights)
         else:
             row_docs = lambda r: grain.MapDataset.mix([docs[i][r :: stream.rows] for i, _ in drawn],
-                                                      weights).to_iter_dataset()  # fmt: skip
+                                                      weights).to_iter_dataset(read)  # fmt: skip
     return _RowBatches({r: ConcatThenSplitIterDataset(row_docs(r), length_struct=length) for r in rows})
 
 

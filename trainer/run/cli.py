@@ -19,6 +19,7 @@ from parallelism import accelerators
 from trainer import config
 from trainer.config import forms, last_words
 from trainer.config.errors import ConfigError, TrainingError
+from trainer.run import startup
 from trainer.storage import faults
 
 _COORDINATOR = flags.DEFINE_string("coordinator", None, "Multi-process runs: host:port of process 0.")
@@ -167,6 +168,7 @@ def command_line_lists(cfg) -> None:
 
 
 def _parse(argv):
+    startup.mark("imports")
     for arg in argv[1:]:
         key = arg.removeprefix("--config.").split("=")[0]
         if arg.startswith("--config.") and key in config.RENAMED:
@@ -249,6 +251,7 @@ def run(main: Callable[..., None], *, takes_args: bool = False, uses_devices: bo
         logging.set_verbosity(logging.ERROR)
         # A run that stops on its storage says so in one sentence, with nothing of the libraries' winding down.
         last_words.when_stopping = last_words.from_now_on
+        startup.mark("config")
         distributed = None  # scripts that use no devices run in one process
         try:
             if uses_devices:
@@ -258,6 +261,7 @@ def run(main: Callable[..., None], *, takes_args: bool = False, uses_devices: bo
                     distributed.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                                            _MULTIHOST.value)  # fmt: skip
                 accelerators.start()
+                startup.mark("distributed")
             main(argv[1:]) if takes_args else main()
         except (ConfigError, TrainingError) as e:
             _stop(str(e), distributed)

@@ -33,7 +33,7 @@ from trainer.evaluation import samples
 from trainer.evaluation.loss import Evaluator, eval_line
 from trainer.interop import harness
 from trainer.model.flops import flops_per_token, peak_flops
-from trainer.run import preflight
+from trainer.run import preflight, startup
 from trainer.run.hang import HangWatch
 from trainer.run.preemption import watch_for_sigterm
 from trainer.run.profiling import StepProfiler
@@ -53,8 +53,10 @@ from trainer.training.step import memory_per_device
 def train(cfg, workdir: str) -> dict:
     """Train, or resume from the newest readable checkpoint in `workdir`; returns the last logged values."""
     account = Goodput()  # the launch's clock starts here: its checks and start-up are timed too
+    startup.launch_begins()
     compile_cache.use(compile_cache.place(cfg.train.compile_cache, workdir))
     setup, init, inputs, identity = preflight.prepare_run(cfg, workdir)
+    startup.mark("checks")
     run = Run(setup.cfg, workdir, setup, init, account, inputs, identity)
     try:
         if run.finished():
@@ -142,6 +144,7 @@ class Run:
             data = self._new_data()
             return (*resume.restore_state(self.ckpt, step, setup, data, saved_cfg), data)
 
+        startup.mark("open")
         found = self._from_local(saved_cfg, workdir) if self.local is not None else None
         self.resumed_locally = found is not None
         if found is None:
@@ -168,7 +171,10 @@ class Run:
             wd.write_config(workdir, cfg)
             if self.identity and wd.run_id(workdir) != self.identity:
                 wd.write_run_id(workdir, self.identity)
-        self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()
+        self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()  # waits for the state
+        startup.mark("state")
+        begun = "from checkpoint.init_from" if init is not None else "initialised"
+        self.startup_notes, self.started = {"state": f"restored step {self.step}" if found else begun}, False
         if cfg.data.workers:  # the rows' reading and tokenising in processes of their own, from this state
             state = data.get_state()
             data.close()
@@ -258,7 +264,9 @@ class Run:
         for line in setup.describe(self.flops_per_token):
             self.say(line)
         self.say(corpora.describe(cfg.data))
+        startup.mark("loop")
         self._step_fn(batch_ramp.step_size(cfg, self.data_read))
+        startup.mark("compile")
         self.goodput.enter("step")
         self._mark()
 
@@ -275,6 +283,7 @@ class Run:
                 seconds = time.perf_counter() - start
             used = memory_per_device(self.compiled[size], s.mesh.devices.flat[0].platform)["total"]
             kept = " (loaded from the compile cache)" if cache and cache.hits > hits else ""
+            self.startup_notes.setdefault("compile", "from the compile cache" if kept else "compiled")
             self.say(f"compiled the train step for {size} sequences in {seconds:.1f}s{kept}, {used / 2**30:.2f} GiB "
                      "per device")  # fmt: skip
             self.mark_time += seconds  # compiling is not training time
@@ -285,8 +294,11 @@ class Run:
 
     def take_step(self):
         """Dispatch one step (no waiting on the device); returns its metrics, still on the device."""
+        first = not self.started
         with self.goodput.phase("data"):
             size, local = next(self.data)
+        if first:
+            startup.mark("first batch")
         if "source" in local:  # a mixture: count what each corpus gave this process's rows
             self.mixture_taken += streams.mixture_counts(local, self.stream.mixture_unit, len(self.stream.mixture),
                                                          self.bos_id)  # fmt: skip
@@ -300,6 +312,12 @@ class Run:
         self.dispatched.append((self.step, size * self.cfg.data.seq_len))
         if not self.hang.armed:  # watched once the first step has run: on a pod, once every process has compiled
             jax.block_until_ready(metrics)
+        if first:
+            startup.mark("first step")
+            self.started = True
+            parts = startup.seconds()
+            self.writer.write(self.step, {"event": "startup", **{f"startup/{p}": s for p, s in parts.items()}},
+                              console=startup.line(parts, self.startup_notes))  # fmt: skip
         self.hang.progress()
         return metrics
 

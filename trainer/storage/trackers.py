@@ -26,19 +26,23 @@ def numbers(record: dict) -> dict[str, float]:
     return {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
-def _summary_writer():
-    """tensorboardX's SummaryWriter, imported without torch: its writer imports torch where it is installed
-    (the hf extra) only to accept torch tensors, which we never pass, and that costs a launch ~2 s. Where the
-    process has imported torch already (a user's own code), it is left as it is."""
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
+# What tensorboardX imports and we never use: torch, only to accept torch tensors (~2 s where the hf extra is
+# installed), and the S3 and GCS clients, only for event files written straight to a bucket (~1.6 s); ours go
+# to the workdir's local files, which a bucket run copies up itself (trainer/storage/workdir.py).
+UNUSED_BY_TENSORBOARD = ("torch", "boto3", "google.cloud.storage")
 
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError while this holds
+
+def _summary_writer():
+    """tensorboardX's SummaryWriter, imported with UNUSED_BY_TENSORBOARD held out (each such `import` raises
+    ImportError while held, which tensorboardX takes as that backend being absent). A module the process has
+    imported already (a user's own code) is left as it is."""
+    held = [name for name in UNUSED_BY_TENSORBOARD if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(held))
     try:
         from tensorboardX import SummaryWriter
     finally:
-        del sys.modules["torch"]
+        for name in held:
+            del sys.modules[name]
     return SummaryWriter
 
 
