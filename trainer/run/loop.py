@@ -315,9 +315,7 @@ class Run:
         if first:
             startup.mark("first step")
             self.started = True
-            parts = startup.seconds()
-            self.writer.write(self.step, {"event": "startup", **{f"startup/{p}": s for p, s in parts.items()}},
-                              console=startup.line(parts, self.startup_notes))  # fmt: skip
+            self.say(startup.line(startup.seconds(), self.startup_notes), flush=True)
         self.hang.progress()
         return metrics
 

@@ -1,9 +1,9 @@
 """Where a launch's seconds to its first step went, part by part.
 
 On a pod every host pays its start-up at every preemption, so a launch says
-where that went, once its first step has run (a `start-up:` line and a
-`{"event": "startup"}` record in metrics.jsonl; benchmarks/restart.py reads
-them). Each part runs from the end of the one before:
+where that went, once its first step has run: a `start-up:` line in its log, which
+benchmarks/restart.py reads (`parse`). Each part runs from the end of the one
+before:
 
     imports      the interpreter's start to the script's flags being read (Python, JAX, Flax, Orbax, ...)
     config       the config file and the flags parsed
@@ -24,6 +24,7 @@ runs (the scaling sweep) times each later run from its own start.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 PARTS = ("imports", "config", "distributed", "checks", "open", "state", "loop", "compile", "first batch",
@@ -74,6 +75,12 @@ def seconds() -> dict[str, float]:
 
 
 def line(parts: dict[str, float], notes: dict[str, str]) -> str:
-    """The console line: the total, then each part with its note (`restored`, `from the cache`)."""
-    said = ", ".join(f"{p} {s:.1f}s" + (f" ({notes[p]})" if p in notes else "") for p, s in parts.items())
+    """The console line: the total, then each part with its note (`restored step 20`, `from the compile cache`)."""
+    said = ", ".join(f"{p} {s:.2f}s" + (f" ({notes[p]})" if p in notes else "") for p, s in parts.items())
     return f"start-up: {sum(parts.values()):.1f}s to the end of the first step: {said}"
+
+
+def parse(text: str) -> dict[str, float]:
+    """The parts of a `start-up:` line, in seconds."""
+    said = text.split(": ", 2)[2]
+    return {p: float(s) for p, s in re.findall(rf"({'|'.join(PARTS)}) ([\d.]+)s", said)}
