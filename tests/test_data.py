@@ -12,8 +12,9 @@ import pytest
 from conftest import micro_config
 
 from trainer.config.errors import ConfigError
-from trainer.data import corpora, streams
+from trainer.data import corpora, readers, streams
 from trainer.data.preparation import split as split_rule
+from trainer.data.readers.store import Tokens
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
 from trainer.data.workers import ProcessRows
 
@@ -451,6 +452,13 @@ def test_a_tokenised_cache_gives_the_same_batches_with_no_tokenizer_and_refuses_
             for key in e:
                 np.testing.assert_array_equal(e[key], got[key])
     monkeypatch.undo()
+    for split in ("train", "validation"):  # the store's records decoded by us (readers/store.py) and by TFDS
+        ours = readers.open_split(cfg.data, "files", split)
+        theirs = readers.open_prepared(cfg.data, "text_files/files-tokens", split)
+        assert isinstance(ours, Tokens) and len(ours) == len(theirs) > 0
+        for i in range(len(theirs)):
+            np.testing.assert_array_equal(ours[i]["tokens"], theirs[i]["tokens"])
+            assert ours[i]["source"] == theirs[i]["source"]
 
     model = str(tmp_path / "spm.model")
     train_sentencepiece([p.read_text() for p in sorted(corpus.iterdir())[:100]], 300, model)

@@ -58,7 +58,12 @@ def open_split(data_cfg, corpus: str, split: str):
     which = kind(data_cfg, corpus)
     if which in ("megatron", "dolma"):
         return _token_files(data_cfg, which, paths_of(data_cfg, corpus), split)
-    return open_prepared(data_cfg, tfds_name(data_cfg, corpus), split)
+    name = tfds_name(data_cfg, corpus)
+    if data_cfg.source == "text_files" and data_cfg.tokenized and getattr(data_cfg, "format", "text") == "text":
+        from trainer.data.readers.store import Tokens
+
+        return Tokens(open_prepared(data_cfg, name, split, raw=True))
+    return open_prepared(data_cfg, name, split)
 
 
 def paths_of(data_cfg, corpus: str) -> list[str]:
@@ -105,12 +110,14 @@ def _tokenizer_eos(data_cfg) -> int:
     return load_tokenizer(data_cfg).eos_id
 
 
-def open_prepared(data_cfg, name: str, split: str):
-    """One split of the prepared dataset TFDS calls `name`, through tfds.data_source."""
+def open_prepared(data_cfg, name: str, split: str, raw: bool = False):
+    """One split of the prepared dataset TFDS calls `name`, through tfds.data_source; with `raw`, its records
+    as they are stored (serialised Examples, for trainer/data/readers/store.py)."""
+    how = tfds.decode.DeserializeMethod.RAW_BYTES if raw else tfds.decode.DeserializeMethod.DESERIALIZE_AND_DECODE
     try:
         if data_cfg.source == "text_files" and not (directory(data_cfg, name) / "dataset_info.json").exists():
             raise tfds.core.registered.DatasetNotFoundError(name)  # TFDS would say its builder config is unknown
-        return tfds.data_source(name, split=split, data_dir=data_dir(data_cfg), download=False)
+        return tfds.data_source(name, split=split, data_dir=data_dir(data_cfg), download=False, deserialize_method=how)
     except tfds.core.registered.DatasetNotFoundError as e:
         hint = (
             "run scripts/prepare_data.py with this config"
