@@ -23,6 +23,10 @@ class Chip:
     # a step, the runtime keeping the rest. None for GPUs: what JAX's allocator lets a process hold
     # (gpu_memory_share).
     usable_bytes: int | None = None
+    # Dense int8 and fp8 matmul rates, ops/s, from the same data sheets (0: no such units); quantised
+    # training's dots (trainer/model/low_precision.py) run at these in the planner's roofline.
+    int8_ops: float = 0.0
+    fp8_ops: float = 0.0
 
     @property
     def usable_hbm_bytes(self) -> int:
@@ -32,16 +36,16 @@ class Chip:
 # Named by the exact device kinds: a substring would give an H100 PCIe (or NVL) the SXM's peak. A kind that
 # is not here has no known peak (MFU is then not reported) rather than a wrong one.
 CHIPS = {
-    "tpu-v6e": Chip(("TPU v6 lite",), 918e12, 32 * GiB, 1640e9, int(31.25 * GiB)),
-    "tpu-v5e": Chip(("TPU v5 lite",), 197e12, 16 * GiB, 819e9, int(15.75 * GiB)),
+    "tpu-v6e": Chip(("TPU v6 lite",), 918e12, 32 * GiB, 1640e9, int(31.25 * GiB), int8_ops=1836e12),
+    "tpu-v5e": Chip(("TPU v5 lite",), 197e12, 16 * GiB, 819e9, int(15.75 * GiB), int8_ops=394e12),
     # The data sheet's "95 GB" is rounded down: XLA:TPU offers a program 95.74 GiB.
-    "tpu-v5p": Chip(("TPU v5",), 459e12, 96 * GiB, 2765e9, int(95.74 * GiB)),
-    "tpu-v4": Chip(("TPU v4",), 275e12, 32 * GiB, 1228e9, int(30.75 * GiB)),
-    "h200": Chip(("NVIDIA H200",), 989e12, 141 * 10**9, 4.8e12),
-    "h100": Chip(("NVIDIA H100 80GB HBM3",), 989e12, 80 * 10**9, 3.35e12),  # SXM
-    "h100-pcie": Chip(("NVIDIA H100 PCIe",), 756e12, 80 * 10**9, 2.0e12),
-    "a100": Chip(("NVIDIA A100-SXM4-80GB",), 312e12, 80 * 10**9, 2.039e12),
-    "a100-40gb": Chip(("NVIDIA A100-SXM4-40GB",), 312e12, 40 * 10**9, 1.555e12),
+    "tpu-v5p": Chip(("TPU v5",), 459e12, 96 * GiB, 2765e9, int(95.74 * GiB), int8_ops=918e12),
+    "tpu-v4": Chip(("TPU v4",), 275e12, 32 * GiB, 1228e9, int(30.75 * GiB), int8_ops=275e12),
+    "h200": Chip(("NVIDIA H200",), 989e12, 141 * 10**9, 4.8e12, int8_ops=1979e12, fp8_ops=1979e12),
+    "h100": Chip(("NVIDIA H100 80GB HBM3",), 989e12, 80 * 10**9, 3.35e12, int8_ops=1979e12, fp8_ops=1979e12),  # SXM
+    "h100-pcie": Chip(("NVIDIA H100 PCIe",), 756e12, 80 * 10**9, 2.0e12, int8_ops=1513e12, fp8_ops=1513e12),
+    "a100": Chip(("NVIDIA A100-SXM4-80GB",), 312e12, 80 * 10**9, 2.039e12, int8_ops=624e12),
+    "a100-40gb": Chip(("NVIDIA A100-SXM4-40GB",), 312e12, 40 * 10**9, 1.555e12, int8_ops=624e12),
 }
 
 

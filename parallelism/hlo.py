@@ -207,13 +207,28 @@ def _instruction_flops(inst: Instruction, shapes: dict[str, str]) -> float:
 
 def matmul_flops(module: Module) -> float:
     """FLOPs of every dot and convolution, each counted as often as its computation runs."""
-    total = 0.0
+    return sum(f for f, _ in matmuls_by_operand(module).values())
+
+
+def dots(module: Module):
+    """Each dot and convolution as (instruction, how often its computation runs, its operands' shapes)."""
     for name, times in executions(module).items():
         shapes = {i.name: i.shape for i in module.instructions[name]}
         for inst in module.instructions[name]:
             if inst.opcode in ("dot", "convolution"):
-                total += times * _instruction_flops(inst, shapes)
-    return total
+                yield inst, times, [shapes.get(o, "") for o in _operand_names(inst.rest)], shapes
+
+
+def matmuls_by_operand(module: Module) -> dict[str, tuple[float, int]]:
+    """(FLOPs, instructions) of the dots and convolutions by their first operand's element type ("bf16",
+    "s8", "f8e4m3fn", ...): what quantised training's matmuls (trainer/model/low_precision.py) became."""
+    out: dict[str, tuple[float, int]] = {}
+    for inst, times, operands, shapes in dots(module):
+        kind = re.match(r"\(?(\w+)\[", operands[0] if operands else "")
+        key = kind.group(1) if kind else "?"
+        flops, count = out.get(key, (0.0, 0))
+        out[key] = (flops + times * _instruction_flops(inst, shapes), count + 1)
+    return out
 
 
 _FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while", "conditional", "call",

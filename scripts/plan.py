@@ -80,6 +80,16 @@ def print_target(result):
     print(f"cost per device   {c['flops']:.4g} FLOPs, {c['bytes_accessed'] / 1e9:.4g} GB of HBM traffic (from the "
           f"compiled HLO, loops counted); roofline {c['roofline_seconds']:.3g} s a step ({c['bound']}-bound), "
           f"so MFU at most {c['mfu_ceiling']:.0%}")  # fmt: skip
+    low = {k: v for k, v in c["matmuls"].items() if k == "s8" or k.startswith("f8")}
+    if low:  # model.quant: which of the compiled dots are quantised, and the step's cost without it
+        said = ", ".join(f"{v['dots']} {k} dots ({v['flops'] / c['flops']:.0%} of the FLOPs)" for k, v in low.items())
+        print(f"quantised         {said}; the roofline takes them at the chip's {'/'.join(low)} rate")
+        plain = result.get("cost_unquantised")
+        if plain:
+            print(f"                  unquantised: {plain['flops']:.4g} FLOPs, {plain['bytes_accessed'] / 1e9:.4g} GB, "
+                  f"roofline {plain['roofline_seconds']:.3g} s ({plain['bound']}-bound): quantised "
+                  f"{c['roofline_seconds'] / plain['roofline_seconds']:.2f}x; the compiler's model of both, not a "
+                  "measurement")  # fmt: skip
     if c["kernels"]["estimated"]:
         print(f"                  counted by their own cost estimates: {', '.join(c['kernels']['estimated'])}")
     if c["kernels"]["uncounted"]:

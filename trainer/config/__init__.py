@@ -40,6 +40,8 @@ RL_KEYS = ("reward", "reward_weights", "format_regex", "group_size", "max_new_to
            "epsilon", "updates_per_batch", "beta", "loss")  # fmt: skip
 ADAPTER_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # model.lora.targets (trainer/model/spec.py Adapters)
 ADAPTER_BASES = ("", "int8", "nf4")  # model.lora.base
+QUANT_MATMULS = ("", "int8", "fp8")  # model.quant.matmul (trainer/model/low_precision.py)
+QUANT_TARGETS = ("attention", "mlp", "experts", "logits")  # model.quant.targets
 ACTIVATIONS = ("silu", "gelu_tanh")  # model.mlp_activation: SwiGLU's gate, or GeGLU's (Gemma)
 GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")
 ROUTERS = (
@@ -154,6 +156,13 @@ def _declared() -> dict[str, dict]:
             targets=ADAPTER_TARGETS,
             dropout=Num(0.0, "[0, 1)"),
             base="",
+        ),
+        # Quantised training (trainer/model/low_precision.py): matmul "" (off), int8 or fp8, forward and
+        # backward, for the matmuls of `targets` (of QUANT_TARGETS); the logits stay in the compute dtype
+        # unless named. Master weights, optimiser state and checkpoints are unchanged.
+        quant=dict(
+            matmul="",
+            targets=("attention", "mlp", "experts"),
         ),  # fmt: skip
     )
     # Each size is a device count (within a slice) or -1 for "the rest". `rules`

@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import ml_collections
 
-from trainer.config import ACTIVATIONS, ADAPTER_BASES, ADAPTER_TARGETS, GROUPED_MATMULS, MOE_IMPLS, ROUTERS
+from trainer.config import (
+    ACTIVATIONS,
+    ADAPTER_BASES,
+    ADAPTER_TARGETS,
+    GROUPED_MATMULS,
+    MOE_IMPLS,
+    QUANT_MATMULS,
+    QUANT_TARGETS,
+    ROUTERS,
+)
 from trainer.config.errors import ConfigError
 
 
 def choice(path: str, value, valid) -> None:
     if value not in valid:
-        raise ConfigError(f"{path}={value!r} is not one of {', '.join(map(str, valid))}.")
+        raise ConfigError(f"{path}={value!r} is not one of {', '.join(str(v) or repr(v) for v in valid)}.")
 
 
 def check_layers(cfg: ml_collections.ConfigDict) -> None:
@@ -21,6 +30,29 @@ def check_layers(cfg: ml_collections.ConfigDict) -> None:
     _check_latent(cfg)
     _check_mtp(cfg)
     _check_adapters(cfg)
+    _check_quant(cfg)
+
+
+def _check_quant(cfg: ml_collections.ConfigDict) -> None:
+    """What quantised matmuls (model.quant, trainer/model/low_precision.py) need: known targets that name a
+    matmul this model has, and experts computed by einsums (the capacity form), which take quantised operands;
+    the grouped-matmul kernels of the dropless form do not. (fp8 on a TPU is refused where the devices are
+    known: trainer/training/setup.py.)"""
+    q, e = cfg.model.quant, cfg.model.moe
+    choice("model.quant.matmul", q.matmul, QUANT_MATMULS)
+    if not q.matmul:
+        return
+    unknown = [t for t in q.targets if t not in QUANT_TARGETS]
+    dense = not e.num_experts or e.dense_layers > 0 or e.every > 1 or e.shared_experts > 0
+    present = {"attention", "logits", *(["mlp"] * dense), *(["experts"] * bool(e.num_experts))}
+    if unknown or not present & set(q.targets):
+        said = f"names {','.join(unknown)}, which is not a matmul" if unknown else "matches no matmul of this model"
+        raise ConfigError(f"model.quant.targets={','.join(q.targets)!r} {said}; the targets: "
+                          f"{','.join(t for t in QUANT_TARGETS if t in present)}.")  # fmt: skip
+    if "experts" in q.targets and e.num_experts and e.impl != "capacity":
+        raise ConfigError(f"model.quant.matmul={q.matmul} of the experts: model.moe.impl={e.impl} runs them as "
+                          "grouped-matmul kernels, which take no quantised operands; set model.moe.impl=capacity, or "
+                          "leave experts out of model.quant.targets.")  # fmt: skip
 
 
 def _check_adapters(cfg: ml_collections.ConfigDict) -> None:

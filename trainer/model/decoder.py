@@ -30,6 +30,7 @@ from parallelism import pipeline
 from parallelism.rules import LogicalSharding
 from trainer.model.context import ways, zigzag
 from trainer.model.layers import RESIDUAL, Block
+from trainer.model.low_precision import einsum
 from trainer.model.mtp import MTPModule, mtp_sums
 from trainer.model.primitives import RMSNorm, param, rope_tables
 from trainer.model.spec import LAYERS, REMAT, Architecture, ModelSpec
@@ -258,7 +259,8 @@ class Decoder(nnx.Module):
         """fp32 logits from the final-normed features (batch, seq, d_model)."""
         a = self.arch
         head = self.embed[...].T if a.tie_embeddings else self.lm_head[...]
-        logits = jnp.dot(features, head.astype(self.execution.compute_dtype), preferred_element_type=jnp.float32)
+        logits = einsum("...d,dv->...v", features, head.astype(self.execution.compute_dtype), self.execution, "logits",
+                        preferred_element_type=jnp.float32)  # fmt: skip
         if a.mup_base_width:
             logits = logits / a.width_multiplier  # muP's output multiplier
         return self.shard.constrain(logits, ("batch", "seq", "vocab"))

@@ -21,6 +21,7 @@ from flax import nnx
 
 from parallelism.rules import LogicalSharding
 from trainer.model.attention import attend, masked_attention
+from trainer.model.low_precision import einsum
 from trainer.model.primitives import RMSNorm, apply_rope, param
 from trainer.model.spec import ModelSpec
 
@@ -56,14 +57,13 @@ class LatentAttention(nnx.Module):
         nope, rope, v_dim = self.dims
         tables = tables["global"]
         if hasattr(self, "wq_a"):
-            q = jnp.einsum(
-                "btr,rnh->btnh", self.q_latent_norm(x @ self.wq_a[...].astype(dt)), self.wq_b[...].astype(dt)
-            )
+            q_latent = self.q_latent_norm(self._project("btd,dr->btr", x, self.wq_a))
+            q = self._project("btr,rnh->btnh", q_latent, self.wq_b)
         else:
-            q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
+            q = self._project("btd,dnh->btnh", x, self.wq)
         q_nope, q_rope = q[..., :nope], apply_rope(q[..., nope:], tables)
-        latent = self.kv_latent_norm(x @ self.wkv_a[...].astype(dt))  # (b, t, kv_rank)
-        k_rope = apply_rope((x @ self.wk_rope[...].astype(dt))[:, :, None, :], tables)  # (b, t, 1, rope_dim)
+        latent = self.kv_latent_norm(self._project("btd,dr->btr", x, self.wkv_a))  # (b, t, kv_rank)
+        k_rope = apply_rope(self._project("btd,dh->bth", x, self.wk_rope)[:, :, None, :], tables)  # (b, t, 1, rope)
         w_kv = self.wkv_b[...].astype(dt)
         if cache is None:
             return self._expanded(q_nope, q_rope, latent, k_rope, w_kv, segment_ids), None
@@ -80,12 +80,12 @@ class LatentAttention(nnx.Module):
         mask = jnp.arange(latents.shape[1])[None, None, None, :] <= positions[:, None, :, None]
         out_latent = masked_attention(q_all, keys, latents[:, :, None, :].astype(q.dtype), mask)
         out = jnp.einsum("btnr,rnv->btnv", out_latent, w_kv[..., nope:])
-        return jnp.einsum("btnv,nvd->btd", out, self.wo[...].astype(dt)), (latents, rope_keys)
+        return self._project("btnv,nvd->btd", out, self.wo), (latents, rope_keys)
 
     def _expanded(self, q_nope, q_rope, latent, k_rope, w_kv, segment_ids):
         """Training's attention: per-head keys and values from the latent, through `model.attention`."""
         nope, rope, v_dim = self.dims
-        kv = jnp.einsum("btr,rnh->btnh", latent, w_kv)
+        kv = einsum("btr,rnh->btnh", latent, w_kv, self.execution, "attention")
         heads = kv.shape[2]
         k = jnp.concatenate([kv[..., :nope], jnp.broadcast_to(k_rope, (*k_rope.shape[:2], heads, rope))], -1)
         q, v = jnp.concatenate([q_nope, q_rope], -1), kv[..., nope:]
@@ -95,4 +95,8 @@ class LatentAttention(nnx.Module):
         q, k, v = (self.shard.constrain(a, names) for a in (q, k, v))
         run = self.execution
         out = attend(run.attention, q, k, v, segment_ids, self.shard, run.context_attention)[..., :v_dim]
-        return jnp.einsum("btnv,nvd->btd", out, self.wo[...].astype(q.dtype))
+        return self._project("btnv,nvd->btd", out, self.wo)
+
+    def _project(self, subscripts: str, x: jax.Array, w) -> jax.Array:
+        """x times the weight `w` in the compute dtype, quantised where model.quant names attention."""
+        return einsum(subscripts, x, w[...].astype(self.execution.compute_dtype), self.execution, "attention")

@@ -20,6 +20,7 @@ from parallelism.rules import LogicalSharding
 from trainer.model import quantised
 from trainer.model.attention import attend, cached_attention, ring_attention
 from trainer.model.latent import LatentAttention
+from trainer.model.low_precision import einsum
 from trainer.model.moe import MoE
 from trainer.model.primitives import MLP, Adapter, RMSNorm, adapted, apply_rope, param
 from trainer.model.quantised import weight
@@ -61,9 +62,10 @@ class Attention(nnx.Module):
         attends over the cache; returns (output, updated cache). `key`: the adapters' dropout key (training)."""
         dt = self.execution.compute_dtype
         tables = tables["local" if self.window else "global"]
-        q = adapted(self, "q", jnp.einsum("btd,dnh->btnh", x, weight(self, "wq", dt)), x, key)
-        k = adapted(self, "k", jnp.einsum("btd,dkh->btkh", x, weight(self, "wk", dt)), x, key)
-        v = adapted(self, "v", jnp.einsum("btd,dkh->btkh", x, weight(self, "wv", dt)), x, key)
+        run = self.execution
+        q = adapted(self, "q", einsum("btd,dnh->btnh", x, weight(self, "wq", dt), run, "attention"), x, key)
+        k = adapted(self, "k", einsum("btd,dkh->btkh", x, weight(self, "wk", dt), run, "attention"), x, key)
+        v = adapted(self, "v", einsum("btd,dkh->btkh", x, weight(self, "wv", dt), run, "attention"), x, key)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.q_scale != 1.0:
@@ -87,7 +89,8 @@ class Attention(nnx.Module):
             k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])
             v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])
             out, new_cache = cached_attention(q, k_cache, v_cache, positions, sinks), (k_cache, v_cache)
-        return adapted(self, "o", jnp.einsum("btnh,nhd->btd", out, weight(self, "wo", dt)), out, key), new_cache
+        projected = einsum("btnh,nhd->btd", out, weight(self, "wo", dt), self.execution, "attention")
+        return adapted(self, "o", projected, out, key), new_cache
 
 
 class Block(nnx.Module):

@@ -35,6 +35,7 @@ from flax import nnx
 from jax.experimental.pallas.ops.tpu.megablox.ops import gmm
 
 from parallelism.rules import LogicalSharding
+from trainer.model.low_precision import einsum
 from trainer.model.primitives import MLP, param
 
 AXIS = "expert"  # the mesh axis the experts are split over
@@ -160,7 +161,7 @@ def _dropless(x, chosen, weights, gate, up, down, ep: int, axis, matmul=jax.lax.
     return jnp.zeros((tokens, d), back.dtype).at[token].add(back * weight[:, None]), jnp.zeros((), jnp.float32)
 
 
-def _capacity(x, chosen, weights, gate, up, down, ep: int, axis, factor: float):
+def _capacity(x, chosen, weights, gate, up, down, ep: int, axis, factor: float, run=None):
     """Each token's output from the experts that had room for it, and the assignments dropped."""
     tokens, d = x.shape
     k, local = chosen.shape[-1], gate.shape[0]
@@ -178,8 +179,9 @@ def _capacity(x, chosen, weights, gate, up, down, ep: int, axis, factor: float):
     if ep > 1:
         buffer = jax.lax.all_to_all(buffer, axis, 0, 0, tiled=True)  # now (source, local expert, room, d)
     buffer = buffer.transpose(1, 0, 2, 3).reshape(local, ep * room, d)
-    hidden = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buffer, gate)) * jnp.einsum("ecd,edf->ecf", buffer, up)
-    out = jnp.einsum("ecf,efd->ecd", hidden, down).reshape(local, ep, room, d).transpose(1, 0, 2, 3)
+    hidden = jax.nn.silu(einsum("ecd,edf->ecf", buffer, gate, run, "experts")) * einsum("ecd,edf->ecf", buffer, up,
+                                                                                        run, "experts")  # fmt: skip
+    out = einsum("ecf,efd->ecd", hidden, down, run, "experts").reshape(local, ep, room, d).transpose(1, 0, 2, 3)
     if ep > 1:
         out = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)
     out = out.reshape(experts * room, d)
@@ -216,7 +218,7 @@ def experts(x, chosen, weights, gate, up, down, shard: LogicalSharding, run):
         ep = 1 if not axes["expert"] else jax.lax.axis_size(AXIS)
         args = (x.reshape(b * t, d), chosen.reshape(b * t, -1), weights.reshape(b * t, -1), gate, up, down, ep, AXIS)
         if run.moe_impl == "capacity":
-            out, dropped = _capacity(*args, run.capacity_factor)
+            out, dropped = _capacity(*args, run.capacity_factor, run)
         else:
             out, dropped = _dropless(*args, matmul)
         if axes["mlp"]:  # each device's d_ff slice gave a partial sum

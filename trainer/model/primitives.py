@@ -17,6 +17,7 @@ from flax import nnx
 from parallelism.rules import LogicalSharding
 from trainer.config import ADAPTER_TARGETS
 from trainer.model import quantised
+from trainer.model.low_precision import einsum
 from trainer.model.quantised import weight
 from trainer.model.spec import Adapters, ModelSpec, RopeScaling
 
@@ -126,7 +127,9 @@ class MLP(nnx.Module):
     def __call__(self, x, key=None):
         """`key`: the adapters' dropout key (training steps only)."""
         dt = self.execution.compute_dtype
-        gate = adapted(self, "gate", x @ weight(self, "w_gate", dt), x, key)
-        up = adapted(self, "up", x @ weight(self, "w_up", dt), x, key)
+        run = self.execution
+        gate = adapted(self, "gate", einsum("...d,df->...f", x, weight(self, "w_gate", dt), run, "mlp"), x, key)
+        up = adapted(self, "up", einsum("...d,df->...f", x, weight(self, "w_up", dt), run, "mlp"), x, key)
         hidden = self.shard.constrain(ACTIVATIONS[self.activation](gate) * up, ("batch", "seq", "mlp"))
-        return adapted(self, "down", hidden @ weight(self, "w_down", dt), hidden, key)
+        down = einsum("...f,fd->...d", hidden, weight(self, "w_down", dt), run, "mlp")
+        return adapted(self, "down", down, hidden, key)

@@ -218,6 +218,8 @@ class Execution:
     capacity_factor: float = 1.25  # model.moe.capacity_factor, for moe_impl capacity
     grouped_matmul: str = "auto"  # model.moe.grouped_matmul, for moe_impl dropless
     adapter_dropout: float = 0.0  # model.lora.dropout: of the adapters' inputs, in training steps only
+    quant_matmul: str = ""  # model.quant.matmul: "", int8 or fp8 (trainer/model/low_precision.py)
+    quant_targets: tuple[str, ...] = ()  # model.quant.targets: the matmuls it applies to
 
     @classmethod
     def from_config(cls, cfg) -> Execution:
@@ -227,7 +229,8 @@ class Execution:
                    loss_chunk=m.loss_chunk, stages=cfg.mesh.stage,
                    pipeline_microbatches=cfg.train.pipeline_microbatches, moe_impl=m.moe.impl,
                    capacity_factor=m.moe.capacity_factor, grouped_matmul=m.moe.grouped_matmul,
-                   adapter_dropout=float(m.lora.dropout))  # fmt: skip
+                   adapter_dropout=float(m.lora.dropout), quant_matmul=m.quant.matmul,
+                   quant_targets=tuple(m.quant.targets))  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from parallelism import collectives, hlo, pipeline
 from parallelism.chips import CHIPS, gpu_memory_share
 from trainer.config import microbatch_size
 from trainer.config.errors import ConfigError
+from trainer.config.forms import with_changes
 from trainer.model.flops import FORMULA, count_params, flops_per_token, inactive_params, matmul_params
 from trainer.model.sampling import make_generate
 from trainer.model.splash import hlo_call_cost
@@ -155,6 +156,9 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         result["compiled_breakdown"] = breakdown
         if hardware is not None:
             result.update(on_target(hardware, slices, compiled["hlo"], result))
+            if cfg.model.quant.matmul:  # the same step unquantised, compiled too: the cost beside its own
+                plain = with_changes(cfg, {"model.quant.matmul": ""})
+                result["cost_unquantised"] = plan(plain, devices=devices, target=target, slices=slices).get("cost")
     if cfg.data.format == "prompts":  # GRPO: the rollout's program beside the step's
         result["rollout"] = rollout_plan(cfg, setup, platform, hardware, slices)
         if "fits" in result and "compiled_breakdown" in result:  # the reference sits beside the step too
@@ -249,12 +253,17 @@ def hlo_cost(module: hlo.Module, chip) -> dict:
     """FLOPs and HBM bytes of a compiled step, ours or another program's (benchmarks/vs_maxtext.py): the
     HLO's matmuls and traffic with loops counted by their trips, and its Pallas kernels by their schedule;
     the roofline on `chip` (parallelism/chips.py) is whichever of FLOPs / peak and bytes / bandwidth is longer."""
-    kernels = kernel_cost(module)
-    flops = hlo.matmul_flops(module) + kernels["flops"]
+    kernels, matmuls = kernel_cost(module), hlo.matmuls_by_operand(module)
+    flops = sum(f for f, _ in matmuls.values()) + kernels["flops"]
     traffic = hlo.bytes_accessed(module) + kernels["bytes"]
-    compute_seconds, memory_seconds = flops / chip.peak_flops, traffic / chip.hbm_bytes_per_second
+    # Quantised training's dots (trainer/model/low_precision.py) at the chip's int8 or fp8 rate, if it has one.
+    low = {"s8": chip.int8_ops, "f8e4m3fn": chip.fp8_ops, "f8e5m2": chip.fp8_ops}
+    dots = sum(f / (low.get(kind) or chip.peak_flops) for kind, (f, _) in matmuls.items())
+    compute_seconds = kernels["flops"] / chip.peak_flops + dots
+    memory_seconds = traffic / chip.hbm_bytes_per_second
     return {
         "flops": flops,
+        "matmuls": {kind: {"flops": f, "dots": n} for kind, (f, n) in sorted(matmuls.items())},
         "bytes_accessed": traffic,
         "kernels": kernels,
         "roofline_seconds": max(compute_seconds, memory_seconds),

@@ -13,6 +13,7 @@ import jax
 import optax
 from jax.sharding import Mesh, NamedSharding
 
+from parallelism.chips import CHIPS, chip_of
 from parallelism.mesh import make_mesh
 from parallelism.rules import LogicalSharding, parse_rules
 from trainer.config.errors import ConfigError
@@ -144,6 +145,10 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
         raise ConfigError(f"model.attention_sinks with model.attention={e.attention} ({kernel} {where}): only the xla "
                           "and splash kernels take sinks here, and not through the context axis's blocks; use "
                           "model.attention=xla or splash.")  # fmt: skip
+    chip = chip_of(mesh.devices.flat[0].device_kind)
+    if spec.execution.quant_matmul == "fp8" and chip is not None and not CHIPS[chip].fp8_ops:
+        raise ConfigError(f"model.quant.matmul=fp8 on {chip}, which has no fp8 matmul units; use "
+                          "model.quant.matmul=int8.")  # fmt: skip
     spec = dataclasses.replace(spec, execution=dataclasses.replace(spec.execution, attention=kernel))
     model = ModelDef.create(spec, shard)
     check_weights_fit(model, shard)

@@ -30,5 +30,7 @@ class Tokens:
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:
         features = tf_example_pb2.Example.FromString(self._records[index]).features.feature
-        return {"tokens": np.frombuffer(zlib.decompress(features["tokens"].bytes_list.value[0]), IDS),
-                "source": features["source"].bytes_list.value[0]}
+        return {
+            "tokens": np.frombuffer(zlib.decompress(features["tokens"].bytes_list.value[0]), IDS),
+            "source": features["source"].bytes_list.value[0],
+        }

@@ -1,0 +1,56 @@
+"""Quantised training side by side: the same run in the compute dtype, int8 and fp8 (model.quant.matmul).
+
+    python benchmarks/quant.py --config configs/tiny.py [overrides] [--append]
+
+Each kind trains the config's run from scratch in a workdir of its own (same seed, steps and data) and
+reports its validation loss at the end (the loop's held-out batches; the config must evaluate, eval_every
+> 0) and its loss over the compute dtype's; the step time is the median of `--steps` steps of a synthetic
+batch after one to compile (benchmarks/timing.py). On a CPU the quantised dots run as written, int8 with
+int32 sums, fp8 widened first: the losses are what quantisation does to training, the times are not what a
+TPU or GPU would give.
+"""
+
+import os
+import sys
+import tempfile
+
+from absl import flags
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from record import report  # noqa: E402
+from timing import step_seconds_and_memory  # noqa: E402
+
+from trainer.run import cli  # noqa: E402
+
+_CONFIG = cli.define_config_flag()
+_STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per kind (after one to compile).")
+_APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
+
+SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def main():
+    from trainer.run.loop import train
+
+    base = _CONFIG.value
+    if not base.train.eval_every:
+        raise SystemExit("the config must evaluate (train.eval_every > 0): the validation loss is what is compared")
+    figures = {"config": os.path.basename(cli.config_path()), "steps": base.train.steps}
+    losses = {}
+    for kind in ("", "int8", "fp8"):
+        cfg = base.copy_and_resolve_references()
+        cfg.model.quant.matmul = kind
+        name = kind or SHORT[cfg.precision.compute_dtype]
+        with tempfile.TemporaryDirectory() as workdir:
+            losses[name] = train(cfg, workdir)["eval_loss"]
+        figures[f"{name}_eval_loss"] = losses[name]
+        figures[f"{name}_step_s"] = step_seconds_and_memory(cfg, _STEPS.value)[0]
+    first = next(iter(losses))
+    for name in list(losses)[1:]:
+        figures[f"{name}_loss_over_{first}"] = losses[name] / losses[first]
+    report("quant", figures, append=_APPEND.value)
+
+
+if __name__ == "__main__":
+    cli.run(main)
