@@ -1,6 +1,7 @@
 """Quantised training side by side: the same run in the compute dtype, int8 and fp8 (model.quant.matmul).
 
     python benchmarks/quant.py --config configs/tiny.py [overrides] [--append]
+    python benchmarks/quant.py --config configs/llm_1b.py --targets=v5e-8,v6e-8 [--append]
 
 Each kind trains the config's run from scratch in a workdir of its own (same seed, steps and data) and
 reports its validation loss at the end (the loop's held-out batches; the config must evaluate, eval_every
@@ -8,6 +9,11 @@ reports its validation loss at the end (the loop's held-out batches; the config 
 batch after one to compile (benchmarks/timing.py). On a CPU the quantised dots run as written, int8 with
 int32 sums, fp8 widened first: the losses are what quantisation does to training, the times are not what a
 TPU or GPU would give.
+
+With --targets, nothing trains: the step is compiled for each target (scripts/plan.py's compile, the TPU
+compiler through libtpu) with int8 matmuls and without, and the compiler's figures for both are reported
+(`quant_compiled`): FLOPs, HBM bytes and the roofline read from the compiled HLO (int8 dots at the chip's
+int8 rate), and the heap per device. They are the compiler's model of the step; only hardware measures it.
 """
 
 import os
@@ -26,14 +32,36 @@ from trainer.run import cli  # noqa: E402
 _CONFIG = cli.define_config_flag()
 _STEPS = flags.DEFINE_integer("steps", 3, "Timed steps per kind (after one to compile).")
 _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS.md.")
+_TARGETS = flags.DEFINE_list("targets", [], "Compile for these targets (e.g. v5e-8,v6e-8) instead of training.")
 
 SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
+
+
+def compiled(base) -> None:
+    from trainer.planning.plan import plan
+
+    figures = {"config": os.path.basename(cli.config_path())}
+    cfg = base.copy_and_resolve_references()
+    cfg.model.quant.matmul = "int8"
+    for target in _TARGETS.value:
+        result = plan(cfg, target=target)
+        base_name = SHORT[cfg.precision.compute_dtype]
+        for name, cost in ((base_name, result["cost_unquantised"]), ("int8", result["cost"])):
+            figures[f"{target}_{name}_flops"] = cost["flops"]
+            figures[f"{target}_{name}_hbm_gb"] = cost["bytes_accessed"] / 1e9
+            figures[f"{target}_{name}_roofline_s"] = cost["roofline_seconds"]
+        s8 = result["cost"]["matmuls"].get("s8", {}).get("flops", 0.0)
+        figures[f"{target}_int8_s8_flops_share"] = s8 / result["cost"]["flops"]
+        figures[f"{target}_int8_gib"] = result["compiled_bytes_per_device"] / 2**30
+    report("quant_compiled", figures, append=_APPEND.value)
 
 
 def main():
     from trainer.run.loop import train
 
     base = _CONFIG.value
+    if _TARGETS.value:
+        return compiled(base)
     if not base.train.eval_every:
         raise SystemExit("the config must evaluate (train.eval_every > 0): the validation loss is what is compared")
     figures = {"config": os.path.basename(cli.config_path()), "steps": base.train.steps}

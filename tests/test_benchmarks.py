@@ -54,6 +54,20 @@ def quick(corpus_dir, out):
         ),  # fmt: skip
         ("remat.py", [*SYNTHETIC, "--steps=1"], "remat"),
         (
+            "quant.py",
+            [
+                *data,
+                "--config.precision.compute_dtype=bfloat16",
+                "--config.model.n_layers=1",
+                "--config.train.steps=2",
+                "--config.optim.warmup_steps=1",
+                "--config.train.eval_every=2",
+                "--config.train.eval_batches=1",
+                "--steps=1",
+            ],
+            "quant",
+        ),  # fmt: skip
+        (
             "sliding_window.py",
             [
                 "--config",

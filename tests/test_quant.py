@@ -15,6 +15,7 @@ from trainer.config.errors import ConfigError
 from trainer.model.low_precision import einsum
 from trainer.model.spec import Execution
 from trainer.planning.targets import installed, parse_target, target_devices
+from trainer.run.loop import train
 from trainer.storage import compile_cache
 from trainer.training.setup import build
 from trainer.training.validation import validate
@@ -155,3 +156,19 @@ def test_quantisation_that_cannot_work_is_one_sentence_before_anything_compiles(
     )
     validate(micro_config(model=dict(moe={**moe, "impl": "capacity"}, quant=dict(matmul="int8"))))
     validate(micro_config(model=dict(quant=dict(matmul="fp8"))))  # the dense model's default targets: fine
+
+
+def test_a_poisoned_batch_is_still_skipped_when_the_gradients_are_quantised(tmp_path, corpus_dir):
+    """The spike defence sees what it sees at full precision: a non-finite loss makes non-finite int8
+    gradients (a NaN's absmax scale is NaN, which the rescaled int32 sums keep), so the step is skipped and the
+    parameters stay as they were, as tests/test_stability.py's drill has it without quantisation."""
+    from test_stability import config, records
+
+    cfg = config(corpus_dir, poison_batches=(7,))
+    cfg.model.quant.update(matmul="int8", targets=("attention", "mlp", "logits"))
+    cfg.train.steps = 10
+    result = train(cfg, str(tmp_path / "run"))
+    steps = {r["step"]: r for r in records(str(tmp_path / "run")) if "loss" in r}
+    assert steps[8]["skipped"] == 1 and steps[8]["nonfinite"] == 1
+    assert steps[8]["param_norm"] == steps[7]["param_norm"] and steps[9]["skipped"] == 0
+    assert result["step"] == 11 and np.isfinite(result["loss"])
