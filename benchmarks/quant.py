@@ -10,10 +10,12 @@ batch after one to compile (benchmarks/timing.py). On a CPU the quantised dots r
 int32 sums, fp8 widened first: the losses are what quantisation does to training, the times are not what a
 TPU or GPU would give.
 
-With --targets, nothing trains: the step is compiled for each target (scripts/plan.py's compile, the TPU
-compiler through libtpu) with int8 matmuls and without, and the compiler's figures for both are reported
-(`quant_compiled`): FLOPs, HBM bytes and the roofline read from the compiled HLO (int8 dots at the chip's
-int8 rate), and the heap per device. They are the compiler's model of the step; only hardware measures it.
+With --targets, nothing trains: the step is compiled for each target (scripts/plan.py's compile: XLA:TPU
+through libtpu, XLA:GPU through JAX's CUDA plugin, no chip needed) with int8 matmuls on a TPU, fp8 on a GPU,
+and without, and the compiler's figures for both are reported (`quant_compiled`): FLOPs, HBM bytes and the
+roofline read from the compiled HLO (the low-precision dots at the chip's rate for them), the share of the
+FLOPs in low-precision dots, and the memory per device. They are the compiler's model of the step; only
+hardware measures it.
 """
 
 import os
@@ -39,26 +41,32 @@ SHORT = {"bfloat16": "bf16", "float32": "fp32", "float16": "fp16"}
 
 def compiled(base) -> None:
     from trainer.planning.plan import plan
+    from trainer.planning.targets import parse_target
 
     figures = {"config": os.path.basename(cli.config_path())}
-    cfg = base.copy_and_resolve_references()
-    cfg.model.quant.matmul = "int8"
     for target in _TARGETS.value:
+        cfg = base.copy_and_resolve_references()
+        kind = cfg.model.quant.matmul = "fp8" if parse_target(target).is_gpu else "int8"  # what each chip runs
         result = plan(cfg, target=target)
-        base_name = SHORT[cfg.precision.compute_dtype]
-        for name, cost in ((base_name, result["cost_unquantised"]), ("int8", result["cost"])):
+        for name, cost in ((SHORT[cfg.precision.compute_dtype], result["cost_unquantised"]), (kind, result["cost"])):
             figures[f"{target}_{name}_flops"] = cost["flops"]
             figures[f"{target}_{name}_hbm_gb"] = cost["bytes_accessed"] / 1e9
             figures[f"{target}_{name}_roofline_s"] = cost["roofline_seconds"]
-        s8 = result["cost"]["matmuls"].get("s8", {}).get("flops", 0.0)
-        figures[f"{target}_int8_s8_flops_share"] = s8 / result["cost"]["flops"]
-        figures[f"{target}_int8_gib"] = result["compiled_bytes_per_device"] / 2**30
+        low = sum(v["flops"] for k, v in result["cost"]["matmuls"].items() if k == "s8" or k.startswith("f8"))
+        figures[f"{target}_{kind}_low_flops_share"] = low / result["cost"]["flops"]
+        figures[f"{target}_{kind}_gib"] = result["compiled_bytes_per_device"] / 2**30
     report("quant_compiled", figures, append=_APPEND.value)
 
 
 def main():
+    import jax
+
+    from parallelism import accelerators
     from trainer.run.loop import train
 
+    if _TARGETS.value:  # as scripts/plan.py: the targets' devices are descriptions, no backend but the CPU's runs
+        jax.config.update("jax_platforms", "cpu")
+    accelerators.start()
     base = _CONFIG.value
     if _TARGETS.value:
         return compiled(base)
@@ -81,4 +89,4 @@ def main():
 
 
 if __name__ == "__main__":
-    cli.run(main)
+    cli.run(main, uses_devices=False)
