@@ -79,7 +79,10 @@ def main():
         cfg.model.quant.matmul = kind
         name = kind or SHORT[cfg.precision.compute_dtype]
         with tempfile.TemporaryDirectory() as workdir:
-            losses[name] = train(cfg, workdir)["eval_loss"]
+            result = train(cfg, workdir)
+        if result.get("preempted"):  # a SIGTERM ends the run early: its loss is not the comparison's
+            raise SystemExit(f"the {name} run was stopped at step {result['step']}; nothing recorded")
+        losses[name] = result["eval_loss"]
         figures[f"{name}_eval_loss"] = losses[name]
         figures[f"{name}_step_s"] = step_seconds_and_memory(cfg, _STEPS.value)[0]
     first = next(iter(losses))
