@@ -13,7 +13,7 @@ Each reports its `start-up:` line (trainer/run/startup.py: imports, config, dist
 loop, compile, first batch, first step); `<launch>_to_step_s` is the launch to the
 first step's dispatch (every part but the step itself, which does not change with how the launch began), and
 `<ratio>` the warm launches' over the cold one's. The warm and resume launches are ended once their first step
-has run. Data is synthetic unless the config's overrides say otherwise.
+has run. Every launch is given train.steps=1000000 (it never gets there): the resume must have steps to take.
 """
 
 import os
@@ -60,7 +60,9 @@ def main():
     # This process names the machine in the row: the devices the launches train on.
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_SIMULATE.value}"
     os.environ["JAX_PLATFORMS"] = "cpu"
-    overrides = [a for a in sys.argv[1:] if a.startswith("--config.")]
+    # Each launch is ended after its first step; the resume must have steps left to take.
+    overrides = [a for a in sys.argv[1:] if a.startswith("--config.") and not a.startswith("--config.train.steps=")]
+    overrides.append(f"--config.train.steps={10**6}")
     with tempfile.TemporaryDirectory() as folder:
         cache, run = os.path.join(folder, "compile_cache"), os.path.join(folder, "run")
         launches = {
