@@ -218,8 +218,8 @@ IMPORTS_AT_FIRST_STEP = """
 import json, runpy, sys
 from trainer.run import startup
 out, mark = sys.argv.pop(1), startup.mark
-def seen(part):
-    mark(part)
+def seen(part, note=""):
+    mark(part, note)
     if part == "first step":
         with open(out, "w") as f:
             json.dump(sorted(sys.modules), f)

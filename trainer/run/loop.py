@@ -172,9 +172,8 @@ class Run:
             if self.identity and wd.run_id(workdir) != self.identity:
                 wd.write_run_id(workdir, self.identity)
         self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()  # waits for the state
-        startup.mark("state")
         begun = "from checkpoint.init_from" if init is not None else "initialised"
-        self.startup_notes, self.started = {"state": f"restored step {self.step}" if found else begun}, False
+        startup.mark("state", f"restored step {self.step}" if found else begun)
         if cfg.data.workers:  # the rows' reading and tokenising in processes of their own, from this state
             state = data.get_state()
             data.close()
@@ -266,7 +265,6 @@ class Run:
         self.say(corpora.describe(cfg.data))
         startup.mark("loop")
         self._step_fn(batch_ramp.step_size(cfg, self.data_read))
-        startup.mark("compile")
         self.goodput.enter("step")
         self._mark()
 
@@ -283,7 +281,8 @@ class Run:
                 seconds = time.perf_counter() - start
             used = memory_per_device(self.compiled[size], s.mesh.devices.flat[0].platform)["total"]
             kept = " (loaded from the compile cache)" if cache and cache.hits > hits else ""
-            self.startup_notes.setdefault("compile", "from the compile cache" if kept else "compiled")
+            if startup.pending("compile"):  # a batch-size ramp's later sizes are not the launch's
+                startup.mark("compile", "from the compile cache" if kept else "compiled")
             self.say(f"compiled the train step for {size} sequences in {seconds:.1f}s{kept}, {used / 2**30:.2f} GiB "
                      "per device")  # fmt: skip
             self.mark_time += seconds  # compiling is not training time
@@ -294,7 +293,7 @@ class Run:
 
     def take_step(self):
         """Dispatch one step (no waiting on the device); returns its metrics, still on the device."""
-        first = not self.started
+        first = startup.pending("first step")
         with self.goodput.phase("data"):
             size, local = next(self.data)
         if first:
@@ -314,8 +313,7 @@ class Run:
             jax.block_until_ready(metrics)
         if first:
             startup.mark("first step")
-            self.started = True
-            self.say(startup.line(startup.seconds(), self.startup_notes), flush=True)
+            self.say(startup.line(), flush=True)
         self.hang.progress()
         return metrics
 

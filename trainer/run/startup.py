@@ -34,6 +34,7 @@ SCRIPT = PARTS[:3]  # marked by the script (trainer/run/cli.py) before any run b
 
 _marks: list[tuple[str, float]] = []  # (part, perf_counter at its end), in order
 _origin: list[float] = []  # perf_counter at the process's start, once known
+_notes: dict[str, str] = {}  # what a part did: "restored step 20", "from the compile cache"
 
 
 def _process_age() -> float | None:
@@ -48,19 +49,27 @@ def _process_age() -> float | None:
         return None
 
 
-def mark(part: str) -> None:
-    """`part` (one of PARTS) has just ended."""
+def mark(part: str, note: str = "") -> None:
+    """`part` (one of PARTS) has just ended; `note` says how it went."""
     now = time.perf_counter()
     if not _marks and not _origin:
         age = _process_age()
         _origin.append(now - age if age is not None and part == "imports" else now)
     _marks.append((part, now))
+    if note:
+        _notes[part] = note
+
+
+def pending(part: str) -> bool:
+    """Whether `part` is still to come in this launch."""
+    return all(p != part for p, _ in _marks)
 
 
 def launch_begins() -> None:
     """A run starts in this process: a process that already trained one times the next from here."""
     if any(part not in SCRIPT for part, _ in _marks) or not _origin:  # an earlier run's marks, or none at all
         _marks.clear()
+        _notes.clear()
         _origin[:] = [time.perf_counter()]
 
 
@@ -74,9 +83,10 @@ def seconds() -> dict[str, float]:
     return out
 
 
-def line(parts: dict[str, float], notes: dict[str, str]) -> str:
+def line() -> str:
     """The console line: the total, then each part with its note (`restored step 20`, `from the compile cache`)."""
-    said = ", ".join(f"{p} {s:.2f}s" + (f" ({notes[p]})" if p in notes else "") for p, s in parts.items())
+    parts = seconds()
+    said = ", ".join(f"{p} {s:.2f}s" + (f" ({_notes[p]})" if p in _notes else "") for p, s in parts.items())
     return f"start-up: {sum(parts.values()):.1f}s to the end of the first step: {said}"
 
 
