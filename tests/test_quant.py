@@ -158,17 +158,40 @@ def test_quantisation_that_cannot_work_is_one_sentence_before_anything_compiles(
     validate(micro_config(model=dict(quant=dict(matmul="fp8"))))  # the dense model's default targets: fine
 
 
-def test_a_poisoned_batch_is_still_skipped_when_the_gradients_are_quantised(tmp_path, corpus_dir):
+def test_a_quantised_run_skips_and_rolls_back_as_at_full_precision_and_exports_fp32(tmp_path, corpus_dir):
     """The spike defence sees what it sees at full precision: a non-finite loss makes non-finite int8
-    gradients (a NaN's absmax scale is NaN, which the rescaled int32 sums keep), so the step is skipped and the
-    parameters stay as they were, as tests/test_stability.py's drill has it without quantisation."""
+    gradients (a NaN's absmax scale is NaN, which the rescaled int32 sums keep), so each poisoned step is
+    skipped with the parameters as they were, and a window longer than the budget rolls back to the same
+    checkpoint, with the same batches passed over, as tests/test_stability.py's drill has it without
+    quantisation."""
     from test_stability import config, records
 
-    cfg = config(corpus_dir, poison_batches=(7,))
+    cfg = config(corpus_dir, poison_batches=(12, 13, 14, 15, 16, 17))
     cfg.model.quant.update(matmul="int8", targets=("attention", "mlp", "logits"))
-    cfg.train.steps = 10
+    cfg.train.steps = 20
     result = train(cfg, str(tmp_path / "run"))
-    steps = {r["step"]: r for r in records(str(tmp_path / "run")) if "loss" in r}
-    assert steps[8]["skipped"] == 1 and steps[8]["nonfinite"] == 1
-    assert steps[8]["param_norm"] == steps[7]["param_norm"] and steps[9]["skipped"] == 0
-    assert result["step"] == 11 and np.isfinite(result["loss"])
+    logged = records(str(tmp_path / "run"))
+    steps = {}
+    for r in logged:  # the first time each step was taken: the rollback takes steps 11 on again
+        if "loss" in r:
+            steps.setdefault(r["step"], r)
+    assert steps[13]["skipped"] == 1 and steps[13]["nonfinite"] == 1
+    assert steps[13]["param_norm"] == steps[12]["param_norm"]
+    (rollback,) = [r for r in logged if r.get("event") == "rollback"]
+    assert rollback["reason"] == "4 bad steps in the last 10"
+    assert rollback["to_step"] == 10 and rollback["lr_scale"] == 0.5 and rollback["data_batches_skipped"] == 7
+    assert np.isfinite(result["loss"])
+
+    # The export writes the master weights (the quantisation is training's own): fp32, all of them.
+    from safetensors.numpy import load_file
+
+    from trainer.interop.huggingface import WEIGHTS_FILE, export_checkpoint
+    from trainer.training.resume import load_params
+
+    export_checkpoint(cfg, str(tmp_path / "run"), None, str(tmp_path / "hf"))
+    exported = load_file(str(tmp_path / "hf" / WEIGHTS_FILE))
+    params = jax.device_get(load_params(cfg, str(tmp_path / "run"), None)[2])
+    assert {t.dtype for t in exported.values()} == {np.dtype("float32")}
+    np.testing.assert_allclose(sum(np.sum(np.square(t, dtype=np.float64)) for t in exported.values()),
+                               sum(np.sum(np.square(p, dtype=np.float64)) for p in jax.tree.leaves(params)),
+                               rtol=1e-12)  # fmt: skip
