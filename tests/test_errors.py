@@ -129,6 +129,11 @@ CASES = {
         lambda: micro_config(data=dict(source="text_files", mixture_unit="bytes")),
         "data.mixture_unit='bytes' is not one of tokens, documents",
     ),
+    "prompts mixed by tokens": (
+        lambda: micro_config(data=dict(source="text_files", format="prompts", mixture=("a:1", "b:1"))),
+        "a mixture of prompts corpora draws prompts, its weights are shares of the prompts; set "
+        "data.mixture_unit=documents",
+    ),
     "mixture corpus that is not prepared": (
         lambda: micro_config(data=dict(source="tfds", data_dir="/nonexistent", mixture=("a:1", "b:1"))),
         "dataset 'a' is not prepared under /nonexistent",

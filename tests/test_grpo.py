@@ -2,6 +2,7 @@
 sampler's completions the same alone or batched and on 8 devices as on 1, a run that resumes exactly, and
 bad settings refused in one sentence."""
 
+import dataclasses
 import json
 
 import jax
@@ -214,7 +215,7 @@ def test_eval_rewards_each_held_out_prompts_greedy_completion_as_if_alone(rows, 
     setup, _, params = load_params(cfg, str(tmp_path / "run"))
     held = prompts.rows(streams.Stream.from_config(cfg), "validation", shuffle=False)
     generate = make_generate(setup.spec, setup.shard, max_new_tokens=cfg.rl.max_new_tokens)
-    judge = rollouts.Judge(cfg, "validation")
+    judge = rollouts.Judge(cfg)
     alone = []
     for i in range(len(held)):
         out = np.asarray(generate(params, held[i].tokens[None], 0))
@@ -223,6 +224,46 @@ def test_eval_rewards_each_held_out_prompts_greedy_completion_as_if_alone(rows, 
         alone.append(variety(held[i].prompt, text, held[i].answer))
     assert result["eval_prompts"] == len(held) > 0
     assert result["eval_reward"] == pytest.approx(np.mean(alone), rel=1e-9)
+
+
+def test_a_mixture_of_prompts_corpora_draws_prompts_by_weight_and_the_tokenised_store_gives_the_same_prompts(
+    rows, tmp_path
+):
+    """data.mixture of two prepared prompts corpora (mixture_unit=documents: weights are shares of prompts):
+    prompts drawn 3:1, each corpus's in its own order; data.tokenized reads the same prompt tokens from the
+    tokenised stores; a prompt with no room is named with its corpus; and a run trains and evaluates on it."""
+    from trainer.data import corpora, prompts, streams
+
+    upper = tmp_path / "upper.jsonl"
+    with open(upper, "w") as f:
+        for i in range(40):
+            w = "abcdefghijklmnopqrst"[: 12 + i % 5]
+            f.write(json.dumps({"prompt": f"Upper: {w}", "answer": w.upper()}) + "\n")
+    cfg = rl_config(rows, tmp_path, data=dict(tokenized=True, seq_len=64),
+                    train=dict(steps=2, eval_every=2, eval_batches=1))  # fmt: skip
+    corpora.prepare(cfg.data)  # grpo_prompts, and its tokenised store
+    corpora.prepare(rl_config(rows, tmp_path, data=dict(tokenized=True, name="upper", paths=str(upper))).data)
+    cfg.data.update(mixture=("grpo_prompts:3", "upper:1"), mixture_unit="documents")
+    stream = streams.Stream.from_config(cfg)
+
+    drawn = prompts.rows(stream, "train", shuffle=True)
+    taken = [drawn[i] for i in range(40)]
+    assert ["of upper" in p.where for p in taken] == [False, False, False, True] * 10
+    for name, mine in (("grpo_prompts", taken[0::4][:5] + taken[1::4][:5]), ("upper", taken[3::4])):
+        alone = prompts.corpus_rows(stream.sources()[name], "train", shuffle=True)
+        order = [p for p in taken if f"of {name}" in p.where]
+        assert [p.where for p in order] == [alone[i].where for i in range(len(order))]
+    as_text = prompts.rows(dataclasses.replace(stream, tokenized=False), "train", shuffle=True)
+    for i, p in enumerate(taken):
+        assert p.prompt == as_text[i].prompt and p.answer == as_text[i].answer
+        np.testing.assert_array_equal(p.tokens, as_text[i].tokens)
+
+    longest = max(len(p.tokens) for p in taken if "of upper" not in p.where)
+    with pytest.raises(ConfigError, match=r"row \d+ of the train split of upper's prompt is \d+ tokens"):
+        prompts.check_room(dataclasses.replace(stream, seq_len=longest + 10), "train", 10)
+
+    result = train(cfg, str(tmp_path / "run"))
+    assert result["step"] == 2 and np.isfinite(result["loss"]) and result["eval_prompts"] > 0
 
 
 @pytest.mark.parametrize(

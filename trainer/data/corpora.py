@@ -50,8 +50,9 @@ def describe(data_cfg) -> str:
         which = readers.kind(data_cfg, corpus)
         if which in ("megatron", "dolma"):
             how = f"token ids read as they are ({'Megatron .bin/.idx' if which == 'megatron' else 'Dolma .npy'})"
-        elif data_cfg.format == "prompts":  # the answers live in the text store (trainer/data/prompts.py)
-            how = f"prompts rendered and tokenised on the fly by the {data_cfg.tokenizer} tokenizer"
+        elif data_cfg.format == "prompts" and not data_cfg.tokenized:  # answers from the text store in both
+            how = (f"prompts rendered and tokenised on the fly by the {data_cfg.tokenizer} tokenizer "
+                   "(data.tokenized=true reads their tokens from a tokenised store instead)")  # fmt: skip
         elif which == "text_files" and data_cfg.tokenized:
             how = "read from its tokenised store (data.tokenized=true)"
         else:

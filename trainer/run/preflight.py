@@ -51,8 +51,7 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
         splits = [cfg.data.train_split] + ([cfg.data.eval_split] if cfg.train.eval_every else [])
         corpora.check_every_host_reads_it(cfg.data, splits)
         if cfg.data.format == "prompts":  # every prompt leaves room for its completion
-            rows = prompts.rows(streams.Stream.from_config(cfg), cfg.data.train_split, shuffle=False)
-            prompts.check_room(rows, len(rows), cfg.data.seq_len, cfg.rl.max_new_tokens)
+            prompts.check_room(streams.Stream.from_config(cfg), cfg.data.train_split, cfg.rl.max_new_tokens)
     init, inputs = None, ()
     if wd.saved_steps(workdir):
         resume.check_resume(workdir, cfg, setup)

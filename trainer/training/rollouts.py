@@ -71,10 +71,10 @@ def padded(tokens: list[np.ndarray], rows: int, width: int) -> tuple[np.ndarray,
 
 
 class Judge:
-    """Completions rewarded as rl.reward says, on the split they came from."""
+    """Completions rewarded as rl.reward says."""
 
-    def __init__(self, cfg, split: str):
-        self.rewards, self.split = rewards.load(cfg.rl), split
+    def __init__(self, cfg):
+        self.rewards = rewards.load(cfg.rl)
         self.tokenizer = load_tokenizer(cfg.data)
         self.end_ids = chat.end_of_turn_ids(self.tokenizer, chat.template_for(cfg.data, self.tokenizer))
         self.weights = np.array([r.weight for r in self.rewards])
@@ -87,7 +87,7 @@ class Judge:
         found = np.zeros((len(asked), len(self.rewards)), np.float64)
         for r, p in enumerate(asked):
             text = self.tokenizer.decode([int(t) for t in out[r, : ends[r]] if int(t) not in self.end_ids])
-            where = f"row {p.index + 1} of the {self.split} split (its completion {text!r})"
+            where = f"{p.where} (its completion {text!r})"
             found[r] = rewards.score(self.rewards, p.prompt, text, p.answer, where)
         return found
 
@@ -102,7 +102,7 @@ class Rollouts:
         self.cfg, self.rl, self.setup, self.rows, self.current = cfg, cfg.rl, setup, rows, current
         self.group, self.size = cfg.rl.group_size, cfg.train.global_batch_size
         self.prompts = prompts.rows(stream, cfg.data.train_split, shuffle=True)
-        self.judge = Judge(cfg, cfg.data.train_split)
+        self.judge = Judge(cfg)
         rl = cfg.rl
         self.generate = make_generate(setup.spec, setup.shard, max_new_tokens=rl.max_new_tokens,
                                       temperature=rl.temperature, top_p=rl.top_p, with_logprobs=True,
@@ -203,7 +203,7 @@ class HeldOut:
         self.cfg, self.count = cfg, cfg.train.global_batch_size // cfg.rl.group_size
         self.prompts = prompts.rows(stream, cfg.data.eval_split, shuffle=False)
         self.total = min(len(self.prompts), batches * self.count) if batches else len(self.prompts)
-        self.judge = Judge(cfg, cfg.data.eval_split)
+        self.judge = Judge(cfg)
         self.generate = make_generate(setup.spec, setup.shard, max_new_tokens=cfg.rl.max_new_tokens)
 
     def __call__(self, weights, progress=lambda: None) -> dict:

@@ -227,11 +227,11 @@ def _check_watching(cfg: ml_collections.ConfigDict) -> None:
 
 
 def _check_post_training(cfg) -> None:
-    """Conversations are prepared from files, one corpus; DPO needs its reference weights."""
+    """Conversations are prepared from files, one corpus for DPO; DPO needs its reference weights."""
     d = cfg.data
     if d.format == "text":
         return
-    one = d.format in ("preference", "prompts")
+    one = d.format == "preference"
     if d.source != "text_files" or (d.mixture and one):
         raise ConfigError(
             f"data.format={d.format} reads .jsonl or .parquet rows prepared here: set data.source=text_files and "
@@ -252,6 +252,9 @@ def _check_rl(cfg) -> None:
     """GRPO's settings (data.format=prompts), and its rewards importable, before anything compiles."""
     rl, t = cfg.rl, cfg.train
     _choice("rl.loss", rl.loss, RL_LOSSES)
+    if cfg.data.mixture and cfg.data.mixture_unit != "documents":
+        raise ConfigError(f"data.mixture_unit={cfg.data.mixture_unit}: a mixture of prompts corpora draws prompts, "
+                          "its weights are shares of the prompts; set data.mixture_unit=documents.")  # fmt: skip
     if rl.group_size < 2:
         raise ConfigError(f"rl.group_size={rl.group_size}: GRPO compares a prompt's completions with each other, and "
                           "one alone has an advantage of 0 (nothing to learn); sample at least 2.")  # fmt: skip
