@@ -37,7 +37,7 @@ from trainer.run import preflight, startup
 from trainer.run.hang import HangWatch
 from trainer.run.preemption import watch_for_sigterm
 from trainer.run.profiling import StepProfiler
-from trainer.run.rollback import roll_back
+from trainer.run.rollback import roll_back, rollback_event
 from trainer.storage import compile_cache
 from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
@@ -121,7 +121,7 @@ class Run:
         self.batch, self.micro = t.global_batch_size, microbatch_size(cfg)
         self.target = t.steps * t.global_batch_size  # sequences to train on
         self.stream = streams.Stream.from_config(cfg)
-        self.rows = self._local_rows(self.batch)
+        self.rows = streams.process_rows(setup.batch_sharding, self.batch, cfg.data.seq_len)  # this process's
         self.rl = cfg.data.format == "prompts"  # batches sampled from the policy (trainer/training/rollouts.py)
         self.reference = None
         if self.rl and not setup.adapted:  # GRPO's reference scores the rollouts; the step takes no inputs
@@ -234,15 +234,13 @@ class Run:
             return weights, None
         return weights, self.setup.reference(weights, self.inputs) if self.setup.adapted else self.reference
 
-    def _local_rows(self, size: int) -> list[int]:
-        """This process's rows of a batch of `size` rows (a batch-size ramp uses a few sizes)."""
-        return streams.process_rows(self.setup.batch_sharding, size, self.cfg.data.seq_len)
-
     def _plan(self, read: int) -> tuple[int, list[int]]:
         """(rows of the step starting `read` sequences into the stream, this process's stream rows)."""
         size = batch_ramp.step_size(self.cfg, read)
-        rows = self.rows if size == self.batch else streams.ramp_rows(self._local_rows(size), size, self.batch)
-        return size, rows
+        if size == self.batch:
+            return size, self.rows
+        mine = streams.process_rows(self.setup.batch_sharding, size, self.cfg.data.seq_len)  # a ramp's few sizes
+        return size, streams.ramp_rows(mine, size, self.batch)
 
     def _clocks(self) -> tuple[int, int, int, int]:
         """(step, sequences trained on, sequences read, skipped steps): a (small) sync with the device."""
@@ -332,7 +330,7 @@ class Run:
             "tokens_per_sec": tokens_per_sec,
             "mfu": self.flops_per_token * tokens_per_sec / self.peak if self.peak else None,
             "step_time": elapsed / max(step - self.mark_step, 1),
-            **self._mixture_shares(),
+            **streams.mixture_shares(self.stream.mixture, self.mixture_taken),
             **(self.data.figures(step) if self.rl else {}),
             **self.goodput.totals(),
         }
@@ -351,15 +349,6 @@ class Run:
             )  # fmt: skip
         return stability.trouble(self.cfg, int(values["bad_in_window"]), int(values["diverged_run"]))
 
-    def _mixture_shares(self) -> dict[str, float]:
-        """`mixture/<corpus>`: each corpus's share of what was trained on since this launch, in the mixture's
-        unit (tokens, or documents begun), over this process's rows up to the step just dispatched."""
-        total = self.mixture_taken.sum()
-        if not total:
-            return {}
-        return {f"mixture/{name}": float(n / total) for (name, _), n in zip(self.stream.mixture, self.mixture_taken,
-                                                                             strict=True)}  # fmt: skip
-
     def roll_back(self, reason: str) -> None:
         from_step = self.step
 
@@ -374,10 +363,7 @@ class Run:
         self.goodput.rolled_back(self.step)
         self.dispatched = []
         lr_scale = float(fetch(self.state.stability["lr_scale"]))
-        event = {"event": "rollback", "reason": reason, "from_step": from_step, "to_step": self.step,
-                 "lr_scale": lr_scale, "data_batches_skipped": skipped_batches}  # fmt: skip
-        line = (f"step {from_step:>6}  ROLLBACK to step {self.step}: {reason}; learning rate now x{lr_scale:g}, "
-                f"the {skipped_batches:g} data batches read since the checkpoint skipped")  # fmt: skip
+        event, line = rollback_event(reason, from_step, self.step, lr_scale, skipped_batches)
         self.writer.write(self.step, event, console=line)
         if not self.primary:  # every host's log shows where it went back to
             print(f"process {self.process}: {line.strip()}", flush=True)

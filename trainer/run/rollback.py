@@ -62,3 +62,12 @@ def roll_back(
     changes = {k: jax.device_put(v, replicated) for k, v in changes.items()}
     counts = {**state.clock, "data_read": jax.device_put(clock.of(data_read, batch), replicated)}
     return state.replace(stability={**stats, **changes}, clock=counts), skipped / batch
+
+
+def rollback_event(reason: str, from_step: int, to_step: int, lr_scale: float, skipped: float) -> tuple[dict, str]:
+    """(the metrics record of a rollback, its console line)."""
+    event = {"event": "rollback", "reason": reason, "from_step": from_step, "to_step": to_step,
+             "lr_scale": lr_scale, "data_batches_skipped": skipped}  # fmt: skip
+    line = (f"step {from_step:>6}  ROLLBACK to step {to_step}: {reason}; learning rate now x{lr_scale:g}, "
+            f"the {skipped:g} data batches read since the checkpoint skipped")  # fmt: skip
+    return event, line
