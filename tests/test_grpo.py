@@ -259,7 +259,7 @@ def test_a_mixture_of_prompts_corpora_draws_prompts_by_weight_and_the_tokenised_
         np.testing.assert_array_equal(p.tokens, as_text[i].tokens)
 
     longest = max(len(p.tokens) for p in taken if "of upper" not in p.where)
-    with pytest.raises(ConfigError, match=r"row \d+ of the train split of upper's prompt is \d+ tokens"):
+    with pytest.raises(ConfigError, match=r"the prompt of row \d+ of the train split of upper is \d+ tokens"):
         prompts.check_room(dataclasses.replace(stream, seq_len=longest + 10), "train", 10)
 
     result = train(cfg, str(tmp_path / "run"))
@@ -304,7 +304,9 @@ def test_a_reward_that_fails_on_a_row_names_the_row(rows, tmp_path, reward, says
 def test_a_prompt_too_long_for_its_completion_is_named_before_anything_compiles(rows, tmp_path):
     cfg = rl_config(rows, tmp_path, data=dict(seq_len=32))
     cfg.rl.max_new_tokens = 20
-    with pytest.raises(ConfigError, match=r"row \d+'s prompt is \d+ tokens, which leaves no room in data.seq_len=32"):
+    says = r"the prompt of row \d+ of the train split of grpo_prompts is \d+ tokens, which leaves no room in "
+    says += "data.seq_len=32"
+    with pytest.raises(ConfigError, match=says):
         train(cfg, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 

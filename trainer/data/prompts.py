@@ -88,7 +88,7 @@ def check_room(stream, split: str, max_new_tokens: int) -> None:
             p = every[j]
             if len(p.tokens) > room:
                 raise ConfigError(
-                    f"{p.where}'s prompt is {len(p.tokens)} tokens, which leaves no room in data.seq_len="
+                    f"the prompt of {p.where} is {len(p.tokens)} tokens, which leaves no room in data.seq_len="
                     f"{stream.seq_len} for rl.max_new_tokens={max_new_tokens}; raise data.seq_len to at least "
                     f"{len(p.tokens) + max_new_tokens}, lower rl.max_new_tokens, or shorten the prompt."
                 )
