@@ -201,9 +201,10 @@ def test_a_grpo_run_resumes_exactly(rows, tmp_path):
     assert straight["grad_norm"] > 0
 
 
-def test_eval_rewards_each_held_out_prompts_greedy_completion_as_if_alone(rows, tmp_path):
+def test_eval_rewards_each_held_out_prompts_greedy_and_sampled_completions_as_if_alone(rows, tmp_path):
     """eval.py on a GRPO run (data.format=prompts): the held-out prompts, batched and padded, give the mean
-    reward of each prompt's greedy completion decoded alone and rewarded here."""
+    reward of each prompt's greedy completion decoded alone and rewarded here, and of its rl.group_size
+    completions sampled alone with their keys (the seed, the prompt's place, the held-out tag)."""
     from rl_rewards import variety
 
     from trainer.data import prompts, streams
@@ -224,6 +225,20 @@ def test_eval_rewards_each_held_out_prompts_greedy_completion_as_if_alone(rows, 
         alone.append(variety(held[i].prompt, text, held[i].answer))
     assert result["eval_prompts"] == len(held) > 0
     assert result["eval_reward"] == pytest.approx(np.mean(alone), rel=1e-9)
+
+    rl = cfg.rl
+    sample = make_generate(setup.spec, setup.shard, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature,
+                           top_p=rl.top_p)  # fmt: skip
+    drawn = []
+    for i in range(len(held)):
+        keys = rollouts.row_keys(cfg.train.seed, i, 1, rl.group_size, rollouts.HELD_OUT_TAG)
+        tokens = np.repeat(held[i].tokens[None], rl.group_size, axis=0)
+        out = np.asarray(sample(params, tokens, 0, np.full(rl.group_size, len(held[i].tokens), np.int32), keys))
+        for row, n in zip(out, judge.ends(out), strict=True):
+            text = judge.tokenizer.decode([int(t) for t in row[:n] if int(t) not in judge.end_ids])
+            drawn.append(variety(held[i].prompt, text, held[i].answer))
+    assert len(set(drawn)) > 1  # draws, not one completion repeated
+    assert result["eval_reward_sampled"] == pytest.approx(np.mean(drawn), rel=1e-9)
 
 
 def test_a_mixture_of_prompts_corpora_draws_prompts_by_weight_and_the_tokenised_store_gives_the_same_prompts(

@@ -277,17 +277,26 @@ def eval_line(step: int, result: dict, covers: str = "") -> str:
     if "unigram_loss" in result:
         return f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f}; {covers})"
     if "eval_reward" in result:
-        solved = f"  solved {result['eval_solved']:.3f}" if "eval_solved" in result else ""
-        return (f"step {step:>6}  eval reward {result['eval_reward']:.4f}{solved} (greedy, "
-                f"{int(result['eval_prompts'])} held-out prompts)")  # fmt: skip
+        return f"step {step:>6}  eval {rewarded(result)} ({int(result['eval_prompts'])} held-out prompts)"
     return (f"step {step:>6}  eval DPO loss {result['eval_loss']:.4f}  reward accuracy "
             f"{result['eval_dpo/accuracy']:.3f}  margin {result['eval_dpo/margins']:.3f} "
             f"({int(result['eval_pairs'])} held-out pairs)")  # fmt: skip
 
 
+def rewarded(result: dict) -> str:
+    """GRPO's held-out figures in words: the greedy completions', then the sampled ones' (as rollouts sample)."""
+
+    def words(suffix: str) -> str:
+        solved = f", solved {result['eval_solved' + suffix]:.4f}" if "eval_solved" + suffix in result else ""
+        return f"reward {result['eval_reward' + suffix]:.4f}{solved}"
+
+    return f"{words('')} greedy; {words('_sampled')} sampled"
+
+
 def _rewarded(cfg, workdir: str, step: int | None, max_batches: int, devices, say) -> dict:
     """A GRPO run's checkpoint (data.format=prompts): one greedy completion of each held-out prompt (the first
-    `max_batches` batches' prompts, or all), rewarded as training rewards them (trainer/training/rollouts.py)."""
+    `max_batches` batches' prompts, or all) and rl.group_size sampled ones, rewarded as training rewards them
+    (trainer/training/rollouts.py HeldOut)."""
     corpora.open_split(cfg.data, cfg.data.eval_split)
     setup, step, params = load_params(cfg, workdir, step, devices)
     result = {"step": step, **rollouts.HeldOut(setup, streams.Stream.from_config(cfg), max_batches)(params),
@@ -295,9 +304,9 @@ def _rewarded(cfg, workdir: str, step: int | None, max_batches: int, devices, sa
               "evaluated": what_was_evaluated(cfg, workdir, step, max_batches)}  # fmt: skip
     result["file"] = str(path(workdir) / "eval" / record_name(result["evaluated"]))
     if jax.process_index() == 0:
-        solved = f", solved {result['eval_solved']:.4f}" if "eval_solved" in result else ""
-        say(f"step {step}: reward {result['eval_reward']:.4f}{solved} over {int(result['eval_prompts'])} prompts of "
-            f"the {cfg.data.eval_split} split, one greedy completion each")  # fmt: skip
+        say(f"step {step}: {rewarded(result)} over {int(result['eval_prompts'])} prompts of the "
+            f"{cfg.data.eval_split} split (one greedy completion of each, and rl.group_size={cfg.rl.group_size} "
+            f"sampled at rl.temperature={cfg.rl.temperature:g})")  # fmt: skip
         write_file(result["file"], json.dumps(result))
         say(f"wrote {result['file']}")
     return result

@@ -33,11 +33,12 @@ from trainer.model.sampling import make_generate
 from trainer.objectives import grpo, rewards
 
 _TAG = 0x524C  # rollouts' keys are folded from the seed with this, apart from dropout's
+HELD_OUT_TAG = 0x484F  # the held-out prompts' sampled completions': apart from the rollouts' keys
 
 
-def row_keys(seed: int, first: int, count: int, group: int) -> jax.Array:
+def row_keys(seed: int, first: int, count: int, group: int, tag: int = _TAG) -> jax.Array:
     """The sampling keys of `count` prompts from stream place `first` on, `group` completions each."""
-    base = jax.random.fold_in(jax.random.key(seed), _TAG)
+    base = jax.random.fold_in(jax.random.key(seed), tag)
     return jnp.stack([jax.random.fold_in(jax.random.fold_in(base, first + j), g)
                       for j in range(count) for g in range(group)])  # fmt: skip
 
@@ -196,7 +197,10 @@ class HeldOut:
     """Evaluation under data.format=prompts (the loop's, and eval.py's): one greedy completion of each of the
     held-out split's first `batches` x P prompts (P prompts a batch, in order; all of them for 0), rewarded
     as training rewards them: `eval_reward` (their weighted sum's mean), `eval_solved` (the exact reward's
-    mean, where rl.reward has it) and `eval_prompts`."""
+    mean, where rl.reward has it) and `eval_prompts`. Beside them, what training optimises on those prompts:
+    rl.group_size completions of each sampled as a rollout samples them (rl.temperature, rl.top_p; keys from
+    the seed and the prompt's place, apart from the rollouts'), `eval_reward_sampled` and
+    `eval_solved_sampled` their means."""
 
     def __init__(self, setup, stream, batches: int):
         cfg = setup.cfg
@@ -204,19 +208,29 @@ class HeldOut:
         self.prompts = prompts.rows(stream, cfg.data.eval_split, shuffle=False)
         self.total = min(len(self.prompts), batches * self.count) if batches else len(self.prompts)
         self.judge = Judge(cfg)
-        self.generate = make_generate(setup.spec, setup.shard, max_new_tokens=cfg.rl.max_new_tokens)
+        rl = cfg.rl
+        self.generate = make_generate(setup.spec, setup.shard, max_new_tokens=rl.max_new_tokens)
+        self.sample = make_generate(setup.spec, setup.shard, max_new_tokens=rl.max_new_tokens,
+                                    temperature=rl.temperature, top_p=rl.top_p, split_batch=True)  # fmt: skip
 
     def __call__(self, weights, progress=lambda: None) -> dict:
-        width, found = self.cfg.data.seq_len - self.cfg.rl.max_new_tokens, []
+        cfg, group = self.cfg, self.cfg.rl.group_size
+        width, found, sampled = cfg.data.seq_len - cfg.rl.max_new_tokens, [], []
         for first in range(0, self.total, self.count):
             asked = [self.prompts[i] for i in range(first, min(first + self.count, self.total))]
             prompt, lengths = padded([p.tokens for p in asked], self.count, width)
             out = fetch(self.generate(weights, prompt, 0, lengths))
             found.append(self.judge.scores(out, self.judge.ends(out), asked))
+            rows = [p for p in asked for _ in range(group)]  # as a rollout's batch: group_size rows a prompt
+            prompt, lengths = padded([p.tokens for p in rows], self.count * group, width)
+            keys = row_keys(cfg.train.seed, first, self.count, group, HELD_OUT_TAG)
+            out = whole(self.sample(weights, prompt, 0, lengths, keys))[: len(rows)]
+            sampled.append(self.judge.scores(out, self.judge.ends(out), rows))
             progress()
-        scores = np.concatenate(found)
-        result = {"eval_reward": float((scores @ self.judge.weights).mean()), "eval_prompts": float(len(scores))}
+        result = {"eval_prompts": float(sum(len(f) for f in found))}
         names = [r.name for r in self.judge.rewards]
-        if "exact" in names:
-            result["eval_solved"] = float(scores[:, names.index("exact")].mean())
+        for suffix, scores in (("", np.concatenate(found)), ("_sampled", np.concatenate(sampled))):
+            result[f"eval_reward{suffix}"] = float((scores @ self.judge.weights).mean())
+            if "exact" in names:
+                result[f"eval_solved{suffix}"] = float(scores[:, names.index("exact")].mean())
         return result
