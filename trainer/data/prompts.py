@@ -6,7 +6,7 @@ as the training streams are (trainer/data/streams.py documents): batch k holds r
 that endless order, so the batch is a function of k alone and resuming needs only the count of batches taken.
 A mixture (data.mixture) draws each corpus's endless order by its weight, a share of the prompts (grain's
 MapDataset.mix: a fixed interleaving, so still a function of k alone); its held-out prompts interleave the
-corpora's held-out splits by the same weights.
+corpora's held-out splits by the same weights, until one of them runs out.
 
 The rows are read from the text store (the answer lives there) and rendered through the chat template with
 the generation prompt, as a chat is continued; with data.tokenized the rendered prompt's tokens are read from
