@@ -279,6 +279,10 @@ def test_a_mixture_of_prompts_corpora_draws_prompts_by_weight_and_the_tokenised_
 
     result = train(cfg, str(tmp_path / "run"))
     assert result["step"] == 2 and np.isfinite(result["loss"]) and result["eval_prompts"] > 0
+    # Each rollout's 2 prompts: the first two of the 3:1 draw, then the next two.
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        shares = [(r["mixture/grpo_prompts"], r["mixture/upper"]) for r in map(json.loads, f) if "loss" in r]
+    assert shares == [(1.0, 0.0), (0.5, 0.5)], shares
 
 
 @pytest.mark.parametrize(

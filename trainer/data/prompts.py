@@ -32,6 +32,7 @@ class Prompt:
     prompt: object  # as the row gave it: a string or a list of messages
     answer: object  # any JSON value
     where: str  # "row N of the S split of CORPUS", for sentences that name it
+    corpus: str  # its corpus's name (data.name, or a data.mixture entry's)
 
 
 def rows(stream, split: str, shuffle: bool) -> grain.MapDataset:
@@ -68,7 +69,7 @@ def corpus_rows(stream, split: str, shuffle: bool) -> grain.MapDataset:
             tokens = chat.prompt_ids(tokenizer, template, chat.prompt_messages(row["prompt"], where))
         else:
             tokens = np.asarray(stored[int(i)]["tokens"], np.int32)
-        return Prompt(tokens, row["prompt"], row["answer"], where)
+        return Prompt(tokens, row["prompt"], row["answer"], where, stream.name)
 
     return docs.map(read)
 

@@ -103,6 +103,7 @@ class Rollouts:
         self.cfg, self.rl, self.setup, self.rows, self.current = cfg, cfg.rl, setup, rows, current
         self.group, self.size = cfg.rl.group_size, cfg.train.global_batch_size
         self.prompts = prompts.rows(stream, cfg.data.train_split, shuffle=True)
+        self.mixture = stream.mixture
         self.judge = Judge(cfg)
         rl = cfg.rl
         self.generate = make_generate(setup.spec, setup.shard, max_new_tokens=rl.max_new_tokens,
@@ -158,6 +159,8 @@ class Rollouts:
                    "rl/truncated": float(np.mean(~np.isin(out[np.arange(self.size), ends - 1], list(judge.end_ids)))),
                    "rl/logp_diff_mean": float(gap.mean()), "rl/logp_diff_max": float(gap.max()),
                    "rl/sample_seconds": sample_seconds, "rl/score_seconds": score_seconds}  # fmt: skip
+        for name, _ in self.mixture:  # each corpus's share of the prompts, as a text mixture logs its shares
+            figures[f"mixture/{name}"] = sum(p.corpus == name for p in asked) / len(asked)
         for j, r in enumerate(judge.rewards):
             figures[f"rl/reward/{r.name}"] = float(scores[:, j].mean())
             figures[f"rl/reward/{r.name}_std"] = float(scores[:, j].std())
