@@ -1,4 +1,5 @@
-"""data.mixture: which prepared corpora a run trains on, and by what weight (read in trainer/data/streams.py).
+"""data.mixture: which prepared corpora a run trains on, and by what weight (read in trainer/data/streams.py),
+and the shares each gave (logged by the loop).
 
 Kept apart from the streams so that checking a config does not import the data libraries.
 """
@@ -28,3 +29,12 @@ def parse_mixture(entries) -> tuple[tuple[str, float], ...]:
     if len({name for name, _ in mixture}) < len(mixture):
         raise ConfigError(f"data.mixture={tuple(entries)!r} names a corpus twice; give each once, with its weight.")
     return tuple(mixture)
+
+
+def mixture_shares(mixture: tuple[tuple[str, float], ...], taken) -> dict[str, float]:
+    """`mixture/<corpus>`: each corpus's share of what was trained on since this launch (`taken`, summed from
+    mixture_counts over this process's rows up to the step just dispatched), in the mixture's unit."""
+    total = taken.sum()
+    if not total:
+        return {}
+    return {f"mixture/{name}": float(n / total) for (name, _), n in zip(mixture, taken, strict=True)}

@@ -268,15 +268,6 @@ def mixture_counts(local: dict[str, np.ndarray], unit: str, corpora: int, bos_id
     return np.bincount(local["source"][counted], minlength=corpora)
 
 
-def mixture_shares(mixture: tuple[tuple[str, float], ...], taken: np.ndarray) -> dict[str, float]:
-    """`mixture/<corpus>`: each corpus's share of what was trained on since this launch (`taken`, summed from
-    mixture_counts over this process's rows up to the step just dispatched), in the mixture's unit."""
-    total = taken.sum()
-    if not total:
-        return {}
-    return {f"mixture/{name}": float(n / total) for (name, _), n in zip(mixture, taken, strict=True)}
-
-
 def document_starts(local: dict[str, np.ndarray], bos_id: int | None) -> np.ndarray:
     """Where documents begin in a batch, one place per document whatever the tokenizer's marks.
 

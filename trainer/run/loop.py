@@ -28,6 +28,7 @@ from parallelism.distributed import fetch, wait_if_a_process_died
 from trainer.config import microbatch_size
 from trainer.config.forms import from_dict
 from trainer.data import corpora, streams, workers
+from trainer.data.mixture import mixture_shares
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluation import samples
 from trainer.evaluation.loss import Evaluator, eval_line
@@ -330,7 +331,7 @@ class Run:
             "tokens_per_sec": tokens_per_sec,
             "mfu": self.flops_per_token * tokens_per_sec / self.peak if self.peak else None,
             "step_time": elapsed / max(step - self.mark_step, 1),
-            **streams.mixture_shares(self.stream.mixture, self.mixture_taken),
+            **mixture_shares(self.stream.mixture, self.mixture_taken),
             **(self.data.figures(step) if self.rl else {}),
             **self.goodput.totals(),
         }
