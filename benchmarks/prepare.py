@@ -14,8 +14,9 @@ BPE of 32,768 pieces trained first on a sample) and --tokenize:
   the small and the large corpus (flat if it does not grow with the corpus); `peak_mb_per_worker_2w_large`:
   the largest of Beam's two workers' on the large one;
 - `read_tokens_per_s_<format>`: global batches of 16 x 2048 read, packed and stacked in one thread from
-  the store, from Megatron .bin/.idx (written by megatron-core's builder from the store's documents) and
-  from Dolma's .npy (its own `dolma tokens` output);
+  the store (its flat token files), from the store's records alone (`store_records`: a store prepared
+  before the flat files), from Megatron .bin/.idx (written by megatron-core's builder from the store's
+  documents) and from Dolma's .npy (its own `dolma tokens` output);
 - `dolma_tokens_per_s_2p`, `ours_over_dolma`: `dolma tokens` with the same tokenizer file and 2 processes
   on the same files, and our 2-worker rate over it (with --dolma: dolma 1.2.1 does not install beside this
   project, so give the `dolma` of a virtualenv of its own; without it these say "skipped").
@@ -23,6 +24,7 @@ BPE of 32,768 pieces trained first on a sample) and --tokenize:
 The smoke run (tests/test_benchmarks.py) is `--mb 2 --small_mb 1 --batches 2`.
 """
 
+import glob
 import gzip
 import json
 import os
@@ -239,6 +241,12 @@ def main(_):
                     tokenizer_path=tokenizer, tokenized=True, seq_len=2048)  # fmt: skip
     cfg.train.global_batch_size = 16
     figures["read_tokens_per_s_store"] = pipeline_rate(cfg, _BATCHES.value)
+    flat = glob.glob(f"{root}/out-1w/text_files/bench-tokens/1.0.0/*.ids")
+    for path in flat:  # the store as prepared before its flat token files: read from its records
+        os.rename(path, path + ".aside")
+    figures["read_tokens_per_s_store_records"] = pipeline_rate(cfg, _BATCHES.value)
+    for path in flat:
+        os.rename(path + ".aside", path)
     megatron_from_store(f"{root}/out-1w", f"{root}/megatron")
     megatron = cfg.copy_and_resolve_references()
     megatron.data.update(source="megatron", paths=f"{root}/megatron", tokenized=False)

@@ -14,7 +14,7 @@ from conftest import micro_config
 from trainer.config.errors import ConfigError
 from trainer.data import corpora, readers, streams
 from trainer.data.preparation import split as split_rule
-from trainer.data.readers.store import Tokens
+from trainer.data.readers.store import FlatTokens, Tokens
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
 from trainer.data.workers import ProcessRows
 
@@ -452,13 +452,30 @@ def test_a_tokenised_cache_gives_the_same_batches_with_no_tokenizer_and_refuses_
             for key in e:
                 np.testing.assert_array_equal(e[key], got[key])
     monkeypatch.undo()
-    for split in ("train", "validation"):  # the store's records decoded by us (readers/store.py) and by TFDS
-        ours = readers.open_split(cfg.data, "files", split)
+    store = tmp_path / "tfds" / "text_files" / "files-tokens" / "1.0.0"
+    flat = {split: store / f"text_files-{split}.array_record-00000-of-00001.ids" for split in ("train", "validation")}
+    for kind, split in ((FlatTokens, "train"), (FlatTokens, "validation"), (Tokens, "train"), (Tokens, "validation")):
+        if kind is Tokens:  # a store prepared before the flat files: read from its records, the same documents
+            for path in flat.values():
+                path.unlink(missing_ok=True)
+        ours = readers.open_split(cfg.data, "files", split)  # read by us (readers/store.py) and by TFDS
         theirs = readers.open_prepared(cfg.data, "text_files/files-tokens", split)
-        assert isinstance(ours, Tokens) and len(ours) == len(theirs) > 0
+        assert isinstance(ours, kind) and len(ours) == len(theirs) > 0
         for i in range(len(theirs)):
             np.testing.assert_array_equal(ours[i]["tokens"], theirs[i]["tokens"])
-            assert ours[i]["source"] == theirs[i]["source"]
+            assert ours[i]["tokens"].dtype == np.int32
+        if kind is FlatTokens and split == "validation":  # damaged flat files are said, with how to rebuild them
+            data = flat[split].read_bytes()
+            flat[split].write_bytes(data[4:])  # cut short
+            with pytest.raises(
+                ConfigError,
+                match=r"validation.array_record-00000-of-00001.ids is damaged \(.*\): move "
+                r".*files-tokens/1.0.0 aside and run scripts/prepare_data.py with this config and --tokenize",
+            ):
+                readers.open_split(cfg.data, "files", split)
+            flat[split].unlink()
+            with pytest.raises(ConfigError, match="lacks text_files-validation.array_record-00000-of-00001.ids"):
+                readers.open_split(cfg.data, "files", split)
 
     model = str(tmp_path / "spm.model")
     train_sentencepiece([p.read_text() for p in sorted(corpus.iterdir())[:100]], 300, model)
@@ -589,8 +606,8 @@ def test_a_corpus_prepared_before_the_split_rule_keeps_it_and_its_run_resumes(tm
                     jax.tree.leaves(params_at(cfg(4), str(straight), 4)), strict=True):  # fmt: skip
         np.testing.assert_array_equal(a, b)
 
-    def sources(data, split):
-        source = corpora.open_split(data, split)
+    def sources(data, split):  # each document's file, as TFDS decodes it (training reads the tokens alone)
+        source = readers.open_prepared(data, readers.tfds_name(data, "old"), split)
         return sorted(source[i]["source"].decode() for i in range(len(source)))
 
     held = sorted(rel for _, rel in files if split_rule.is_validation(split_rule.SPLIT_BY_FILE, rel, None))

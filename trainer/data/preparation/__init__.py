@@ -3,7 +3,8 @@ and with `data.tokenized` its tokenised store, written in that same pass.
 
     inputs.py    the files (globs, their roots) and the documents in them
     split.py     which documents are held out; what a corpus records of what it was made from
-    shards.py    the corpus on disk: TFDS array_record shards and dataset_info.json
+    shards.py    the corpus on disk: TFDS array_record shards (a text store's flat token files beside them)
+                 and dataset_info.json
     work.py      the pass: units of files, each writing its own shards, in this process or on Apache Beam
     progress.py  what a long preparation says while it runs
     publishing.py  staging, publishing whole, one builder at a time

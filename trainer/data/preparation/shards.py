@@ -7,6 +7,8 @@ names them (`text_files-train.array_record-00003-of-00016`), so the number of sh
 is written and no shard is ever renamed; a unit with nothing for a split writes an empty shard. Examples
 are serialised with TFDS's own serializer for the dataset's features, and `dataset_info.json`, written
 last, makes the directory a prepared dataset: TFDS takes a directory without it for an unprepared one.
+A text corpus's store also has each shard's ids flat beside it (`<shard>.ids`, trainer/data/readers/store.py),
+which training reads by memory map.
 
 ArrayRecord writes local files only: a shard is written to a local temporary file, then moved (or, to a
 bucket, copied) to its place.
@@ -86,11 +88,16 @@ def _template(directory: str, split: str) -> tfds.core.ShardedFileTemplate:
 
 
 class ShardWriter:
-    """One unit's shard of one split of one dataset: examples appended, then `close()` puts it in place."""
+    """One unit's shard of one split of one dataset: examples appended, then `close()` puts it in place. A text
+    corpus's tokenised store also gets the shard's ids flat beside it (readers/store.py; `vocab_size` picks
+    their width)."""
 
-    def __init__(self, config_name: str, directory: str, split: str, unit: int, units: int, format: str = "text"):
+    def __init__(self, config_name: str, directory: str, split: str, unit: int, units: int, format: str = "text",
+                 vocab_size: int = 0):  # fmt: skip
         from array_record.python.array_record_module import ArrayRecordWriter
         from tensorflow_datasets.core import example_serializer
+
+        from trainer.data.readers.store import FLAT_SUFFIX, FlatWriter
 
         self.features = _features(config_name.endswith(TOKENS_SUFFIX), format)
         self._serializer = example_serializer.ExampleSerializer(self.features.get_serialized_info())
@@ -99,26 +106,38 @@ class ShardWriter:
         self._local.close()
         self._writer = ArrayRecordWriter(self._local.name, "group_size:1")  # random access by index
         self.count = self.bytes = 0
+        self._places, self._flat = [(self._local.name, self.target)], None
+        if config_name.endswith(TOKENS_SUFFIX) and format == "text":
+            self._flat = FlatWriter(self._local.name + FLAT_SUFFIX, vocab_size)
+            self._places.append((self._local.name + FLAT_SUFFIX, self.target + FLAT_SUFFIX))
 
     def write(self, example: dict) -> None:
         record = self._serializer.serialize_example(self.features.encode_example(example))
         self._writer.write(record)
+        if self._flat is not None:
+            self._flat.write(example["tokens"])
         self.count, self.bytes = self.count + 1, self.bytes + len(record)
 
     def close(self) -> None:
         self._writer.close()
-        if is_remote(self.target):
-            import fsspec
+        if self._flat is not None:
+            self._flat.close()
+        for local, target in self._places:
+            if is_remote(target):
+                import fsspec
 
-            fsspec.filesystem("gcs").put_file(self._local.name, self.target)
-            os.remove(self._local.name)
-        else:
-            os.makedirs(os.path.dirname(self.target), exist_ok=True)
-            shutil.move(self._local.name, self.target)
+                fsspec.filesystem("gcs").put_file(local, target)
+                os.remove(local)
+            else:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.move(local, target)
 
     def discard(self) -> None:
         self._writer.close()
-        os.remove(self._local.name)
+        if self._flat is not None:
+            self._flat.close()
+        for local, _ in self._places:
+            os.remove(local)
 
 
 def write_info(config_name: str, directory: str, lengths: dict[str, list[int]], sizes: dict[str, int],

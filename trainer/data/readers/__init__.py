@@ -60,9 +60,13 @@ def open_split(data_cfg, corpus: str, split: str):
         return _token_files(data_cfg, which, paths_of(data_cfg, corpus), split)
     name = tfds_name(data_cfg, corpus)
     if data_cfg.source == "text_files" and data_cfg.tokenized and getattr(data_cfg, "format", "text") == "text":
-        from trainer.data.readers.store import Tokens
+        from trainer.data.readers.store import Tokens, flat
 
-        return Tokens(open_prepared(data_cfg, name, split, raw=True))
+        where = directory(data_cfg, name)
+        rebuild = (f"move {where} aside and run scripts/prepare_data.py with this config and --tokenize to write "
+                   "it again.")  # fmt: skip
+        found = None if is_remote(str(where)) else flat(str(where), split, rebuild)
+        return found if found is not None else Tokens(open_prepared(data_cfg, name, split, raw=True))
     return open_prepared(data_cfg, name, split)
 
 
