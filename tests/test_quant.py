@@ -64,7 +64,7 @@ def test_a_quantised_matmul_and_its_gradients_are_the_closed_form_of_their_scale
     plain = x @ w  # and it is a quantisation of the float product, not another function
     assert 0 < np.abs(np.asarray(y) - plain).max() < 0.05 * np.abs(plain).max()
     untargeted = einsum("nd,df->nf", x, w, run, "attention")  # a matmul not named in the targets
-    np.testing.assert_allclose(untargeted, plain, rtol=1e-6)
+    np.testing.assert_allclose(untargeted, plain, rtol=1e-5)  # float32 sums in XLA's order, not numpy's
 
 
 def test_an_int8_step_on_8_devices_equals_one_device_and_the_state_stays_fp32():
