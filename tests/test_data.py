@@ -4,6 +4,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import resource
 import sysconfig
 
 import jax
@@ -454,6 +455,13 @@ def test_a_tokenised_cache_gives_the_same_batches_with_no_tokenizer_and_refuses_
     monkeypatch.undo()
     store = tmp_path / "tfds" / "text_files" / "files-tokens" / "1.0.0"
     flat = {split: store / f"text_files-{split}.array_record-00000-of-00001.ids" for split in ("train", "validation")}
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    try:  # each mapped shard holds a descriptor: the soft limit is raised to fit them and room beside
+        readers.open_split(cfg.data, "files", "train")
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= len(os.listdir("/proc/self/fd")) + 1024
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     for kind, split in ((FlatTokens, "train"), (FlatTokens, "validation"), (Tokens, "train"), (Tokens, "validation")):
         if kind is Tokens:  # a store prepared before the flat files: read from its records, the same documents
             for path in flat.values():

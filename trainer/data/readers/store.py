@@ -23,6 +23,7 @@ import bisect
 import json
 import mmap
 import os
+import resource
 import struct
 import zlib
 
@@ -36,6 +37,7 @@ FLAT_SUFFIX = ".ids"
 MAGIC = b"TRNIDS01"
 FOOTER = struct.Struct("<8sIQ")  # MAGIC, bytes per id, documents
 WIDTHS = {2: np.dtype("<u2"), 4: IDS}
+FILES_BESIDE = 1024  # room left for what a process opens later (checkpoints, logs, other corpora's files)
 
 
 class Tokens:
@@ -93,6 +95,7 @@ class FlatTokens:
     """One split of a store from its shards' flat token files: `len()` and `[i]` -> {"tokens": int32[n]}."""
 
     def __init__(self, paths: list[str], lengths: list[int], rebuild: str):
+        _room_for(len(paths))
         self._ids, self._ends = [], []
         for path, documents in zip(paths, lengths, strict=True):
             ids, ends = _map(path, documents, rebuild)
@@ -109,6 +112,27 @@ class FlatTokens:
         shard = bisect.bisect_right(self._starts, index) - 1
         ends, j = self._ends[shard], index - self._starts[shard]
         return {"tokens": self._ids[shard][ends[j] : ends[j + 1]].astype(np.int32)}
+
+
+def _room_for(maps: int) -> None:
+    """Each mapped file holds a descriptor open (Python's mmap keeps a copy of it), and a large store has a shard
+    per unit of its preparation, thousands: raise this process's soft limit on open files to fit them beside
+    what it has open and FILES_BESIDE more, or say in one sentence that the hard limit is too low."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = _open_now() + maps + FILES_BESIDE
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ConfigError(f"the tokenised store has {maps} flat token files to map and this process may open only "
+                          f"{hard} files (ulimit -Hn); raise that limit to at least {need}.")  # fmt: skip
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def _open_now() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux: no count to read
+        return 0
 
 
 def _map(path: str, documents: int, rebuild: str) -> tuple[np.ndarray, np.ndarray]:
