@@ -4,7 +4,7 @@ A text corpus's store (trainer/data/preparation/shards.py) holds, for each docum
 `tokens` feature is the int32 ids' bytes, zlib-compressed (TFDS's Tensor with Encoding.ZLIB), in array_record
 shards. Beside each shard, preparation also writes the shard's ids flat (`<shard>.ids`, FlatWriter), the
 form Megatron's .bin and Dolma's .npy have: read by memory map, a document costs a slice and no
-decompression or proto parsing (`FlatTokens`, ~1.5x the records' rate; benchmarks/prepare.py).
+decompression or proto parsing (`FlatTokens`, ~1.7x the records' rate; benchmarks/prepare.py).
 
     <shard>.ids   the shard's documents' ids back to back (uint16 where the vocabulary fits in 16 bits,
                   else int32; little-endian), then int64[documents + 1], each document's first id's place
@@ -81,6 +81,7 @@ def flat(directory: str, split: str, rebuild: str) -> FlatTokens | None:
     except (OSError, ValueError, StopIteration, KeyError):
         return None  # not prepared, or not ours: open_prepared says so
     lengths = [int(n) for n in info.get("shardLengths", [])]
+    # The shards' names as TFDS's default template gives them (preparation/shards.py writes them by it).
     names = [f"text_files-{split}.array_record-{i:05d}-of-{len(lengths):05d}{FLAT_SUFFIX}" for i in range(len(lengths))]
     if not any(n.endswith(FLAT_SUFFIX) for n in os.listdir(directory)):
         return None
