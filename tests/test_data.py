@@ -5,12 +5,14 @@ import hashlib
 import json
 import os
 import resource
+import subprocess
+import sys
 import sysconfig
 
 import jax
 import numpy as np
 import pytest
-from conftest import micro_config
+from conftest import REPO, micro_config
 
 from trainer.config.errors import ConfigError
 from trainer.data import corpora, readers, streams
@@ -462,6 +464,15 @@ def test_a_tokenised_cache_gives_the_same_batches_with_no_tokenizer_and_refuses_
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= len(os.listdir("/proc/self/fd")) + 1024
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    # Under a hard limit too low for the store, one sentence (in a process of its own: a hard limit never rises).
+    refused = subprocess.run(
+        [sys.executable, "-c", "import resource; from trainer.data import readers; from conftest import micro_config; "
+         "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)); "
+         f"readers.open_split(micro_config(data={dict(cfg.data)!r}).data, 'files', 'train')"],
+        cwd=os.path.dirname(__file__), env={**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"},
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert "this process may open only 64 files (ulimit -Hn); raise that limit to at least" in refused.stderr
     for kind, split in ((FlatTokens, "train"), (FlatTokens, "validation"), (Tokens, "train"), (Tokens, "validation")):
         if kind is Tokens:  # a store prepared before the flat files: read from its records, the same documents
             for path in flat.values():
@@ -474,6 +485,9 @@ def test_a_tokenised_cache_gives_the_same_batches_with_no_tokenizer_and_refuses_
             assert ours[i]["tokens"].dtype == np.int32
         if kind is FlatTokens and split == "validation":  # damaged flat files are said, with how to rebuild them
             data = flat[split].read_bytes()
+            flat[split].write_bytes(data[:-20] + b"X" + data[-19:])  # another file's footer
+            with pytest.raises(ConfigError, match=r"is damaged \(its footer says .* with mark b'XRNIDS01'"):
+                readers.open_split(cfg.data, "files", split)
             flat[split].write_bytes(data[4:])  # cut short
             with pytest.raises(
                 ConfigError,
