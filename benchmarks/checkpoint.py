@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
 
+from parallelism import accelerators  # noqa: E402
 from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
@@ -30,7 +31,7 @@ _SIMULATE = flags.DEFINE_integer("simulate_devices", 0, "Run on this many simula
 
 def main():
     if _SIMULATE.value:
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_SIMULATE.value}"
+        accelerators.simulate_devices(_SIMULATE.value)
     import jax
 
     from trainer.model.flops import count_params

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from record import report  # noqa: E402
 from timing import step_seconds_and_memory  # noqa: E402
 
+from parallelism import accelerators  # noqa: E402
 from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
@@ -33,7 +34,7 @@ _APPEND = flags.DEFINE_bool("append", False, "Append a row to benchmarks/RESULTS
 
 def main():
     if _SIMULATE.value:
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_SIMULATE.value}"
+        accelerators.simulate_devices(_SIMULATE.value)
     import jax
 
     devices = jax.device_count()

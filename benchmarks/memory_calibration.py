@@ -30,6 +30,7 @@ from absl import flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from parallelism import accelerators  # noqa: E402
 from trainer.run import cli  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -311,5 +312,5 @@ if __name__ == "__main__":
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # JAX read JAX_PLATFORMS when trainer.run.cli imported it
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    accelerators.simulate_devices(4)
     cli.run(main, uses_devices=False)

@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from record import report  # noqa: E402
 from timing import synthetic_batch  # noqa: E402
 
+from parallelism import accelerators  # noqa: E402
 from trainer.run import cli  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
@@ -54,7 +55,7 @@ def step_seconds(cfg, n_devices: int) -> float:
 
 def main():
     if _SIMULATE.value:
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_SIMULATE.value}"
+        accelerators.simulate_devices(_SIMULATE.value)
     from parallelism.pipeline import bubble_fraction
 
     base, stages = _CONFIG.value, _STAGES.value

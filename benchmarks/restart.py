@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from record import report  # noqa: E402
 
+from parallelism import accelerators  # noqa: E402
 from trainer.run import cli, startup  # noqa: E402
 
 _CONFIG = cli.define_config_flag()
@@ -41,7 +42,7 @@ def launch(overrides: list[str], workdir: str, cache: str, end: signal.Signals) 
     """One launch, sent `end` once its first step has run; its start-up parts in seconds."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_SIMULATE.value}"
+    accelerators.simulate_devices(_SIMULATE.value, env)
     command = [sys.executable, "scripts/train.py", "--config", cli.config_path(), *overrides, f"--workdir={workdir}",
                f"--config.train.compile_cache={cache}"]  # fmt: skip
     proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -58,7 +59,7 @@ def launch(overrides: list[str], workdir: str, cache: str, end: signal.Signals) 
 
 def main():
     # This process names the machine in the row: the devices the launches train on.
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_SIMULATE.value}"
+    accelerators.simulate_devices(_SIMULATE.value)
     os.environ["JAX_PLATFORMS"] = "cpu"
     # Each launch is ended after its first step; the resume must have steps left to take.
     overrides = [a for a in sys.argv[1:] if a.startswith("--config.") and not a.startswith("--config.train.steps=")]

@@ -50,7 +50,7 @@ def main():
     # As scripts/plan.py: the CPU's simulated devices, and a target's libtpu descriptions, never this machine's own
     jax.config.update("jax_platforms", "cpu")
     if _SIMULATE.value:
-        os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={_SIMULATE.value}"
+        accelerators.simulate_devices(_SIMULATE.value)
     accelerators.start()
     from trainer.config.forms import with_changes
     from trainer.planning.plan import plan

@@ -45,6 +45,15 @@ def stderr_held_back():
             os.close(saved)
 
 
+def simulate_devices(n: int, env: dict | None = None) -> None:
+    """`n` simulated CPU devices for a process whose CPU backend has not started (`env`: a child's environment,
+    else this process's), keeping the other XLA flags already set there: a test suite's compile options, a
+    user's own. The last device count given is the one XLA takes."""
+    env = os.environ if env is None else env
+    kept = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join([*kept, f"--xla_force_host_platform_device_count={n}"])
+
+
 def import_jax() -> None:
     """`import jax`, without the CUDA plugin's "could not find cuda drivers" on machines without a GPU."""
     if "jax" not in sys.modules:

@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from parallelism import accelerators
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -65,8 +67,8 @@ def main() -> int:
         if args.devices_per_process:
             env["JAX_PLATFORMS"] = "cpu"
             # See tests/conftest.py: XLA:CPU's concurrency-optimised schedule can deadlock simulated devices.
-            env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={args.devices_per_process} "
-                                "--xla_cpu_enable_concurrency_optimized_scheduler=false")  # fmt: skip
+            env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+            accelerators.simulate_devices(args.devices_per_process, env)  # a test suite's other flags kept
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     threads = [threading.Thread(target=forward, args=(p, i), daemon=True) for i, p in enumerate(procs)]
     for t in threads:

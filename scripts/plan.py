@@ -20,7 +20,6 @@ host) does the same with XLA's GPU compiler, no GPU needed (pip install -e ".[gp
 """
 
 import json
-import os
 import sys
 
 from absl import flags
@@ -181,9 +180,7 @@ def main():
     if _TARGET.value or _SIMULATE.value:
         jax.config.update("jax_platforms", "cpu")
     if _SIMULATE.value:
-        os.environ["XLA_FLAGS"] = (
-            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_SIMULATE.value}"
-        )
+        accelerators.simulate_devices(_SIMULATE.value)
     accelerators.start()  # the backends this plan may use, started without the others' noise
     from trainer.planning.plan import plan
 
