@@ -161,8 +161,10 @@ def test_a_run_with_experts_trains_resumes_onto_another_expert_axis_and_decodes(
         ckpt = Checkpointer(str(tmp_path / run / "checkpoints"), read_only=True)
         weights.append(ckpt.restore_params(4, abstract_params(one.model, one.shard)))
         ckpt.close()
+    # Weights to lr / 100, as test_step's assert_same_training: where Adam's v is ~0, an ulp of summation order
+    # moves a coordinate by a visible share of lr (seen here: 1 of 8192 off by 2.3e-5 after 4 steps at 1e-2).
     for a, b in zip(jax.tree.leaves(weights[0]), jax.tree.leaves(weights[1]), strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+        np.testing.assert_allclose(a, b, atol=1e-4)
     bias = weights[1]["layers"]["moe"]["router_bias"]  # (2 MoE layers, 8 experts): 4 steps of +-1e-3 each
     assert np.all(np.abs(bias) <= 4e-3 + 1e-9) and np.any(bias != 0)
     with pytest.raises(ConfigError, match=r"layer 1's router bias \(model.moe.router_bias\) is not zero"):
