@@ -115,7 +115,14 @@ def test_every_benchmark_script_has_a_smoke_run():
     assert scripts == {script for script, _, _ in quick("", "")}
 
 
-def test_every_benchmark_runs_and_prints_what_results_records(corpus_dir, tmp_path):
+def smoke_runs() -> list:
+    """One test per run: each is a process of its own, so the suite's workers share them out
+    (tests/conftest.py's SPLIT)."""
+    return [pytest.param(i, id=name or script.removesuffix(".py")) for i, (script, _, name) in enumerate(quick("", ""))]
+
+
+@pytest.mark.parametrize("run_index", smoke_runs())
+def test_every_benchmark_runs_and_prints_what_results_records(corpus_dir, tmp_path, run_index):
     pytest.importorskip("torch")  # vs_pytorch.py and harness.py: the hf extra, which CI installs
     pytest.importorskip("lm_eval")  # harness.py: the eval extra, which CI installs
     pytest.importorskip("libtpu")  # memory_calibration.py: the tpu extra, which CI installs
@@ -123,31 +130,31 @@ def test_every_benchmark_runs_and_prints_what_results_records(corpus_dir, tmp_pa
     pytest.importorskip("megatron.core")  # prepare.py: the formats extra, which CI installs
     fields = recorded_fields()
     out = tmp_path / "calibration.jsonl"
-    for script, args, name in quick(corpus_dir, out):
-        run = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=REPO, capture_output=True,
-                             text=True, timeout=600)  # fmt: skip
-        assert run.returncode == 0, f"{script}: {run.stderr[-3000:]}"
-        if name is None:  # the memory calibration: its compiles in --out, and the README's table
-            lines = [json.loads(line) for line in out.read_text().splitlines()]
-            assert [(r["config"], r["remat"], r["mesh"], r["compiler"]) for r in lines] == [
-                ("tiny", "none", "fsdp=4", "v5e-4")
-            ]
-            assert all(r["xla"]["total"] > 0 for r in lines)
-            assert run.stdout.count("| tiny | none |") == 1
-            continue
-        if name == "gpu_proof":  # its rows: every part ran, none failed or was skipped
-            rows = [json.loads(line) for line in open(f"{out}.gpu/gpu_proof.jsonl")]
-            assert [r["part"] for r in rows] == ["env", "matmul", "llm_full_b8"], rows
-            assert all(r["tokens_per_s"] > 0 and r["xla_gib"] > 0 for r in rows[2:]), rows
-            continue
-        if name == "vs_maxtext":  # a row of the table for each recorded compile, both trainers side by side
-            with open(os.path.join(REPO, "benchmarks", "report", "vs_maxtext.jsonl")) as f:
-                recorded = [json.loads(line) for line in f]
-            assert {"ours", "maxtext"} <= {r["trainer"] for r in recorded}
-            for r in recorded:
-                assert f"| {r['shape']} | {r['target']} | {r['trainer']} |" in run.stdout
-            continue
-        line = json.loads(run.stdout.strip().splitlines()[-1])
-        assert line["benchmark"] == name and re.fullmatch(r"[0-9a-f]{7}\+?", line["commit"]), line
-        figures = {re.sub(r"\d+", "N", k) for k in line} - {"benchmark", "commit"}
-        assert figures == fields[name], f"{script}: {sorted(figures ^ fields[name])}"
+    script, args, name = quick(corpus_dir, out)[run_index]
+    run = subprocess.run([sys.executable, f"benchmarks/{script}", *args], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)  # fmt: skip
+    assert run.returncode == 0, f"{script}: {run.stderr[-3000:]}"
+    if name is None:  # the memory calibration: its compiles in --out, and the README's table
+        lines = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [(r["config"], r["remat"], r["mesh"], r["compiler"]) for r in lines] == [
+            ("tiny", "none", "fsdp=4", "v5e-4")
+        ]
+        assert all(r["xla"]["total"] > 0 for r in lines)
+        assert run.stdout.count("| tiny | none |") == 1
+        return
+    if name == "gpu_proof":  # its rows: every part ran, none failed or was skipped
+        rows = [json.loads(line) for line in open(f"{out}.gpu/gpu_proof.jsonl")]
+        assert [r["part"] for r in rows] == ["env", "matmul", "llm_full_b8"], rows
+        assert all(r["tokens_per_s"] > 0 and r["xla_gib"] > 0 for r in rows[2:]), rows
+        return
+    if name == "vs_maxtext":  # a row of the table for each recorded compile, both trainers side by side
+        with open(os.path.join(REPO, "benchmarks", "report", "vs_maxtext.jsonl")) as f:
+            recorded = [json.loads(line) for line in f]
+        assert {"ours", "maxtext"} <= {r["trainer"] for r in recorded}
+        for r in recorded:
+            assert f"| {r['shape']} | {r['target']} | {r['trainer']} |" in run.stdout
+        return
+    line = json.loads(run.stdout.strip().splitlines()[-1])
+    assert line["benchmark"] == name and re.fullmatch(r"[0-9a-f]{7}\+?", line["commit"]), line
+    figures = {re.sub(r"\d+", "N", k) for k in line} - {"benchmark", "commit"}
+    assert figures == fields[name], f"{script}: {sorted(figures ^ fields[name])}"

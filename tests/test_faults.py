@@ -55,8 +55,10 @@ def objects(prefix: str) -> dict[str, bytes]:
     return {name[len(prefix) :]: fs.cat(name) for name in names}
 
 
-# One process runs a subset of the two-process drill (which adds "failed on another process"): pytest -m slow.
-@pytest.mark.parametrize("processes", [pytest.param(1, marks=pytest.mark.slow), 2])
+# Both in pytest -m slow: the two-process drill's seven launches took 97 s of the suite's time (2026-11-29), over
+# tests/time_limit.py's 90; one process runs a subset of it (the two add "failed on another process").
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
 def test_storage_and_memory_faults_move_nothing_and_damage_is_set_aside(bucket, tmp_path, processes):
     root = f"runs/faults{processes}"
     workdir = f"gs://{root}"

@@ -150,6 +150,8 @@ def wait_for_records(workdir, count, procs, timeout=120):
         time.sleep(0.02)
 
 
+# Three launches of two processes: 72-111 s of the suite's time (2026-11-29), near or over time_limit.py's 90.
+@pytest.mark.slow
 def test_hosts_stop_together_a_dead_host_stops_the_other_and_the_run_ends_as_if_uninterrupted(
     runs, corpus_dir, tmp_path
 ):

@@ -100,6 +100,7 @@ def weights(cfg, workdir: str, step: int) -> list[np.ndarray]:
     return out
 
 
+@pytest.mark.slow  # seven processes on four "machines": 101 s of the suite's time (2026-11-29), over time_limit.py's 90
 def test_hosts_sharing_only_a_bucket_prepare_once_train_resume_evaluate_and_generate(tmp_path, bucket):
     """The README's slice recipe: the tokenizer and the data prepared once into the bucket, from one machine;
     two processes (each with nothing but the config) train from it; both are killed after a checkpoint and
