@@ -115,10 +115,17 @@ def test_every_benchmark_script_has_a_smoke_run():
     assert scripts == {script for script, _, _ in quick("", "")}
 
 
+# The smoke runs that took 10-36 s of CPU each on 2026-11-29 (they train, prepare or compile for a TPU several
+# times over): drills, in pytest -m slow. The rest, 1-9 s each, stay in pytest.
+DRILLS = {"quant.py", "prepare.py", "post_training.py", "moe.py", "harness.py", "restart.py", "memory_calibration.py",
+          "gpu_proof.py", "sliding_window.py", "remat.py"}  # fmt: skip
+
+
 def smoke_runs() -> list:
     """One test per run: each is a process of its own, so the suite's workers share them out
     (tests/conftest.py's SPLIT)."""
-    return [pytest.param(i, id=name or script.removesuffix(".py")) for i, (script, _, name) in enumerate(quick("", ""))]
+    return [pytest.param(i, id=name or script.removesuffix(".py"), marks=[pytest.mark.slow] * (script in DRILLS))
+            for i, (script, _, name) in enumerate(quick("", ""))]  # fmt: skip
 
 
 @pytest.mark.parametrize("run_index", smoke_runs())
