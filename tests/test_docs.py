@@ -100,9 +100,8 @@ def test_every_documented_override_applies_to_its_config():
     """Each shown command's --config.* overrides, parsed as the scripts parse them (trainer/run/cli.py) onto its
     config file (tiny's where it shows "..."): a documented form the flag parser cannot read fails here."""
     from absl import flags
-    from ml_collections import config_flags
 
-    from trainer.run.cli import command_line_form, command_line_lists
+    from trainer.run.cli import apply_flags, define_config_flag
 
     # and every `--config.key=value` in the prose, on its own
     prose = [(os.path.relpath(p, REPO), f"--config ... {m}") for p in PAGES
@@ -117,11 +116,10 @@ def test_every_documented_override_applies_to_its_config():
             continue
         path = paths[0] if paths and paths[0] != "..." and not SAVED.fullmatch(paths[0]) else "configs/tiny.py"
         values = flags.FlagValues()
-        argv = command_line_form(["prog", f"--config={os.path.join(REPO, path)}", *overrides])
-        flag = config_flags.DEFINE_config_file("config", None, flag_values=values, lock_config=True, sys_argv=argv)
+        argv = ["prog", f"--config={os.path.join(REPO, path)}", *overrides]
+        define_config_flag(flag_values=values, sys_argv=argv)
         try:
-            values(argv)
-            command_line_lists(flag.value)
+            apply_flags(argv, values)
             applied += 1
         except Exception as e:  # noqa: BLE001 - any failure to apply is the finding
             wrong.append(f"{where}: {' '.join(overrides)}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")

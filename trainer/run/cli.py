@@ -46,14 +46,14 @@ class _ConfigParser(ConfigFileFlagParser):
         return saved
 
 
-def define_config_flag(required: bool = True):
+def define_config_flag(required: bool = True, flag_values: flags.FlagValues = flags.FLAGS, sys_argv=None):
     """--config configs/x.py (or a run's config.json), with --config.section.key=value overrides (locked:
-    unknown keys fail)."""
+    unknown keys fail). `flag_values` and `sys_argv`: another set of flags and its command line (tests)."""
     flag = config_flags.DEFINE_config_file("config", None, "A configs/*.py recipe, or a run's config.json.",
-                                           lock_config=True)  # fmt: skip
-    flags.FLAGS["config"].parser = _ConfigParser("config", lock_config=True)
+                                           flag_values=flag_values, lock_config=True, sys_argv=sys_argv)  # fmt: skip
+    flag_values["config"].parser = _ConfigParser("config", lock_config=True)
     if required:
-        flags.mark_flags_as_required(["config"])
+        flags.mark_flags_as_required(["config"], flag_values=flag_values)
     return flag
 
 
@@ -158,13 +158,11 @@ def command_line_form(args: list[str]) -> list[str]:
     return out
 
 
-def command_line_lists(cfg) -> None:
-    """Split, in place, what the flag parser leaves of a list as one string ('data,fsdp' -> ('data', 'fsdp'),
-    '' -> ()); numbers arrive as tuples already."""
-    for key, value in forms.flatten(cfg).items():
-        if isinstance(value, tuple) and any(isinstance(v, str) and ("," in v or not v) for v in value):
-            parts = tuple(p.strip() for v in value for p in str(v).split(",") if p.strip())
-            forms.with_changes(cfg, {key: parts}, in_place=True)
+def apply_flags(argv: list[str], flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
+    """Parse the command line into `flag_values` as every script does; the arguments left. A list's value is
+    the flag parser's own reading after command_line_form: a literal (a saved config's tuples, a bracketed or
+    quoted flag) keeps its commas."""
+    return flag_values(command_line_form(argv))
 
 
 def _parse(argv):
@@ -174,10 +172,7 @@ def _parse(argv):
         if arg.startswith("--config.") and key in config.RENAMED:
             sys.exit(f"error: --config.{key} is now --config.{config.RENAMED[key]}; use the new name.")
     try:
-        rest = flags.FLAGS(command_line_form(argv))
-        if "config" in flags.FLAGS and flags.FLAGS["config"].value is not None:
-            command_line_lists(flags.FLAGS["config"].value)
-        return rest
+        return apply_flags(argv)
     except flags.IllegalFlagValueError as e:  # at_least's refusals: "flag --name=value: says"
         flag, _, says = str(e).removeprefix("flag ").partition(": ")
         typed = [a for a in argv if a.startswith(flag.split("=")[0] + "=")]  # as the user spelt the value
