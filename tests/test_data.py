@@ -426,6 +426,41 @@ def test_a_mixture_run_logs_its_shares_and_each_corpus_held_out_loss_and_resumes
     assert evaluated["eval_loss/notes"] != evaluated["eval_loss/python_stdlib"]
 
 
+def test_ids_past_16_bits_are_stored_whole_whatever_the_vocabulary_counts(tmp_path):
+    """A Hugging Face tokenizer whose ids have gaps: 5 tokens, the largest id 70000. Its vocabulary is the ids'
+    range (70001), not its count; the store's flat files hold 70000 as its records do (a width chosen from the
+    count wrapped it to 4464); an id no store width holds is one sentence."""
+    tokenizers = pytest.importorskip("tokenizers", reason="the hf extra is not installed")
+    from trainer.data.readers.store import FlatWriter
+    from trainer.data.tokenizers import load_tokenizer
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, "near": 3, "far": 70000}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "files").mkdir()
+    for i in range(40):
+        (tmp_path / "files" / f"{i}.txt").write_text(" ".join(["near", "far"][(i + j) % 2] for j in range(5)))
+    cfg = micro_config(data=dict(source="text_files", data_dir=str(tmp_path / "tfds"), name="gaps", tokenized=True,
+                                 paths=str(tmp_path / "files" / "*.txt"), tokenizer="hf",
+                                 tokenizer_path=str(tmp_path / "tok")))  # fmt: skip
+    assert load_tokenizer(cfg.data).vocab_size == 70001
+    corpora.prepare(cfg.data)
+    for split in ("train", "validation"):
+        flat = readers.open_split(cfg.data, "gaps", split)
+        assert isinstance(flat, FlatTokens)
+        records = Tokens(readers.open_prepared(cfg.data, readers.tfds_name(cfg.data, "gaps"), split, raw=True))
+        assert len(flat) == len(records) > 0
+        for i in range(len(flat)):
+            np.testing.assert_array_equal(flat[i]["tokens"], records[i]["tokens"])
+            assert 70000 in flat[i]["tokens"].tolist()
+    writer = FlatWriter(str(tmp_path / "bad.ids"))
+    with pytest.raises(ConfigError, match=r"^the tokenizer gave id -1, which no token store holds \(ids are 0 to "
+                                          r"2\^31 - 1\); check data.tokenizer_path.$"):  # fmt: skip
+        writer.write(np.array([5, -1]))
+
+
 def test_a_tokenised_cache_gives_the_same_batches_with_no_tokenizer_and_refuses_another_one(tmp_path, monkeypatch):
     corpus = tmp_path / "files"
     corpus.mkdir()

@@ -167,7 +167,9 @@ class HuggingFaceTokenizer:
                 f"data.tokenizer_path={path!r}: {file} does not load as a Hugging Face tokenizer.json ({e}); "
                 "point it at a tokenizer.json or a directory holding one."
             ) from e
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # The ids' range, which an embedding must span: the library's vocabulary size is a count, and a file's
+        # ids may have gaps (70000 the largest of 5 tokens).
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         named = _config_tokens(_path(file).parent)
         self.bos_id = self._special(named.get("bos_token"), BOS_NAMES, "begin", path)
         self.eos_id = self._special(named.get("eos_token"), EOS_NAMES, "end", path)

@@ -89,11 +89,9 @@ def _template(directory: str, split: str) -> tfds.core.ShardedFileTemplate:
 
 class ShardWriter:
     """One unit's shard of one split of one dataset: examples appended, then `close()` puts it in place. A text
-    corpus's tokenised store also gets the shard's ids flat beside it (readers/store.py; `vocab_size` picks
-    their width)."""
+    corpus's tokenised store also gets the shard's ids flat beside it (readers/store.py)."""
 
-    def __init__(self, config_name: str, directory: str, split: str, unit: int, units: int, format: str = "text",
-                 vocab_size: int = 0):  # fmt: skip
+    def __init__(self, config_name: str, directory: str, split: str, unit: int, units: int, format: str = "text"):
         from array_record.python.array_record_module import ArrayRecordWriter
         from tensorflow_datasets.core import example_serializer
 
@@ -108,7 +106,7 @@ class ShardWriter:
         self.count = self.bytes = 0
         self._places, self._flat = [(self._local.name, self.target)], None
         if config_name.endswith(TOKENS_SUFFIX) and format == "text":
-            self._flat = FlatWriter(self._local.name + FLAT_SUFFIX, vocab_size)
+            self._flat = FlatWriter(self._local.name + FLAT_SUFFIX)
             self._places.append((self._local.name + FLAT_SUFFIX, self.target + FLAT_SUFFIX))
 
     def write(self, example: dict) -> None:

@@ -96,8 +96,7 @@ def _tokenizer(kind: str, path: str, chat_template: str, format: str):
 def prepare_unit(unit: Unit, plan: Plan) -> None:
     """Write `unit`'s shards of every split of every target, and its report."""
     tokenizer, template = _tokenizer(*plan.tokenizer, plan.format) if plan.tokenizer else (None, None)
-    vocab = tokenizer.vocab_size if tokenizer else 0
-    writers = {(name, split): ShardWriter(name, directory, split, unit.index, plan.units, plan.format, vocab)
+    writers = {(name, split): ShardWriter(name, directory, split, unit.index, plan.units, plan.format)
                for name, directory in plan.targets for split in SPLITS}  # fmt: skip
     report = _Report(plan.reports, unit.index)
     try:

@@ -6,7 +6,7 @@ shards. Beside each shard, preparation also writes the shard's ids flat (`<shard
 form Megatron's .bin and Dolma's .npy have: read by memory map, a document costs a slice and no
 decompression or proto parsing (`FlatTokens`, ~1.7x the records' rate; benchmarks/prepare.py).
 
-    <shard>.ids   the shard's documents' ids back to back (uint16 where the vocabulary fits in 16 bits,
+    <shard>.ids   the shard's documents' ids back to back (uint16 where every id written fits in 16 bits,
                   else int32; little-endian), then int64[documents + 1], each document's first id's place
                   and the end, then the footer: MAGIC, bytes per id (uint32), documents (uint64)
 
@@ -56,15 +56,33 @@ class Tokens:
 
 
 class FlatWriter:
-    """One shard's flat token file, written as the shard's documents are."""
+    """One shard's flat token file, written as the shard's documents are: uint16 ids while every id written fits
+    16 bits, int32 from the first that does not (the file so far rewritten wider). The width follows the ids,
+    not a vocabulary's count, which a tokenizer with gaps in its ids puts below its largest id."""
 
-    def __init__(self, path: str, vocab_size: int):
-        self.dtype = WIDTHS[2] if 0 < vocab_size <= 2**16 else WIDTHS[4]
-        self._file, self._ends = open(path, "wb"), array.array("q", [0])  # noqa: SIM115
+    def __init__(self, path: str):
+        self.dtype = WIDTHS[2]
+        self._file, self._ends = open(path, "w+b"), array.array("q", [0])  # noqa: SIM115
 
     def write(self, ids: np.ndarray) -> None:
-        self._file.write(np.asarray(ids).astype(self.dtype).tobytes())
+        ids = np.asarray(ids)
+        if ids.size:
+            low, high = int(ids.min()), int(ids.max())
+            if low < 0 or high > np.iinfo(IDS).max:
+                raise ConfigError(f"the tokenizer gave id {low if low < 0 else high}, which no token store holds "
+                                  "(ids are 0 to 2^31 - 1); check data.tokenizer_path.")  # fmt: skip
+            if high > np.iinfo(self.dtype).max:
+                self._widen()
+        self._file.write(ids.astype(self.dtype).tobytes())
         self._ends.append(self._ends[-1] + len(ids))
+
+    def _widen(self) -> None:
+        self._file.seek(0)
+        written = np.frombuffer(self._file.read(), self.dtype)
+        self._file.seek(0)
+        self._file.truncate()
+        self.dtype = WIDTHS[4]
+        self._file.write(written.astype(self.dtype).tobytes())
 
     def close(self) -> None:
         self._file.write(np.frombuffer(self._ends, np.int64).astype("<i8").tobytes())
