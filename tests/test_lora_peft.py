@@ -68,7 +68,43 @@ def test_adapters_go_to_peft_and_come_back_with_the_same_logits(tmp_path, family
     assert saved.checkpoint.init_from == f"{tmp_path / 'imported' / 'base'}@0"
     np.testing.assert_allclose(ours(saved, str(tmp_path / "imported")), logits_of(made), rtol=1e-4, atol=1e-4)
 
+    # peft's per-module alpha (alpha_pattern: a pattern matched at the end of each module's name, the first that
+    # matches wins) is honoured: layer 1's q_proj at 32 and every v_proj at 2, against lora_alpha 8.
+    patterned = peft.get_peft_model(hf(str(tmp_path / "hf_base")), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj"], init_lora_weights=False,
+        alpha_pattern={"model.layers.1.self_attn.q_proj": 32, "v_proj": 2}))  # fmt: skip
+    patterned.save_pretrained(str(tmp_path / "patterned"))
+    import_checkpoint(str(tmp_path / "hf_base"), fresh, str(tmp_path / "imported_pattern"), str(tmp_path / "patterned"))
+    again = saved_config(str(tmp_path / "imported_pattern"))
+    np.testing.assert_allclose(ours(again, str(tmp_path / "imported_pattern")), logits_of(patterned), rtol=1e-4,
+                               atol=1e-4)  # fmt: skip
+
+    # What the adapters here cannot hold is refused by its field, before anything is written: another rank for
+    # some modules, a trained head of its own (modules_to_save, common when chat tokens are added), the rest.
     fresh.model.lora.rank = 8
     with pytest.raises(ConfigError, match=r"made with model.lora.rank=4 \(config has 8\)"):
         import_checkpoint(str(tmp_path / "hf_base"), fresh, str(tmp_path / "refused"), str(tmp_path / "made"))
+    fresh.model.lora.rank = 4
+    refusals = [
+        (
+            dict(rank_pattern={"q_proj": 8}),
+            r"rank_pattern gives model.layers.0.self_attn.q_proj rank 8 where "
+            r"model.lora.rank is 4; .*every projection one rank",
+        ),
+        (
+            dict(modules_to_save=["lm_head"]),
+            r"modules_to_save=\['lm_head'\]: the adapter carries trained "
+            r"lm_head weights of its own.*merge_and_unload",
+        ),
+        (dict(bias="all"), r"bias='all'"),
+        (dict(layers_to_transform=[0]), r"layers_to_transform=\[0\]"),
+    ]
+    for i, (change, says) in enumerate(refusals):
+        other = peft.get_peft_model(hf(str(tmp_path / "hf_base")), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj"], init_lora_weights=False, **change))  # fmt: skip
+        other.save_pretrained(str(tmp_path / f"other{i}"))
+        with pytest.raises(ConfigError, match=says):
+            import_checkpoint(str(tmp_path / "hf_base"), fresh, str(tmp_path / "refused"), str(tmp_path / f"other{i}"))
     assert not (tmp_path / "refused").exists()  # refused before anything was written

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import numpy as np
 
@@ -24,7 +25,14 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PROJECTIONS = {"q": ("attn", "self_attn.q_proj"), "k": ("attn", "self_attn.k_proj"), "v": ("attn", "self_attn.v_proj"),
                "o": ("attn", "self_attn.o_proj"), "gate": ("mlp", "mlp.gate_proj"), "up": ("mlp", "mlp.up_proj"),
                "down": ("mlp", "mlp.down_proj")}  # fmt: skip
-PREFIX = "base_model.model.model.layers"
+MODULES = "model.layers"  # the projections' module names in the base model: model.layers.N.self_attn.q_proj
+PREFIX = f"base_model.model.{MODULES}"
+# adapter_config.json fields that leave the adapted model's arithmetic alone (metadata, how the adapters were
+# initialised or trained); r, lora_alpha, target_modules, alpha_pattern and rank_pattern are read.
+NEUTRAL = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+           "inference_mode", "lora_dropout", "init_lora_weights", "loftq_config", "eva_config", "corda_config",
+           "lora_ga_config", "megatron_core", "runtime_config", "qalora_group_size", "r", "lora_alpha",
+           "target_modules", "alpha_pattern", "rank_pattern"}  # fmt: skip
 
 
 def to_peft(added: dict, spec: Architecture) -> dict[str, np.ndarray]:
@@ -47,9 +55,10 @@ def to_peft(added: dict, spec: Architecture) -> dict[str, np.ndarray]:
     return out
 
 
-def from_peft(tensors: dict[str, np.ndarray], abstract: dict, spec: Architecture) -> dict:
+def from_peft(tensors: dict[str, np.ndarray], abstract: dict, spec: Architecture, saved: dict | None = None) -> dict:
     """Our adapters from PEFT's tensors, shaped as `abstract` (the adapters' part of the model's abstract
-    parameters) says; a tensor missing or of another shape is one sentence."""
+    parameters) says; a tensor missing or of another shape is one sentence. `saved`: the adapter_config.json,
+    whose alpha_pattern gives a module its own alpha: folded into its B, as ours share one scale."""
     out: dict = {}
     for stack, numbers in layers_by_stack(spec).items():
         for target, (block, theirs) in PROJECTIONS.items():
@@ -71,10 +80,23 @@ def from_peft(tensors: dict[str, np.ndarray], abstract: dict, spec: Architecture
                         raise ConfigError(f"the adapter's {key} is {tuple(tensors[key].shape)}, where this config's "
                                           f"model and rank make {theirs_shape}: an adapter of another base model or "
                                           "rank.")  # fmt: skip
-                    stacked.append(np.asarray(tensors[key], np.float32).T.reshape(shape))
+                    weight = np.asarray(tensors[key], np.float32).T.reshape(shape)
+                    if ours == "b" and saved is not None:
+                        weight = weight * (_per_module(saved, "alpha_pattern", f"{MODULES}.{i}.{theirs}",
+                                                       saved["lora_alpha"]) / saved["lora_alpha"])  # fmt: skip
+                    stacked.append(weight)
                 parts[ours] = np.stack(stacked)
             out.setdefault(stack, {}).setdefault(block, {})[f"lora_{target}"] = parts
     return out
+
+
+def _per_module(saved: dict, field: str, module: str, default):
+    """PEFT's rank_pattern or alpha_pattern value for `module` (its name in the base model): the first pattern
+    that matches the name's end at a dot (peft.utils.other.get_pattern_key), else `default`."""
+    for pattern, value in (saved.get(field) or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            return value
+    return default
 
 
 def peft_config(lora, base: str = "") -> dict:
@@ -85,10 +107,33 @@ def peft_config(lora, base: str = "") -> dict:
             "init_lora_weights": True, "base_model_name_or_path": base}  # fmt: skip
 
 
-def check_config(saved: dict, lora, where: str) -> None:
-    """Refuse a PEFT adapter whose settings are not this config's model.lora (rank, alpha, targets)."""
+def check_config(saved: dict, lora, where: str, n_layers: int) -> None:
+    """Refuse a PEFT adapter whose settings are not this config's model.lora (rank, alpha, targets), or that
+    holds what our adapters cannot (a rank of its own for some modules, trained modules of its own, biases, ...),
+    naming the field."""
     if saved.get("peft_type", "LORA") != "LORA" or saved.get("use_dora") or saved.get("use_rslora"):
         raise ConfigError(f"{where} is not a plain LoRA adapter (peft_type LORA, no DoRA or rsLoRA).")
+    modules_to_save = saved.get("modules_to_save")
+    if modules_to_save:
+        raise ConfigError(
+            f"the adapter in {where} was made with modules_to_save={modules_to_save!r}: the adapter "
+            f"carries trained {', '.join(modules_to_save)} weights of its own, which model.lora's "
+            "adapters cannot hold; merge it into its base with peft (merge_and_unload, then "
+            "save_pretrained) and import the merged model with scripts/convert_hf.py import."
+        )
+    for field, value in saved.items():
+        if field not in NEUTRAL and value not in (None, False, "none", {}, [], "") and field != "modules_to_save":
+            raise ConfigError(f"the adapter in {where} was made with {field}={value!r}, which changes what the "
+                              "adapted model computes and has no form here; only plain LoRA adapters on every "
+                              "layer's projections are imported.")  # fmt: skip
+    for i in range(n_layers):
+        for target in lora.targets:
+            module = f"{MODULES}.{i}.{PROJECTIONS[target][1]}"
+            rank = _per_module(saved, "rank_pattern", module, saved.get("r"))
+            if rank != saved.get("r"):
+                raise ConfigError(f"in the adapter in {where}, rank_pattern gives {module} rank {rank} where "
+                                  f"model.lora.rank is {saved.get('r')}; the adapters here give every projection "
+                                  "one rank.")  # fmt: skip
     modules = saved.get("target_modules") or []
     modules = [modules] if isinstance(modules, str) else sorted(modules)
     targets = peft_config(lora)["target_modules"]
