@@ -347,16 +347,20 @@ def test_the_planner_counts_a_rollouts_cache_and_compiles_its_sampler(rows, tmp_
 def test_grpo_with_adapters_pulls_towards_the_base_with_them_off(rows, tmp_path):
     """model.lora under GRPO with rl.beta: the reference is the base with the adapters switched off (no
     second copy of the weights), so the first step's KL is exactly 0 (B starts at zero) and a later one's
-    is not; the base's bits never change."""
+    is not; the base's bits never change. With the adapters' dropout, a rollout's first update takes its old
+    log-probabilities from its own forward pass, as TRL does: the ratio is exactly 1, so the clip never binds
+    there (a second update on the rollout uses those the rollout recorded)."""
     base = str(tmp_path / "base")
     train(rl_config(rows, tmp_path, train=dict(steps=2)), base)
-    cfg = rl_config(rows, tmp_path, train=dict(steps=3), checkpoint=dict(init_from=base, every_steps=3))
-    cfg.model.lora.update(rank=4, alpha=8.0)
-    cfg.rl.beta = 0.1
+    cfg = rl_config(rows, tmp_path, train=dict(steps=5), checkpoint=dict(init_from=base, every_steps=2),
+                    optim=dict(lr=0.1, clip_norm=0.0, weight_decay=0.0))  # fmt: skip
+    cfg.model.lora.update(rank=4, alpha=8.0, dropout=0.5)
+    cfg.rl.update(beta=0.1, updates_per_batch=2, epsilon=0.05)
     train(cfg, str(tmp_path / "adapted"))
     with open(tmp_path / "adapted" / "metrics.jsonl") as f:
-        kl = {r["step"]: r["rl/kl"] for r in map(json.loads, f) if "rl/kl" in r}
-    assert kl[1] == 0.0 and kl[3] > 0.0, kl
+        logged = {r["step"]: r for r in map(json.loads, f) if "rl/kl" in r}
+    assert logged[1]["rl/kl"] == 0.0 and logged[3]["rl/kl"] > 0.0, logged
+    assert [logged[s]["rl/clip_fraction"] for s in (1, 3, 5)] == [0.0, 0.0, 0.0], logged
     _, _, weights = load_params(cfg, str(tmp_path / "adapted"))
     _, _, before = load_params(rl_config(rows, tmp_path), base)
     for got, want in zip(jax.tree.leaves(adapters.split(weights)[1]), jax.tree.leaves(before), strict=True):

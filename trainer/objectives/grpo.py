@@ -3,7 +3,8 @@ sampled completions (trainer/training/rollouts.py).
 
 Each row of a batch is one completion after its prompt: `loss_mask` marks the completion's tokens (up to
 and including the one it ended at), `old_logps` holds each of those tokens' log-probability under the
-policy that sampled it, recomputed by the trainer at the temperature sampled at, `ref_logps` the same under
+policy that sampled it, recomputed by the trainer at the temperature sampled at (a rollout's first update takes
+its own pass's instead, `fresh`), `ref_logps` the same under
 the frozen reference (rl.beta > 0), and `advantages` the completion's advantage on every position. All are
 laid out by token; a position t of the model's output predicts token t + 1, so they are read one place on.
 
@@ -30,7 +31,9 @@ import numpy as np
 from trainer.objectives.language_model import target_weights
 
 METRICS = ("kl", "clip_fraction", "entropy")
-FIELDS = ("old_logps", "ref_logps", "advantages")  # a batch's float fields, beside its token ones
+# A batch's float fields, beside its token ones. `fresh`: 1 on the rows of a rollout's first update, 0 on its
+# later ones (rl.updates_per_batch > 1), the same on every position.
+FIELDS = ("old_logps", "ref_logps", "advantages", "fresh")
 STD_EPS = 1e-4  # TRL's
 
 
@@ -55,7 +58,13 @@ def sums(model, params, batch: dict, rl, key=None) -> tuple[jax.Array, tuple]:
     weights = target_weights(tokens, segments, batch["loss_mask"])[1]
     (logps, entropy), stats = model.apply(params, tokens, positions, segments, key, rl.temperature, True,
                                           method="target_logprobs")  # fmt: skip
-    old, adv = _ahead(batch["old_logps"]), _ahead(batch["advantages"])
+    # A rollout's first update is on-policy: its old log-probabilities are this pass's own, detached, so the ratio
+    # is exactly 1 whatever the adapters' dropout drew (TRL's old_per_token_logps=None). Later updates use those
+    # the rollout recorded, without dropout.
+    old = _ahead(batch["old_logps"])
+    if "fresh" in batch:
+        old = jnp.where(batch["fresh"] > 0, jax.lax.stop_gradient(logps), old)
+    adv = _ahead(batch["advantages"])
     ratio = jnp.exp(logps - old)
     clipped = jnp.clip(ratio, 1 - rl.epsilon, 1 + rl.epsilon)
     per_token = -jnp.minimum(ratio * adv, clipped * adv)

@@ -122,7 +122,8 @@ class Rollouts:
             self.batch, self.served = self.rollout(self.taken), 0
             self.taken += 1
         self.served += 1
-        return self.size, {k: v[self.rows] for k, v in self.batch.items()}
+        fresh = np.full((len(self.rows), self.cfg.data.seq_len), float(self.served == 1), np.float32)
+        return self.size, {**{k: v[self.rows] for k, v in self.batch.items()}, "fresh": fresh}
 
     def rollout(self, k: int) -> dict[str, np.ndarray]:
         """Rollout k's whole batch (every process makes the same), its figures kept in `metrics[k]`."""

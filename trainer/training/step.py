@@ -50,7 +50,7 @@ def batch_keys(cfg) -> tuple[str, ...]:
     reinforcement learning's also its completions' log-probabilities and advantages (trainer/objectives/grpo.py)."""
     keys = BATCH_KEYS + ("loss_mask",) * (cfg.data.format != "text")
     if cfg.data.format == "prompts":
-        keys += ("old_logps", "advantages") + ("ref_logps",) * (cfg.rl.beta > 0)
+        keys += ("old_logps", "advantages", "fresh") + ("ref_logps",) * (cfg.rl.beta > 0)
     return keys
 
 
