@@ -13,8 +13,10 @@ peft = pytest.importorskip("peft", reason="the post extra is not installed: pip 
 
 from trainer.config.errors import ConfigError  # noqa: E402
 from trainer.interop.huggingface import export_checkpoint, import_checkpoint  # noqa: E402
+from trainer.model import adapters  # noqa: E402
 from trainer.run.loop import train  # noqa: E402
-from trainer.training.resume import load_params, saved_config  # noqa: E402
+from trainer.training.resume import load_init_params, load_params, saved_config  # noqa: E402
+from trainer.training.setup import build  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(3, 384, (2, 24))
 
@@ -55,6 +57,18 @@ def test_adapters_go_to_peft_and_come_back_with_the_same_logits(tmp_path, family
     assert np.max(np.abs(ours_logits - base_logits)) > 1e-3  # three steps moved the adapters
     np.testing.assert_allclose(logits_of(adapted), ours_logits, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(logits_of(hf(str(tmp_path / "merged"))), ours_logits, rtol=1e-4, atol=1e-4)
+
+    # A run that starts from the LoRA run (checkpoint.init_from) starts from the model its adapters make: the
+    # base with them merged in, for a full fine-tune and as the frozen base of new adapters alike.
+    for rank in (0, 4):
+        onward = micro_config(model=model, checkpoint={"init_from": str(tmp_path / "lora")})
+        onward.model.lora.update(rank=rank, alpha=8.0)
+        setup = build(onward)
+        start, _, _ = load_init_params(onward, setup)
+        if rank:
+            start = adapters.join(adapters.switched_off(adapters.split(setup.new_state().params)[0]), start)
+        np.testing.assert_allclose(np.asarray(jax.jit(setup.model.apply)(start, TOKENS)), ours_logits, rtol=1e-4,
+                                   atol=1e-4)  # fmt: skip
 
     # In: an adapter peft made (random A and B), beside the same base, gives peft's logits here.
     made = peft.get_peft_model(hf(str(tmp_path / "hf_base")), peft.LoraConfig(

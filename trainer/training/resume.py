@@ -205,6 +205,9 @@ def load_init_params(cfg, setup) -> tuple[dict, str, int]:
     path, step = parse_init_from(cfg.checkpoint.init_from)
     if not wd.path(path).exists():
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r}: {path} does not exist.")
+    source = saved_config(path)
+    if source is not None and source.model.lora.rank:
+        return _merged(source, path, step, setup), path, step if step is not None else wd.saved_steps(path)[-1]
     directory = wd.checkpoint_dir(path) if wd.path(wd.checkpoint_dir(path)).is_dir() else path
     ckpt, abstract = Checkpointer(directory, read_only=True), abstract_params(setup.model, setup.shard)
     try:
@@ -235,6 +238,34 @@ def load_init_params(cfg, setup) -> tuple[dict, str, int]:
         ckpt.close()
 
 
+def _merged(source, path: str, step: int | None, setup) -> dict:
+    """A LoRA run's weights (its checkpoints hold its adapters alone) as the model they make: its base with the
+    adapters folded in, placed as this setup's parameters (the frozen base of new adapters, quantised where
+    this setup's base is). `source`: the run's saved config, read here on this setup's mesh."""
+    source = with_changes(source, {k: v for k, v in flatten(setup.cfg).items() if k.startswith("mesh.")})
+    _, _, params = _restored(source, path, step, list(setup.mesh.devices.flat))
+    lora = source.model.lora
+    merged = adapters.fold(quantised.dequantised(params), lora.alpha / lora.rank)
+    target = abstract_params(setup.model, setup.shard)
+    if setup.adapted:
+        target = frozen(target, setup.model)
+        if quantised.is_quantised(target):
+            target_floats = quantised.as_stored(target)
+            _same_shapes(merged, target_floats, path)
+            return quantised.quantise_tree(jax.device_get(merged), target)
+    _same_shapes(merged, target, path)
+    return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), merged, target)
+
+
+def _same_shapes(merged: dict, target: dict, path: str) -> None:
+    have, want = ({n: s for n, (s, _) in arrays(t).items()} for t in (merged, target))
+    for name in sorted(have.keys() | want.keys()):
+        if have.get(name) != want.get(name):
+            raise ConfigError(f"checkpoint.init_from={path!r}: its LoRA run's model has {name} of shape "
+                              f"{have.get(name)} where this config's has {want.get(name)} (None = absent); use "
+                              "a config of its model.")  # fmt: skip
+
+
 def load_reference(cfg, setup, workdir: str, init: tuple | None) -> tuple[dict, str]:
     """DPO's reference: (the weights it started from, placed as the parameters are, as 'DIR@STEP').
 
@@ -258,6 +289,11 @@ def load_params(cfg, workdir: str, step: int | None = None, devices=None) -> tup
     generation and export: parameters only, straight into the shardings of the mesh the config asks for,
     and nothing in the workdir created, cleaned up or deleted (compiled programs go to train.compile_cache)."""
     compile_cache.use(compile_cache.place(cfg.train.compile_cache, workdir))
+    return _restored(cfg, workdir, step, devices)
+
+
+def _restored(cfg, workdir: str, step: int | None, devices) -> tuple[Setup, int, dict]:
+    """load_params without choosing the compilation cache (a run's start reads another run's weights)."""
     setup = build(cfg, devices)
     check_architecture(workdir, cfg)
     steps = wd.saved_steps(workdir)
