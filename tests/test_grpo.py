@@ -329,6 +329,27 @@ def test_a_prompt_too_long_for_its_completion_is_named_before_anything_compiles(
         train(cfg, str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
+    # Too long in the held-out split alone: refused before a run that evaluates starts, and before eval.py's
+    # scoring of a run that did not (it crashed in numpy's broadcast mid-evaluation before).
+    from trainer.data.preparation.split import is_validation, split_by_document
+    from trainer.evaluation.loss import evaluate_checkpoint
+
+    held = tmp_path / "held"
+    held.mkdir()
+    with open(held / "prompts.jsonl", "w") as f:
+        for i in range(60):
+            long = is_validation(split_by_document(0.1), "prompts.jsonl", i)
+            f.write(json.dumps({"prompt": "Reverse: " + ("abcdef" * 6 if long else "abcd"), "answer": "x"}) + "\n")
+    cfg = rl_config(held, tmp_path, data=dict(name="held_prompts"), train=dict(steps=2, eval_every=1))
+    says = r"the prompt of row \d+ of the validation split of held_prompts is \d+ tokens, which leaves no room"
+    with pytest.raises(ConfigError, match=says):
+        train(cfg, str(tmp_path / "evaluating"))
+    assert not (tmp_path / "evaluating").exists()
+    cfg.train.eval_every = 0
+    train(cfg, str(tmp_path / "quiet"))
+    with pytest.raises(ConfigError, match=says):
+        evaluate_checkpoint(cfg, str(tmp_path / "quiet"))
+
 
 def test_the_planner_counts_a_rollouts_cache_and_compiles_its_sampler(rows, tmp_path):
     """The rollout's KV cache by closed form (rows split over data x fsdp, key/value heads over tensor, held

@@ -29,7 +29,7 @@ import numpy as np
 
 from parallelism.distributed import fetch, max_over_processes
 from trainer.config.errors import ConfigError
-from trainer.data import corpora, held_out, run_tokenizer, streams
+from trainer.data import corpora, held_out, prompts, run_tokenizer, streams
 from trainer.data.tokenizers import load_tokenizer
 from trainer.objectives import dpo
 from trainer.objectives.language_model import target_weights
@@ -298,6 +298,7 @@ def _rewarded(cfg, workdir: str, step: int | None, max_batches: int, devices, sa
     `max_batches` batches' prompts, or all) and rl.group_size sampled ones, rewarded as training rewards them
     (trainer/training/rollouts.py HeldOut)."""
     corpora.open_split(cfg.data, cfg.data.eval_split)
+    prompts.check_room(streams.Stream.from_config(cfg), cfg.data.eval_split, cfg.rl.max_new_tokens)
     setup, step, params = load_params(cfg, workdir, step, devices)
     result = {"step": step, **rollouts.HeldOut(setup, streams.Stream.from_config(cfg), max_batches)(params),
               "split": cfg.data.eval_split, "mesh": dict(setup.mesh.shape),

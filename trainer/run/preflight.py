@@ -50,8 +50,9 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
         barrier("dataset prepared")
         splits = [cfg.data.train_split] + ([cfg.data.eval_split] if cfg.train.eval_every else [])
         corpora.check_every_host_reads_it(cfg.data, splits)
-        if cfg.data.format == "prompts":  # every prompt leaves room for its completion
-            prompts.check_room(streams.Stream.from_config(cfg), cfg.data.train_split, cfg.rl.max_new_tokens)
+        if cfg.data.format == "prompts":  # every prompt of every split the run reads leaves room for its completion
+            for split in splits:
+                prompts.check_room(streams.Stream.from_config(cfg), split, cfg.rl.max_new_tokens)
     init, inputs = None, ()
     if wd.saved_steps(workdir):
         resume.check_resume(workdir, cfg, setup)
