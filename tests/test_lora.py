@@ -167,6 +167,19 @@ def test_a_lora_run_with_dropout_resumes_exactly(base_run, tmp_path):
 
     straight = run(4, 0.1, "straight")
     assert run(2, 0.1, "resumed")["step"] == 2
+    # A resume that names another start is refused, the run untouched: a started run keeps its base (pinned at
+    # its start as DIR@STEP), where this one would otherwise have trained on without a word. Its own DIR again,
+    # without the step, is its start.
+    files = sorted(p.relative_to(tmp_path) for p in (tmp_path / "resumed").rglob("*"))
+    other = adapted(lora_dropout=0.1, train=dict(steps=4, log_every=1, grad_accum_steps=2, global_batch_size=16),
+                    checkpoint={"every_steps": 2, "init_from": str(tmp_path / "straight")})  # fmt: skip
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'resumed'} started from checkpoint.init_from='{base_run}@4' "
+                                          rf"\(its config.json\); a run keeps the weights it started from, so "
+                                          rf"checkpoint.init_from='{tmp_path / 'straight'}' would not be read: resume "
+                                          rf"with --config {tmp_path / 'resumed'}/config.json, or start a new run "
+                                          rf"from it with another --workdir.$"):  # fmt: skip
+        train(other, str(tmp_path / "resumed"))
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "resumed").rglob("*")) == files
     resumed = run(4, 0.1, "resumed")
     for name in ("loss", "grad_norm", "param_norm"):
         assert resumed[name] == pytest.approx(straight[name], rel=1e-6), name

@@ -21,6 +21,7 @@ new label resets once and a relaunch of the same command resumes the new state;
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Callable
 
@@ -77,6 +78,7 @@ def check_resume(workdir: str, cfg, setup, saved=None) -> None:
     if saved is None:
         return
     check_architecture(workdir, cfg, saved)
+    check_start(workdir, cfg, saved)
     differ = changed_keys(saved, cfg, lambda c: Stream.from_config(c).identity())
     if differ:
         raise ConfigError(
@@ -90,6 +92,36 @@ def check_resume(workdir: str, cfg, setup, saved=None) -> None:
                 f"{workdir} holds another optimiser's state ({'; '.join(differ)}); to go on with this one from "
                 "the saved weights, step, schedule and data, add --config.checkpoint.reset_optimizer=true."
             )
+
+
+def check_start(workdir: str, cfg, saved) -> None:
+    """Refuse what only a run's start reads, changed on a resume, where it would be dropped without a word: the
+    weights it started from (checkpoint.init_from; the base of adapters and the reference of DPO and GRPO are
+    pinned to DIR@STEP at the start) and their initialisation (model.init_std)."""
+    then, now = saved.checkpoint.init_from, cfg.checkpoint.init_from
+    if now and not _same_start(then, now):
+        start = f"checkpoint.init_from={then!r}" if then else "weights of its own initialisation"
+        raise ConfigError(
+            f"{workdir} started from {start} (its config.json); a run keeps the weights it started from, so "
+            f"checkpoint.init_from={now!r} would not be read: resume with --config {workdir}/config.json, or start "
+            "a new run from it with another --workdir."
+        )
+    if saved.model.init_std != cfg.model.init_std:
+        raise ConfigError(
+            f"{workdir} was initialised with model.init_std={saved.model.init_std!r} (its config.json); "
+            f"{cfg.model.init_std!r} here would not be read: resume with --config {workdir}/config.json, or start "
+            "a new run with another --workdir."
+        )
+
+
+def _same_start(then: str, now: str) -> bool:
+    """Whether init_from `now` names the start `then` records: the same directory, and the same step where both
+    give one (a start recorded as DIR@STEP was DIR's newest then)."""
+    if not then:
+        return False
+    (a, i), (b, j) = parse_init_from(then), parse_init_from(now)
+    place = lambda p: p.rstrip("/") if wd.is_remote(p) else os.path.abspath(p)  # noqa: E731
+    return place(a) == place(b) and (i is None or j is None or i == j)
 
 
 def _optimizer_shapes(cfg, setup):
