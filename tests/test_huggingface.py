@@ -107,6 +107,37 @@ def test_a_transformers_model_imports_and_trains_on(tmp_path, tied):
     assert evaluate_checkpoint(cfg, workdir, max_batches=1)["step"] == 2
 
 
+def test_an_import_reads_with_the_models_own_tokenizer_and_starts_from_nothing_else(tmp_path):
+    """A Llama with its own tokenizer.json, imported under a recipe made for another model (byte tokens, a chat
+    format, init_from a run of ours, as configs/sft_tiny.py): the run keeps the folder's tokenizer, so training
+    feeds that model its own ids, and no init_from; a config naming another tokenizer file is one sentence."""
+    from trainer.data.tokenizers import load_tokenizer
+    from trainer.training.resume import saved_config
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False))  # fmt: skip
+    model.save_pretrained(str(tmp_path / "hf"))
+    hf_tok = llama3_style_tokenizer(tmp_path / "hf_tok")
+    hf_tok.save(str(tmp_path / "hf" / "tokenizer.json"))
+    data = dict(source="text_files", format="chat", loss_on="assistant", tokenizer="byte",
+                paths="runs/chat_data/sft/*.jsonl")  # fmt: skip
+    cfg = micro_config(model=dict(norm_eps=1e-5), data=data, checkpoint={"init_from": "runs/quickstart"})
+    import_checkpoint(str(tmp_path / "hf"), cfg, str(tmp_path / "run"))
+    saved = saved_config(str(tmp_path / "run"))
+    assert (saved.data.tokenizer, saved.checkpoint.init_from) == ("hf", "")
+    text = "def f(x):\n    return x"
+    assert load_tokenizer(saved.data).encode(text).tolist() == hf_tok.encode(text).ids
+    other = micro_config(model=dict(norm_eps=1e-5), data=dict(tokenizer="hf", tokenizer_path=str(tmp_path / "tok")))
+    llama3_style_tokenizer(tmp_path / "tok")
+    (tmp_path / "tok" / "tokenizer.json").write_text((tmp_path / "tok" / "tokenizer.json").read_text() + " ")
+    with pytest.raises(ConfigError, match=r"data.tokenizer_path=.*/tok' is another tokenizer than the model's own "
+                                          r"\(.*/hf/tokenizer.json\)"):  # fmt: skip
+        import_checkpoint(str(tmp_path / "hf"), other, str(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()
+
+
 def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits(tmp_path):
     """Llama 3's frequency scaling (factor 4, original length 32, low/high factors 1 and 4): with head_dim 16
     the first pair's wavelength (6.3) is kept, the second's (19.9) blended, the rest stretched 4x. Built by

@@ -20,7 +20,7 @@ from trainer.config.errors import ConfigError
 from trainer.config.forms import flatten
 from trainer.data import run_tokenizer
 from trainer.data.chat import template_for
-from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer
+from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer, tokenizer_file
 from trainer.interop import peft
 from trainer.interop.families import from_hf_tensors, hf_config, model_keys_from_hf, to_hf_tensors
 from trainer.model import adapters, quantised
@@ -160,7 +160,7 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter
     the first byte is written, so a refused export leaves nothing behind and the same command can be rerun."""
     import jax
 
-    from trainer.training.resume import load_params, saved_config
+    from trainer.training.resume import load_params
 
     require_hf_extra()
     if os.path.exists(out_dir) and os.listdir(out_dir):
@@ -179,7 +179,7 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter
     tokenizer = hf_tokenizer(cfg.data)
     if adapter:  # with the run's tokenizer: its chat template is the fine-tune's, not the base's
         tensors = peft.to_peft(adapters.split(params)[0], arch)  # what can refuse, before anything is written
-        peft.write(tensors, lora, out_dir, base=saved_config(workdir).checkpoint.init_from)
+        peft.write(tensors, lora, out_dir)  # its base is a run of ours, which peft cannot load (convert_hf.py says)
         tokenizer.save_pretrained(out_dir)
         return step
     if lora.rank:  # the model the adapters make, as plain weights (a QLoRA base as the run saw it, dequantised)
@@ -219,6 +219,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = 
     from trainer.training.state import param_shardings, state_from_params, trained
 
     require_hf_extra()
+    cfg = _as_imported(cfg, hf_dir)
     lora = cfg.model.lora
     if adapter_dir is None:
         if lora.rank:
@@ -241,6 +242,41 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = 
     state = state_from_params(added, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.counters)
     _write(base_cfg, base_dir, base_state)
     _write(cfg, workdir, state)
+
+
+def _as_imported(cfg, hf_dir: str):
+    """The config an import's run keeps: the model folder's own tokenizer (and so its chat template), where the
+    folder has one, for a model reads only the ids it was trained on; and no checkpoint.init_from, which named
+    another model's weights (a recipe's base run)."""
+    from trainer.config.forms import with_changes
+
+    changes = {"checkpoint.init_from": ""}
+    theirs = os.path.join(hf_dir, "tokenizer.json")
+    if os.path.isfile(theirs) and not _ours_exported(cfg.data, theirs):
+        d = cfg.data
+        if d.tokenizer == "hf" and d.tokenizer_path:
+            mine = tokenizer_file("hf", d.tokenizer_path)
+            with open(mine, "rb") as a, open(theirs, "rb") as b:
+                if a.read() != b.read():
+                    raise ConfigError(f"data.tokenizer_path={d.tokenizer_path!r} is another tokenizer than the "
+                                      f"model's own ({theirs}); leave data.tokenizer_path out to read with the "
+                                      "model's, or import a model trained with that one.")  # fmt: skip
+        changes.update({"data.tokenizer": "hf", "data.tokenizer_path": os.path.abspath(hf_dir)})
+    return with_changes(cfg, changes)
+
+
+def _ours_exported(data_cfg, file: str) -> bool:
+    """Whether a folder's tokenizer.json is the config's byte or SentencePiece tokenizer as an export writes it
+    (a model of ours coming back): then the config's own reads the same ids, and stays."""
+    if data_cfg.tokenizer == "hf":
+        return False
+    from tokenizers import Tokenizer
+
+    try:
+        ours = hf_tokenizer(data_cfg).backend_tokenizer.to_str()
+    except (ConfigError, OSError):  # a SentencePiece model not at its path: not this config's tokenizer then
+        return False
+    return Tokenizer.from_str(ours).to_str() == Tokenizer.from_file(file).to_str()
 
 
 def _refuse_checkpoints(workdir: str) -> None:
