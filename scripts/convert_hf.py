@@ -42,6 +42,8 @@ def main(args):
                 step = export_checkpoint(_CONFIG.value, workdir, _STEP.value, out, adapter=adapter)
                 whose = "'s adapters" if adapter else ""
                 print(f"exported step {step} of {workdir}{whose} to {out}")
+                if adapter:
+                    print(base_hint(workdir, out))
     elif args == ["import"]:
         if not _HF.value:
             raise ConfigError("import needs --hf DIR.")
@@ -52,6 +54,19 @@ def main(args):
         )
     else:
         raise ConfigError("say what to do: convert_hf.py export ... or convert_hf.py import ...")
+
+
+def base_hint(workdir: str, out: str) -> str:
+    """How to give an exported adapter the base peft loads it on: its base is one of our runs (init_from)."""
+    from trainer.training.resume import parse_init_from, saved_config
+
+    base, step = parse_init_from(saved_config(workdir).checkpoint.init_from)
+    return (
+        f"its base is {base} at step {step}: export that with scripts/convert_hf.py export --config "
+        f"{base}/config.json --step {step} --out BASE, then load the adapter on it with "
+        f"peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), {out!r}), or set "
+        f"base_model_name_or_path to BASE in {out}/adapter_config.json for AutoPeftModelForCausalLM."
+    )
 
 
 if __name__ == "__main__":

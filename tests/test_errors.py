@@ -253,11 +253,17 @@ def test_resuming_with_another_data_stream_names_the_keys(tmp_path):
     "args, named",
     [
         (["--config", "configs/tiny.py", "--config.optim.lrr=1"], "lrr"),
-        (["--config", "configs/nope.py"], "configs/nope.py could not be read"),
+        (["--config", "configs/nope.py"], "error: --config=configs/nope.py names no file; give a configs/*.py recipe"),
+        (["--config", "runs/nope/config.json"], "error: --config=runs/nope/config.json names no file;"),
+        (
+            ["--config", "configs"],
+            "error: --config=configs is a folder; give a configs/*.py recipe or a run's "
+            "config.json (it holds no run's config.json).",
+        ),
         (["--config", "configs/tiny.py", "--config.train.microbatches=2"], "now --config.train.pipeline_microbatches"),
         (["--config", "configs/tiny.py", "--multihost"], "--multihost found no cluster to join"),
     ],
-    ids=["misspelt key", "missing config file", "renamed key", "no cluster"],
+    ids=["misspelt key", "missing config file", "missing saved config", "a folder", "renamed key", "no cluster"],
 )
 def test_the_script_prints_one_line_and_fails(tmp_path, args, named):
     result = subprocess.run(

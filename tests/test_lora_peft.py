@@ -111,13 +111,19 @@ def test_adapters_go_to_peft_and_come_back_with_the_same_logits(tmp_path, family
             r"modules_to_save=\['lm_head'\]: the adapter carries trained "
             r"lm_head weights of its own.*merge_and_unload",
         ),
+        (
+            dict(target_modules=["q_proj", "v_proj"]),
+            r"made with model.lora.targets='q,v' \(config has "
+            r"'q,k,v,o,gate,up,down'\); set model.lora to match it.$",
+        ),
         (dict(bias="all"), r"bias='all'"),
         (dict(layers_to_transform=[0]), r"layers_to_transform=\[0\]"),
     ]
     for i, (change, says) in enumerate(refusals):
+        every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        change = {"target_modules": every, **change}
         other = peft.get_peft_model(hf(str(tmp_path / "hf_base")), peft.LoraConfig(
-            r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                                               "down_proj"], init_lora_weights=False, **change))  # fmt: skip
+            r=4, lora_alpha=8, init_lora_weights=False, **change))  # fmt: skip
         other.save_pretrained(str(tmp_path / f"other{i}"))
         with pytest.raises(ConfigError, match=says):
             import_checkpoint(str(tmp_path / "hf_base"), fresh, str(tmp_path / "refused"), str(tmp_path / f"other{i}"))

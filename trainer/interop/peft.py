@@ -136,10 +136,17 @@ def check_config(saved: dict, lora, where: str, n_layers: int) -> None:
                                   "one rank.")  # fmt: skip
     modules = saved.get("target_modules") or []
     modules = [modules] if isinstance(modules, str) else sorted(modules)
-    targets = peft_config(lora)["target_modules"]
+    ours_of = {theirs.split(".")[-1]: ours for ours, (_, theirs) in PROJECTIONS.items()}
+    strange = [m for m in modules if m not in ours_of]
+    if strange:
+        raise ConfigError(f"the adapter in {where} adapts {', '.join(strange)} (target_modules), which the adapters "
+                          f"here cannot hold; they adapt {', '.join(t for _, t in PROJECTIONS.values())}.")  # fmt: skip
+    # The targets in model.lora.targets' own words (q, k, v, o, gate, up, down), in its order.
+    made = ",".join(t for t in PROJECTIONS if t in {ours_of[m] for m in modules})
     differ = [f"{ours}={theirs!r} (config has {mine!r})" for ours, theirs, mine in (
         ("model.lora.rank", saved.get("r"), lora.rank), ("model.lora.alpha", float(saved.get("lora_alpha", 0)),
-        float(lora.alpha)), ("target_modules", modules, targets)) if theirs != mine]  # fmt: skip
+        float(lora.alpha)), ("model.lora.targets", made, ",".join(t for t in PROJECTIONS if t in lora.targets)))
+        if theirs != mine]  # fmt: skip
     if differ:
         raise ConfigError(f"the adapter in {where} was made with {', '.join(differ)}; set model.lora to match it.")
 

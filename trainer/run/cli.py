@@ -6,6 +6,7 @@ The library never reads flags; scripts parse them here and pass plain values in.
 from __future__ import annotations
 
 import os
+import posixpath
 import shlex
 import sys
 import traceback
@@ -33,15 +34,25 @@ class _ConfigParser(ConfigFileFlagParser):
     it), so that a command after an import or a run repeats none of its --config.* flags."""
 
     def parse(self, path):
+        # Said here, as the flag is parsed (its value is what the user typed, said before this): the library
+        # defers a missing file's error to the config's first use, inside the script, as a traceback.
+        from trainer.storage import workdir as wd  # a run's config.json may be in a bucket
+
+        where = wd.path(path)
+        if where.is_dir():
+            saved = where / "config.json"
+            hint = f"its run's saved config is {saved}" if saved.exists() else "it holds no run's config.json"
+            raise ValueError(f"is a folder; give a configs/*.py recipe or a run's config.json ({hint}).")
+        if not where.exists():
+            raise ValueError("names no file; give a configs/*.py recipe or a run's config.json that exists.")
         if not path.endswith(".json"):
             return super().parse(path)
         import json
 
         try:
-            with open(path) as f:
-                saved = forms.from_dict(json.load(f))
+            saved = forms.from_dict(json.loads(where.read_text()))
         except (OSError, ValueError) as e:
-            raise ValueError(f"{path} cannot be read as a run's saved config ({e})") from None
+            raise ValueError(f"cannot be read as a run's saved config ({e}).") from None
         saved.lock()
         return saved
 
@@ -78,8 +89,13 @@ def say_next(result: dict, cfg, workdir_flag: str | None, argv: list[str]) -> No
 
 
 def _next_commands(result: dict, cfg, workdir_flag: str | None, argv: list[str]) -> str:
-    config_flags_given = [a for a in config_args(argv) if not a.startswith("--config.train.steps=")]
-    where = [f"--workdir={shlex.quote(workdir_flag)}"] if workdir_flag else []
+    workdir = workdir_flag or default_workdir()
+    if any(a.startswith("--config.") for a in argv) or config_path().endswith(".json"):
+        # The run's own config.json holds every override (and is its workdir's): nothing typed again.
+        config_flags_given, where = [f"--config={shlex.quote(posixpath.join(workdir, 'config.json'))}"], []
+    else:
+        config_flags_given = [f"--config={config_path()}"]
+        where = [f"--workdir={shlex.quote(workdir_flag)}"] if workdir_flag else []
     reached = f"loss {result['loss']:.4f}" if "loss" in result else "nothing logged"
     if "unigram_loss" in result:
         reached = (f"validation loss {result['eval_loss']:.4f} (the unigram's {result['unigram_loss']:.4f}; "
@@ -97,7 +113,7 @@ def _next_commands(result: dict, cfg, workdir_flag: str | None, argv: list[str])
         if cfg.data.format == "text"
         else ("talk to it", "generate.py", ["--chat", f"--max_new_tokens={new_tokens}"]),
     ]
-    lines = [f"done: {workdir_flag or default_workdir()} is at step {result['step']}; {reached}", "next:"]
+    lines = [f"done: {workdir} is at step {result['step']}; {reached}", "next:"]
     for what, script, extra in commands:
         ours = {a.split("=")[0] for a in extra}  # a flag given again here replaces the one given before
         given = [a for a in config_flags_given if a.split("=")[0] not in ours]
@@ -172,7 +188,10 @@ def _parse(argv):
         if arg.startswith("--config.") and key in config.RENAMED:
             sys.exit(f"error: --config.{key} is now --config.{config.RENAMED[key]}; use the new name.")
     try:
-        return apply_flags(argv)
+        rest = apply_flags(argv)
+        if "config" in flags.FLAGS:
+            flags.FLAGS["config"].value  # noqa: B018 - a recipe that fails to load fails here, in our words
+        return rest
     except flags.IllegalFlagValueError as e:  # at_least's refusals: "flag --name=value: says"
         flag, _, says = str(e).removeprefix("flag ").partition(": ")
         typed = [a for a in argv if a.startswith(flag.split("=")[0] + "=")]  # as the user spelt the value
