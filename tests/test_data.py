@@ -96,6 +96,11 @@ def test_text_files_builder_prepares_splits_by_document(tmp_path):
                                           r"data.validation_fraction=0.02 asks for another share; set "
                                           r"data.validation_fraction=0.1 to read it"):  # fmt: skip
         corpora.prepare(micro_config(data=dict(cfg.data, validation_fraction=0.02)).data)
+    # Read as conversations with another fraction too (a quick-start corpus under sft_tiny): the format, which no
+    # fraction fixes, is said first.
+    with pytest.raises(ConfigError, match=r"was prepared with data.format=text, and this config reads it with "
+                                          r"data.format=chat"):  # fmt: skip
+        corpora.prepare(micro_config(data=dict(cfg.data, validation_fraction=0.02, format="chat")).data)
 
 
 def test_three_shards_and_one_file_split_by_document_at_the_configured_fraction(tmp_path):

@@ -39,8 +39,11 @@ def prepare(data_cfg, data_dir: str, *, workers: int = 1, beam_options: str = ""
     if not files:
         raise ConfigError(f"data.paths={d.paths!r} matches no files; give globs such as 'corpus/**/*.txt'.")
     dirs = {name: shards.version_dir(data_dir, name) for name in (d.name, d.name + shards.TOKENS_SUFFIX)}
+    text_key = d.text_key if d.format == "text" else chat.fields(d.format)
+    for name, directory in dirs.items():  # first: no other setting (the held-out share, say) fixes a format
+        split.check_recorded_format(name, directory, text_key)
     rule = split.settled_rule(list(dirs.values()), d.validation_fraction)
-    record = split.made_from(files, d.text_key if d.format == "text" else chat.fields(d.format), rule)
+    record = split.made_from(files, text_key, rule)
     tokenizer = (load_tokenizer(d), made_with(d)) if d.tokenized else None
     arguments = None if workers <= 1 and not beam_options else work.beam_arguments(workers, beam_options)
     with publishing.one_builder(data_dir, d.name, say):

@@ -108,6 +108,13 @@ def check_made_from(directory: str, wanted: dict, paths: str, name: str) -> None
     )
 
 
+def check_recorded_format(name: str, directory: epath.Path, text_key: str) -> None:
+    """check_format against what the prepared corpus in `directory` (if any) recorded of its files."""
+    record = directory / MADE_FROM_FILE
+    if (directory / "dataset_info.json").exists() and record.exists():
+        check_format(name, directory, json.loads(record.read_text())["text_key"], format_of(text_key))
+
+
 def check_format(name: str, directory, recorded: str, read_as: str) -> None:
     """Refuse a prepared corpus read as another data.format than it was prepared as (`recorded`: the text
     field its made_from.json names)."""
