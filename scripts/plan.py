@@ -139,9 +139,10 @@ def command_args(changes: dict) -> list[str]:
 
 def print_scaling(result):
     t = result["training"]
-    print(f"Chinchilla        {result['chinchilla_tokens']:.3g} tokens (20 per parameter); Hoffmann et al.'s fit "
-          f"predicts loss {result['chinchilla_fit_loss']:.3f} there")  # fmt: skip
-    print(f"training          {t['tokens']:.3g} tokens = {t['steps']:,} steps = {t['flops']:.3g} FLOPs: "
+    if "chinchilla_tokens" in result:  # pretraining; a fine-tune is sized by its own train.steps
+        print(f"Chinchilla        {result['chinchilla_tokens']:.3g} tokens (20 per parameter); Hoffmann et al.'s "
+              f"fit predicts loss {result['chinchilla_fit_loss']:.3f} there")  # fmt: skip
+    print(f"{t['objective']:17s} {t['tokens']:.3g} tokens = {t['steps']:,} steps = {t['flops']:.3g} FLOPs: "
           f"{_duration(t['seconds'])} on {t['chips']} x {t['chip']} at {t['mfu']:.0%} MFU")  # fmt: skip
     if "budget" in result:
         b, rule, fit = result["budget"], result["budget"]["rule_of_thumb"], result["budget"]["fit"]
@@ -151,6 +152,8 @@ def print_scaling(result):
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.2g} seconds"
     if seconds < 3600:
         return f"{seconds / 60:.1f} minutes"
     if seconds < 3 * 86400:

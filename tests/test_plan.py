@@ -120,6 +120,12 @@ def test_time_to_train_and_the_budget_follow_their_formulas():
     # The numerical optimum for a token cost of 6 N agrees with the closed form.
     numeric = CHINCHILLA.best_split(1e21, lambda n: 6 * n)
     assert numeric["n_params"] == pytest.approx(fit["n_params"], rel=0.01)
+    # A fine-tune (adapters on another run's weights) is sized by its own steps; Chinchilla says nothing of it.
+    cfg.model.lora.update(rank=4, alpha=8.0)
+    cfg.checkpoint.init_from = "runs/base"
+    tuned = plan(cfg, compile_step=False, chip="tpu-v5p", chips=16, mfu=0.5)
+    assert "chinchilla_tokens" not in tuned and tuned["training"]["objective"] == "fine-tuning"
+    assert tuned["training"]["tokens"] == cfg.train.steps * cfg.train.global_batch_size * cfg.data.seq_len
 
 
 def test_an_unknown_chip_is_refused_with_the_known_ones():

@@ -106,11 +106,16 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     }
     result["bytes_per_device"] = memory.bytes_per_device(cfg, setup)
     result["heap_interval_bytes"] = memory.heap_interval(result["bytes_per_device"]["total"])
-    result["chinchilla_tokens"] = scaling.TOKENS_PER_PARAM * counts["total"]
-    result["chinchilla_fit_loss"] = float(scaling.CHINCHILLA.loss(counts["total"], result["chinchilla_tokens"]))
     chips = chips or setup.mesh.size
-    run_tokens = tokens or result["chinchilla_tokens"]
+    # Pretraining from scratch is sized by Chinchilla; a fine-tune (from another run's weights, on conversations,
+    # preferences or prompts, or adapters) is sized by its own train.steps, and Chinchilla says nothing of it.
+    pretraining = not (cfg.checkpoint.init_from or setup.adapted or cfg.data.format != "text")
+    if pretraining:
+        result["chinchilla_tokens"] = scaling.TOKENS_PER_PARAM * counts["total"]
+        result["chinchilla_fit_loss"] = float(scaling.CHINCHILLA.loss(counts["total"], result["chinchilla_tokens"]))
+    run_tokens = tokens or (result["chinchilla_tokens"] if pretraining else t.steps * result["tokens_per_step"])
     result["training"] = {
+        "objective": "pretraining" if pretraining else "fine-tuning",
         "tokens": run_tokens,
         "flops": fpt * run_tokens,
         "steps": math.ceil(run_tokens / result["tokens_per_step"]),

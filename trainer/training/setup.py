@@ -97,6 +97,9 @@ class Setup:
         mesh = dict(self.mesh.shape)
         lines = [f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['non_embedding'] / 1e6:.2f}M "
                  f"non-embedding{active}), {flops_per_token / 1e6:.1f} MFLOPs/token; mesh {mesh}"]  # fmt: skip
+        c = self.cfg
+        quant = f", {c.model.quant.matmul} matmuls in {','.join(c.model.quant.targets)}" if c.model.quant.matmul else ""
+        lines.append(f"precision: {c.precision.compute_dtype} compute{quant}, {c.precision.param_dtype} weights")
         if self.adapted:
             added = sum(x.size for x in jax.tree.leaves(trained(self.model.abstract_params, self.model)))
             base, lora = counts["total"] - added, self.cfg.model.lora
