@@ -1,7 +1,7 @@
 """lora_tiny: sft_tiny with low-rank adapters: the quick-start model frozen, rank-8 adapters trained.
 
     python scripts/train.py --config configs/quickstart.py         # the base model (runs/quickstart)
-    python scripts/make_chat_data.py                                # runs/chat_data/{sft,dpo,rl}/rows.jsonl
+    python scripts/make_chat_data.py                                # runs/chat_data/{sft,dpo,sums,rl}/rows.jsonl
     python scripts/train.py --config configs/lora_tiny.py          # runs/lora_tiny
     python scripts/generate.py --config configs/lora_tiny.py --chat --prompt "Reverse: python"
 

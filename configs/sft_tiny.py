@@ -1,7 +1,7 @@
 """sft_tiny: supervised fine-tuning of the quick-start model on conversations, on a CPU.
 
     python scripts/train.py --config configs/quickstart.py         # the base model (runs/quickstart)
-    python scripts/make_chat_data.py                                # runs/chat_data/{sft,dpo,rl}/rows.jsonl
+    python scripts/make_chat_data.py                                # runs/chat_data/{sft,dpo,sums,rl}/rows.jsonl
     python scripts/train.py --config configs/sft_tiny.py           # runs/sft_tiny
     python scripts/generate.py --config configs/sft_tiny.py --chat --prompt "Reverse: python"
 

@@ -24,7 +24,7 @@ from absl import flags
 
 from trainer.run import cli
 
-_OUT = flags.DEFINE_string("out", "runs/chat_data", "Folder to write {sft,dpo,rl}/rows.jsonl into.")
+_OUT = flags.DEFINE_string("out", "runs/chat_data", "Folder to write {sft,dpo,sums,rl}/rows.jsonl into.")
 _ROWS = flags.DEFINE_integer("rows", 4000, "Rows of each corpus.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the words drawn.")
 
