@@ -183,22 +183,55 @@ def test_rollouts_and_steps_on_8_devices_equal_one_device(rows, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_a_grpo_run_resumes_exactly(rows, tmp_path):
+def test_a_grpo_run_resumes_exactly_and_says_where_its_reward_started(rows, tmp_path):
     """Four steps straight, against two, a restart and two more, with two policy steps on each rollout (the
     second's ratio no longer 1): the same rollouts (the sampler's keys from the seed and the prompt's place),
-    rewards, losses and weights."""
+    rewards, smoothed rewards, losses and weights. Whether the reward rose is in sight: the held-out prompts
+    are scored before the first step (logged at step 0, equal to scoring the initial weights directly; read
+    back by the resumed launch), `rl/reward_smoothed` is the rollouts' mean rewards' moving average (its
+    closed form over the logged rewards, across the restart too), the `done:` line sets the held-out reward
+    at step 0 beside the last, and the report draws them."""
+    from trainer.data import streams
+    from trainer.evaluation import report
+    from trainer.run.cli import reached_words
 
     def run(steps, name):
-        cfg = rl_config(rows, tmp_path, train=dict(steps=steps))
+        cfg = rl_config(rows, tmp_path, train=dict(steps=steps, eval_every=4, eval_batches=1))
         cfg.rl.updates_per_batch = 2
-        return train(cfg, str(tmp_path / name))
+        return cfg, train(cfg, str(tmp_path / name))
 
-    straight = run(4, "straight")
-    assert run(2, "resumed")["step"] == 2
-    resumed = run(4, "resumed")
-    for name in ("loss", "grad_norm", "param_norm", "rl/reward", "rl/entropy", "rl/clip_fraction"):
+    cfg, straight = run(4, "straight")
+    assert run(2, "resumed")[1]["step"] == 2
+    _, resumed = run(4, "resumed")
+    for name in ("loss", "grad_norm", "param_norm", "rl/reward", "rl/reward_smoothed", "rl/entropy",
+                 "rl/clip_fraction", "eval_reward", "eval_reward_before"):  # fmt: skip
         assert resumed[name] == pytest.approx(straight[name], rel=1e-6), name
     assert straight["grad_norm"] > 0
+
+    setup = build(cfg)
+    before = rollouts.HeldOut(setup, streams.Stream.from_config(cfg), 1)(setup.new_state().params)
+    for name in ("eval_reward", "eval_reward_sampled", "eval_prompts"):
+        assert straight[f"{name}_before"] == pytest.approx(before[name], rel=1e-9), name
+    for name, evaluated in (("resumed", [0, 2, 4]), ("straight", [0, 4])):
+        with open(tmp_path / name / "metrics.jsonl") as f:
+            records = [json.loads(line) for line in f]
+        assert [r["step"] for r in records if "eval_reward" in r] == evaluated, name
+        logged = {r["step"]: r for r in records if "rl/reward" in r}
+        average = 0.0
+        for k in range(2):  # rollout k serves steps 2k+1 and 2k+2
+            average = 0.9 * average + 0.1 * logged[2 * k + 1]["rl/reward"]
+            for step in (2 * k + 1, 2 * k + 2):
+                assert logged[step]["rl/reward_smoothed"] == pytest.approx(average / (1 - 0.9 ** (k + 1))), step
+    words = reached_words(straight)
+    moved = f"held-out reward {before['eval_reward']:.4f} -> {straight['eval_reward']:.4f} (greedy, from step 0 to 4)"
+    assert moved in words, words
+    fig = report.figure([str(tmp_path / "straight")])
+    panel = fig.axes[len(report.PANELS)]
+    held = next(line for line in panel.lines if line.get_label().endswith("(held-out)"))
+    assert list(held.get_xdata()) == [0, 4]
+    assert list(held.get_ydata()) == [before["eval_reward"], straight["eval_reward"]]
+    smoothed = next(line for line in panel.lines if line.get_label().endswith("(smoothed)"))
+    assert list(smoothed.get_ydata()) == [logged[s]["rl/reward_smoothed"] for s in (1, 2, 3, 4)]
 
 
 def test_eval_rewards_each_held_out_prompts_greedy_and_sampled_completions_as_if_alone(rows, tmp_path):
@@ -386,3 +419,4 @@ def test_grpo_with_adapters_pulls_towards_the_base_with_them_off(rows, tmp_path)
     _, _, before = load_params(rl_config(rows, tmp_path), base)
     for got, want in zip(jax.tree.leaves(adapters.split(weights)[1]), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+

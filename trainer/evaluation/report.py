@@ -1,7 +1,8 @@
 """One picture of a run, or of several overlaid, from their metrics.jsonl (scripts/report.py).
 
 Panels: training and evaluation loss, learning rate, gradient norm, update
-ratio (|update| / |params|), tokens per second and MFU. Skipped steps are
+ratio (|update| / |params|), tokens per second and MFU; for a GRPO run, its reward (each rollout's, their
+moving average, and the held-out prompts' greedy reward from step 0 on). Skipped steps are
 crosses along the foot of the loss panel (a non-finite loss is not drawn). A
 rollback is a vertical line on every panel at the step it left, and the
 history after it starts again from the step it went back to, so the abandoned
@@ -21,11 +22,12 @@ from trainer.storage.workdir import path
 
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("update_ratio", "update ratio"), ("tokens_per_sec", "tokens/s"), ("mfu", "MFU"))  # fmt: skip
+REWARD = ("rl/reward", "reward (GRPO): rollouts', smoothed, held-out greedy")
 
 
 def read(workdir: str) -> dict:
-    """{"train": records with a loss, "eval": with an eval_loss, "skipped": steps, "rollbacks": events,
-    "goodput": the run's time account or None}."""
+    """{"train": records with a loss, "eval": with an eval_loss or a GRPO eval_reward, "skipped": steps,
+    "rollbacks": events, "goodput": the run's time account or None}."""
     records = read_records(workdir)
     if records is None:
         raise ConfigError(f"{workdir} has no {METRICS_FILE}; give the --workdir of a run that has logged.")
@@ -37,7 +39,7 @@ def read(workdir: str) -> dict:
             run["rollbacks"].append(record)
         elif record.get("event") == "skipped":
             run["skipped"].append(record["step"])
-        elif "eval_loss" in record:
+        elif "eval_loss" in record or "eval_reward" in record:
             run["eval"].append(record)
         elif "loss" in record:
             run["train"].append(record)
@@ -54,35 +56,55 @@ def figure(workdirs: list[str]):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = plt.figure(figsize=(12, 12))
-    grid = fig.add_gridspec(4, 2, height_ratios=(1, 1, 1, 0.7))
+    runs = [read(workdir) for workdir in workdirs]
+    panels = PANELS + ((REWARD,) if any(r.get("rl/reward") is not None for run in runs for r in run["train"]) else ())
+    rows = (len(panels) + 1) // 2
+    fig = plt.figure(figsize=(12, 3 * rows + 3))
+    grid = fig.add_gridspec(rows + 1, 2, height_ratios=(1,) * rows + (0.7,))
     axes = [fig.add_subplot(grid[0, 0])]
-    axes += [fig.add_subplot(grid[i // 2, i % 2], sharex=axes[0]) for i in range(1, len(PANELS))]
-    shares = fig.add_subplot(grid[3, :])
+    axes += [fig.add_subplot(grid[i // 2, i % 2], sharex=axes[0]) for i in range(1, len(panels))]
+    shares = fig.add_subplot(grid[rows, :])
     accounts = []
-    for n, workdir in enumerate(workdirs):
-        run, color, label = read(workdir), f"C{n}", _label(workdir, workdirs)
+    for n, (workdir, run) in enumerate(zip(workdirs, runs, strict=True)):
+        color, label = f"C{n}", _label(workdir, workdirs)
         if run["goodput"]:
             accounts.append((label, run["goodput"]["seconds"]))
-        for ax, (key, title) in zip(axes, PANELS, strict=True):
+        for ax, (key, title) in zip(axes, panels, strict=True):
             steps = [r["step"] for r in run["train"] if r.get(key) is not None]
-            ax.plot(steps, [r[key] for r in run["train"] if r.get(key) is not None], color=color, label=label)
+            ax.plot(steps, [r[key] for r in run["train"] if r.get(key) is not None], color=color, label=label,
+                    alpha=0.35 if key == REWARD[0] else 1.0)  # fmt: skip
             ax.set_title(title)
             for event in run["rollbacks"]:
                 ax.axvline(event["from_step"], color=color, linestyle=":", alpha=0.8)
         loss = axes[0]
-        if run["eval"]:
-            loss.plot([r["step"] for r in run["eval"]], [r["eval_loss"] for r in run["eval"]], color=color,
-                      linestyle="--", marker="o", label=f"{label} (eval)")  # fmt: skip
+        scored = [r for r in run["eval"] if "eval_loss" in r]
+        if scored:
+            loss.plot([r["step"] for r in scored], [r["eval_loss"] for r in scored], color=color, linestyle="--",
+                      marker="o", label=f"{label} (eval)")  # fmt: skip
+        if len(panels) > len(PANELS):
+            _rewards(axes[len(PANELS)], run, color, label)
         # At the foot of the panel: a skipped step's loss is often not a number.
         loss.plot(run["skipped"], [0.02] * len(run["skipped"]), "x", color="red", transform=loss.get_xaxis_transform(),
                   label="skipped steps" if n == 0 else None)  # fmt: skip
     axes[0].legend(fontsize=8)
     for ax in axes[-2:]:
         ax.set_xlabel("step")
+    if len(panels) > len(PANELS):
+        axes[len(PANELS)].legend(fontsize=8)
     _goodput_bars(shares, accounts)
     fig.tight_layout()
     return fig
+
+
+def _rewards(ax, run: dict, color: str, label: str) -> None:
+    """Beside the rollouts' rewards (drawn faint with the other panels): their moving average, and the held-out
+    prompts' greedy reward at each evaluation (step 0: before training)."""
+    smoothed = [r for r in run["train"] if r.get("rl/reward_smoothed") is not None]
+    ax.plot([r["step"] for r in smoothed], [r["rl/reward_smoothed"] for r in smoothed], color=color,
+            label=f"{label} (smoothed)")  # fmt: skip
+    held = [r for r in run["eval"] if "eval_reward" in r]
+    ax.plot([r["step"] for r in held], [r["eval_reward"] for r in held], color=color, linestyle="--", marker="o",
+            label=f"{label} (held-out)")  # fmt: skip
 
 
 def _goodput_bars(ax, runs: list[tuple[str, dict]]) -> None:

@@ -96,13 +96,7 @@ def _next_commands(result: dict, cfg, workdir_flag: str | None, argv: list[str])
     else:
         config_flags_given = [f"--config={config_path()}"]
         where = [f"--workdir={shlex.quote(workdir_flag)}"] if workdir_flag else []
-    reached = f"loss {result['loss']:.4f}" if "loss" in result else "nothing logged"
-    if "unigram_loss" in result:
-        reached = (f"validation loss {result['eval_loss']:.4f} (the unigram's {result['unigram_loss']:.4f}; "
-                   f"{result['eval_covers']}), " + reached)  # fmt: skip
-    elif "eval_loss" in result:
-        reached = (f"held-out DPO loss {result['eval_loss']:.4f}, reward accuracy {result['eval_dpo/accuracy']:.3f}"
-                   f", " + reached)  # fmt: skip
+    reached = reached_words(result)
     prompt = cfg.train.sample_prompts[0] if cfg.train.sample_prompts else ""
     new_tokens = min(128, cfg.model.max_seq_len // 2)  # within the model's context beside a short prompt
     sample = "--temperature=0.6"  # sampled: a small model's greedy text soon repeats itself
@@ -119,6 +113,27 @@ def _next_commands(result: dict, cfg, workdir_flag: str | None, argv: list[str])
         given = [a for a in config_flags_given if a.split("=")[0] not in ours]
         lines.append(f"  python scripts/{script} {' '.join(given + where + extra)}    # {what}")
     return "\n".join(lines)
+
+
+def reached_words(result: dict) -> str:
+    """What a run reached, for its `done:` line: the held-out figures (GRPO's beside where they started), then
+    the last logged loss."""
+    reached = f"loss {result['loss']:.4f}" if "loss" in result else "nothing logged"
+    if "unigram_loss" in result:
+        return (f"validation loss {result['eval_loss']:.4f} (the unigram's {result['unigram_loss']:.4f}; "
+                f"{result['eval_covers']}), " + reached)  # fmt: skip
+    if "eval_loss" in result:
+        return (f"held-out DPO loss {result['eval_loss']:.4f}, reward accuracy {result['eval_dpo/accuracy']:.3f}, "
+                + reached)  # fmt: skip
+    if "eval_reward" in result:
+        figures = [(name, key) for name, key in (("reward", "eval_reward"), ("solved", "eval_solved")) if key in result]
+        moved = ", ".join(f"{name} {result[key + '_before']:.4f} -> {result[key]:.4f}" if key + "_before" in result
+                          else f"{name} {result[key]:.4f}" for name, key in figures)  # fmt: skip
+        since = f" (greedy, from step 0 to {result['step']})" if "eval_reward_before" in result else " (greedy)"
+        smoothed = result.get("rl/reward_smoothed")
+        rollouts = f"the rollouts' reward {smoothed:.4f} smoothed, " if smoothed is not None else ""
+        return f"held-out {moved}{since}, {rollouts}" + reached
+    return reached
 
 
 def train_on(cfg) -> list[tuple[str, list[str]]]:

@@ -26,7 +26,6 @@ import numpy as np
 
 from parallelism.distributed import fetch, wait_if_a_process_died
 from trainer.config import microbatch_size
-from trainer.config.forms import from_dict
 from trainer.data import corpora, streams, workers
 from trainer.data.mixture import mixture_shares
 from trainer.data.tokenizers import load_tokenizer
@@ -44,7 +43,7 @@ from trainer.storage import workdir as wd
 from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.goodput import Goodput
 from trainer.storage.local_tier import LocalTier
-from trainer.storage.metrics import MetricsWriter, console_line, floats
+from trainer.storage.metrics import MetricsWriter, console_line, floats, read_records
 from trainer.training import batch_ramp, clock, resume, rollouts, stability
 from trainer.training.setup import Setup
 from trainer.training.state import state_from_params
@@ -113,7 +112,7 @@ class Run:
             raise
 
     def _open(self, cfg, workdir: str, setup: Setup, init: tuple | None) -> None:
-        self.cfg, self.setup = cfg, setup
+        self.cfg, self.setup, self.workdir = cfg, setup, workdir
         self.process = jax.process_index()
         self.primary = self.process == 0
         self.say = print if self.primary else (lambda *a, **k: None)
@@ -146,7 +145,9 @@ class Run:
             return (*resume.restore_state(self.ckpt, step, setup, data, saved_cfg), data)
 
         startup.mark("open")
-        found = self._from_local(saved_cfg, workdir) if self.local is not None else None
+        found = None if self.local is None else resume.from_local(
+            self.local, max(self.ckpt.steps(), default=-1), self.abstract, workdir, cfg, setup, self._new_data,
+            saved_cfg, self.say)  # fmt: skip
         self.resumed_locally = found is not None
         if found is None:
             found = self.ckpt.restore_newest_intact(restore, self.say, cfg.checkpoint.retry_seconds)
@@ -187,8 +188,7 @@ class Run:
                               lambda: self.workers.stacks() if self.workers else [])  # fmt: skip
         self.files = wd.GrowingFiles(workdir) if self.primary else None
         self.goodput.open(self.files, self.step)
-        fresh = not self.resumed
-        self.writer = MetricsWriter(self.files, resume_step=self.step, cfg=cfg, workdir=workdir, fresh=fresh)
+        self.writer = MetricsWriter(self.files, resume_step=self.step, cfg=cfg, workdir=workdir, fresh=not self.resumed)
         self.profiler = StepProfiler(t.profile_steps, self.files, workdir)
         self.flops_per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len,
                                                setup.preference)  # fmt: skip
@@ -203,25 +203,6 @@ class Run:
         self.bos_id = load_tokenizer(cfg.data).bos_id if cfg.data.source != "synthetic" else None
         self.mark_step, self.mark_time = self.step, time.perf_counter()
         self.last: dict = {}
-
-    def _from_local(self, saved_cfg, workdir: str):
-        """(step, (state, False, reset label, data)) from the local tier, if it holds a step of this run newer
-        than the persistent tier's newest that every process can restore (trainer/storage/local_tier.py)."""
-        data = self._new_data()
-        asked = resume.reset_label(self.cfg.checkpoint.reset_optimizer)
-
-        check = lambda config: resume.check_resume(workdir, self.cfg, self.setup, from_dict(config))  # noqa: E731
-        try:
-            found = self.local.restore(max(self.ckpt.steps(), default=-1), self.abstract, data, asked, self.say,
-                                       check)  # fmt: skip
-        except BaseException:
-            data.close()
-            raise
-        if found is None:
-            data.close()
-            return None
-        step, fields, label = found
-        return step, (resume.state_from_local(fields, self.setup, saved_cfg), False, label, data)
 
     def _new_data(self):
         if self.rl:
@@ -262,10 +243,23 @@ class Run:
         for line in setup.describe(self.flops_per_token):
             self.say(line)
         self.say(corpora.describe(cfg.data))
+        if self.rl and self.evaluator is not None:  # GRPO: where the held-out reward starts, for done: and the report
+            self.last.update(self._scored_before())
         startup.mark("loop")
         self._step_fn(batch_ramp.step_size(cfg, self.data_read))
         self.goodput.enter("step")
         self._mark()
+
+    def _scored_before(self) -> dict:
+        """The held-out figures at step 0 as `<name>_before`: scored now and logged at step 0 on a fresh run, read
+        back from the metrics on a resumed one (none if its first launch did not score them)."""
+        if self.resumed:
+            result = next((r for r in read_records(self.workdir) or [] if r["step"] == 0 and "eval_reward" in r), {})
+        else:
+            with self.goodput.phase("eval"):
+                result = self.evaluator(self.setup.weights(self.state.params, self.inputs), self.hang.progress)
+            self.writer.write(0, result, console=eval_line(0, result))
+        return {f"{k}_before": v for k, v in result.items() if k.startswith("eval_")}
 
     def _step_fn(self, size: int):
         """The train step compiled ahead of time for a batch of `size` sequences (a ramp uses a few sizes)."""

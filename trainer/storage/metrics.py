@@ -165,7 +165,8 @@ def console_line(step: int, batches: float, total: int, m: dict) -> str:
     scale = f"  scale {m['loss_scale']:.0f}" if m["loss_scale"] != 1.0 else ""
     # Training time left at the latest step time (evaluations and checkpoints not counted).
     eta = duration(max(total - batches, 0) * m["step_time"])
-    reward = f"  reward {m['rl/reward']:.3f}" if "rl/reward" in m else ""  # the rollout's, under GRPO
+    # Under GRPO: the rollout's mean reward (a few prompts: noisy), then its moving average.
+    reward = f"  reward {m['rl/reward']:.3f} (smoothed {m['rl/reward_smoothed']:.3f})" if "rl/reward" in m else ""
     return (
         f"step {step:>6} ({batches:g}/{total})  loss {m['loss']:.4f}{reward}  lr {m['lr']:.2e}  "
         f"grad_norm {m['grad_norm']:.3f}{scale}  tok/s {m['tokens_per_sec']:,.0f}  mfu {mfu}  "

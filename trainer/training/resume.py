@@ -183,6 +183,23 @@ def restore_state(
     return TrainState(params=params, opt_state=opt_state, **on_mesh), reset, asked if reset else done
 
 
+def from_local(local, newest: int, abstract, workdir: str, cfg, setup, new_data: Callable, saved, say):
+    """(step, (state, False, reset label, data)) from the local tier (trainer/storage/local_tier.py), if it holds
+    a step of this run newer than the persistent tier's `newest` that every process can restore; else None."""
+    data = new_data()
+    try:
+        found = local.restore(newest, abstract, data, reset_label(cfg.checkpoint.reset_optimizer), say,
+                              lambda config: check_resume(workdir, cfg, setup, from_dict(config)))  # fmt: skip
+    except BaseException:
+        data.close()
+        raise
+    if found is None:
+        data.close()
+        return None
+    step, fields, label = found
+    return step, (state_from_local(fields, setup, saved), False, label, data)
+
+
 def state_from_local(fields: dict, setup, saved=None) -> TrainState:
     """A local checkpoint's fields (trainer/storage/local_tier.py) as the state, its counters read as a
     persistent checkpoint's are (converted to this config's batch, loss scaling and stability settings)."""

@@ -34,6 +34,10 @@ from trainer.objectives import grpo, rewards
 
 _TAG = 0x524C  # rollouts' keys are folded from the seed with this, apart from dropout's
 HELD_OUT_TAG = 0x484F  # the held-out prompts' sampled completions': apart from the rollouts' keys
+# rl/reward_smoothed: an exponential moving average of the rollouts' mean rewards over about ten rollouts (one
+# rollout's mean is noisy: a few prompts), divided by 1 - SMOOTHING^n as Adam's moments are, so it is not pulled
+# towards 0 at the start.
+SMOOTHING = 0.9
 
 
 def row_keys(seed: int, first: int, count: int, group: int, tag: int = _TAG) -> jax.Array:
@@ -113,6 +117,7 @@ class Rollouts:
         self.with_reference = reference
         self.taken, self.served, self.batch = 0, 0, None
         self.metrics: dict[int, dict] = {}  # by rollout
+        self.smoothed = [0.0, 0]  # the rollouts' mean rewards' moving average, unnormalised, and how many it holds
 
     def __iter__(self):
         return self
@@ -155,7 +160,9 @@ class Rollouts:
         for r in range(self.size):  # the sampler's, laid out by token as the trainer's are
             by_row[r, lengths[r] : lengths[r] + ends[r]] = sampled[r, : ends[r]]
         gap = np.abs(by_row - batch["old_logps"])[mask]
+        self.smoothed = [SMOOTHING * self.smoothed[0] + (1 - SMOOTHING) * float(total.mean()), self.smoothed[1] + 1]
         figures = {"rl/reward": float(total.mean()), "rl/reward_std": float(total.std()),
+                   "rl/reward_smoothed": self.smoothed[0] / (1 - SMOOTHING ** self.smoothed[1]),
                    "rl/completion_length": float(ends.mean()),
                    "rl/truncated": float(np.mean(~np.isin(out[np.arange(self.size), ends - 1], list(judge.end_ids)))),
                    "rl/logp_diff_mean": float(gap.mean()), "rl/logp_diff_max": float(gap.max()),
@@ -175,10 +182,12 @@ class Rollouts:
         return self.metrics.get((step - 1) // self.rl.updates_per_batch, {})
 
     def get_state(self) -> dict:
-        return {"rows": {"0": {"rollouts": self.taken}}}
+        return {"rows": {"0": {"rollouts": self.taken, "reward_smoothed": self.smoothed}}}
 
     def set_state(self, state: dict) -> None:
-        self.taken, self.batch = int(state["rows"]["0"]["rollouts"]), None
+        saved = state["rows"]["0"]
+        self.taken, self.batch = int(saved["rollouts"]), None
+        self.smoothed = list(saved.get("reward_smoothed", [0.0, 0]))  # a checkpoint from before it was kept: anew
 
     def close(self) -> None:
         pass
