@@ -47,7 +47,9 @@ def main(args):
     elif args == ["import"]:
         if not _HF.value:
             raise ConfigError("import needs --hf DIR.")
-        import_checkpoint(_HF.value, _CONFIG.value, workdir, _ADAPTER.value)
+        aside = import_checkpoint(_HF.value, _CONFIG.value, workdir, _ADAPTER.value)
+        if aside:
+            print(aside)
         print(
             f"imported {_HF.value}{f' with the adapter {_ADAPTER.value}' * bool(_ADAPTER.value)} into {workdir} "
             "as step 0"

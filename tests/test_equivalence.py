@@ -89,21 +89,24 @@ FAMILIES = {  # the model families' layers (docs/model_families.md) at micro siz
     "deepseek_v3": dict(mla=dict(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=8, v_dim=12), mtp=dict(depth=1),
                         moe=dict(num_experts=4, experts_per_token=2, shared_experts=1, d_ff=64, dense_layers=1,
                                  router="sigmoid", routed_scale=2.0, groups=2, groups_per_token=1)),
+    "qwen3_5": dict(layer_types=("linear_attention", "full_attention"), qk_norm=True, attention_gate=True,
+                    rope_fraction=0.5, linear=dict(key_heads=4, value_heads=8, key_dim=8, value_dim=8)),
 }  # fmt: skip
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_model_families_train_on_a_mesh_like_one_device(family, text_batches):
-    """Gemma 3's local and global layers (a window of 8 over 32 tokens) and DeepSeek-V3's latent attention,
-    sigmoid-routed experts and multi-token prediction: 10 steps on data 2 x fsdp 2 x tensor 2 (heads, MLP
+    """Gemma 3's local and global layers (a window of 8 over 32 tokens), DeepSeek-V3's latent attention,
+    sigmoid-routed experts and multi-token prediction, and Qwen3.5's Gated DeltaNet beside gated attention
+    (its heads over tensor as attention's): 10 steps on data 2 x fsdp 2 x tensor 2 (heads, MLP
     and expert widths over tensor; the latents whole) against one device, within the matrix's tolerances."""
     model = {**FAMILIES[family], "n_heads": 8, "n_kv_heads": 8 if family == "deepseek_v3" else 4}
 
     def family_config(mesh):
         cfg = config(mesh)
         cfg.model.update({k: v for k, v in model.items() if not isinstance(v, dict)})
-        for group in ("mla", "mtp", "moe"):
+        for group in ("mla", "mtp", "moe", "linear"):
             cfg.model[group].update(model.get(group, {}))
         return cfg
 

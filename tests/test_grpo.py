@@ -420,3 +420,24 @@ def test_grpo_with_adapters_pulls_towards_the_base_with_them_off(rows, tmp_path)
     for got, want in zip(jax.tree.leaves(adapters.split(weights)[1]), jax.tree.leaves(before), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
+
+def test_a_hybrid_samples_through_its_recurrent_state_as_training_scores_and_resumes_exactly(rows, tmp_path):
+    """A Qwen3.5-style hybrid (a Gated DeltaNet layer, then gated full attention) under GRPO with full remat:
+    the sampler decodes through each linear layer's convolution and recurrent state (token by token), the
+    step scores the same completions in chunks, and the two give each token the same log-probability
+    (rl/logp_diff_max); four steps straight equal two, a restart and two more."""
+    hybrid = dict(layer_types=("linear_attention", "full_attention"), qk_norm=True, attention_gate=True,
+                  centred_norms=True, rope_fraction=0.5, remat="full")  # fmt: skip
+
+    def run(steps, name):
+        cfg = rl_config(rows, tmp_path, train=dict(steps=steps))
+        cfg.model.update(hybrid)
+        cfg.model.linear.update(key_heads=2, value_heads=4, key_dim=8, value_dim=8)
+        return train(cfg, str(tmp_path / name))
+
+    straight = run(4, "straight")
+    assert run(2, "resumed")["step"] == 2
+    resumed = run(4, "resumed")
+    for name in ("loss", "grad_norm", "param_norm", "rl/reward", "rl/logp_diff_max"):
+        assert resumed[name] == pytest.approx(straight[name], rel=1e-6), name
+    assert straight["rl/logp_diff_max"] < 1e-4 and straight["grad_norm"] > 0

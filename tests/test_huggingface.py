@@ -393,6 +393,93 @@ def test_gemma3_imports_from_transformers_decodes_as_it_does_and_exports_back(tm
     np.testing.assert_array_equal(padded[1:], alone)
 
 
+QWEN3_5 = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, max_position_embeddings=64,
+               rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False,
+               rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                "partial_rotary_factor": 0.25})  # fmt: skip
+QWEN3_5_OURS = dict(n_layers=4, head_dim=16, norm_eps=1e-6, qk_norm=True, attention_gate=True, centred_norms=True,
+                    rope_fraction=0.25,
+                    layer_types=("linear_attention",) * 3 + ("full_attention",),
+                    linear=dict(key_heads=2, value_heads=4, key_dim=8, value_dim=8, conv_kernel=4))  # fmt: skip
+
+
+def qwen3_5(cls, config):
+    """A small random Qwen3.5 of class `cls`, its norms and dt_bias (which start at a scale of one and at one)
+    drawn, so that they matter."""
+    model = cls(config)
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if ("norm" in name or "dt_bias" in name) and "visual" not in name:
+                w.normal_(0, 0.3)
+    return model
+
+
+def test_qwen3_5_imports_from_transformers_decodes_as_it_does_and_exports_back(tmp_path):
+    """Qwen3.5 (text), built small and random by transformers: three Gated DeltaNet layers (two key heads
+    each serving two value heads, a convolution of 4), then a full-attention layer with its output gate,
+    query/key norms and RoPE over a quarter of each head; norms and decay parameters made to matter. Our
+    logits are theirs to 1e-5 of their largest, our greedy continuation theirs through our KV cache and
+    recurrent state (one row's prompt padded: a linear layer takes no padding in), and the export is their
+    tensors exactly, loading back with the same logits."""
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(0)
+    model = qwen3_5(transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig(**QWEN3_5))
+    cfg = micro_config(model=QWEN3_5_OURS)
+    setup, params = round_trip(model, cfg, tmp_path, prompt=12, new=10)
+    ours, theirs = our_logits(cfg, str(tmp_path / "run")), hf_logits(model)
+    assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
+    exported, given = load_file(str(tmp_path / "out" / "model.safetensors")), model.state_dict()
+    assert sorted(exported) == sorted(given)
+    for name, tensor in given.items():
+        np.testing.assert_array_equal(exported[name], tensor.numpy(), err_msg=name)
+    padded = np.asarray(
+        make_generate(setup.spec, setup.shard, max_new_tokens=10)(params, TOKENS[:, :12], 0, np.array([12, 7]))
+    )
+    with torch.no_grad():
+        alone = model.generate(torch.tensor(TOKENS[1:, :7]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[:, 7:].numpy()  # fmt: skip
+    np.testing.assert_array_equal(padded[1:], alone)
+
+
+def test_the_hubs_qwen3_5_imports_its_text_model_and_exports_back_whole(tmp_path):
+    """The Hub's Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration: a vision tower beside the text
+    model. One built small and random by transformers, saved and imported: the text model alone is read
+    (the import says what it set aside), our logits are the model's on text to 1e-5 of their largest, and the
+    export is the same class, every tensor the saved one's (the vision tower's untouched), loading back with
+    the same logits."""
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=16)  # fmt: skip
+    config = transformers.Qwen3_5Config(text_config=QWEN3_5, vision_config=vision)
+    model = qwen3_5(transformers.Qwen3_5ForConditionalGeneration, config)
+    model.save_pretrained(str(tmp_path / "hub"))
+    cfg, workdir = micro_config(model=QWEN3_5_OURS), str(tmp_path / "run")
+    said = import_checkpoint(str(tmp_path / "hub"), cfg, workdir)
+    pattern = (r"Qwen3_5ForConditionalGeneration: its text model imported; the rest \(\d+ tensors, [\d,]+ "
+               r"parameters: its vision tower\) set aside and put back on export")  # fmt: skip
+    assert re.fullmatch(pattern, said), said
+    ours, theirs = our_logits(cfg, workdir), hf_logits(model)
+    assert np.abs(ours - theirs).max() <= 1e-5 * np.abs(theirs).max()
+    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
+    with open(tmp_path / "out" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    saved = {}
+    for name in os.listdir(tmp_path / "hub"):
+        if name.endswith(".safetensors"):
+            saved.update(load_file(str(tmp_path / "hub" / name)))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(exported) == sorted(saved)
+    for name, tensor in saved.items():
+        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
+    back = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    np.testing.assert_allclose(hf_logits(back), theirs, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("form", ["hub", "between"])
 def test_gemma3_reads_every_published_form_of_its_config_as_transformers_does(tmp_path, form):
     """The Hub's own config.json (google/gemma-3-1b-it: sliding_window_pattern, rope_theta and
@@ -479,6 +566,11 @@ def test_a_family_we_do_not_read_and_a_missing_extra_are_one_sentence_each(tmp_p
         r"not read; it reads LlamaForCausalLM \(llama\), .*DeepseekV3ForCausalLM",
     ):
         import_checkpoint(str(tmp_path / "gpt2"), micro_config(), str(tmp_path / "run"))
+    for kind, name in (("kimi_linear", "Kimi Linear"), ("olmo_hybrid", "OLMo Hybrid")):  # hybrids not read: named
+        transformers.AutoConfig.for_model(kind).save_pretrained(str(tmp_path / kind))
+        said = rf"^this Hugging Face model is a hybrid of linear and full attention \({name}, of model_type '{kind}'\)"
+        with pytest.raises(ConfigError, match=said + ", which this trainer does not read"):
+            import_checkpoint(str(tmp_path / kind), micro_config(), str(tmp_path / "run"))
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # as where the hf extra is not installed
     with pytest.raises(ConfigError, match=r"needs the hf extra \(tokenizers is not installed\): pip install"):
         export_checkpoint(micro_config(), str(tmp_path / "none"), None, str(tmp_path / "out"))

@@ -42,6 +42,7 @@ ADAPTER_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # model.lora.targe
 ADAPTER_BASES = ("", "int8", "nf4")  # model.lora.base
 QUANT_MATMULS = ("", "int8", "fp8")  # model.quant.matmul (trainer/model/low_precision.py)
 QUANT_TARGETS = ("attention", "mlp", "experts", "logits")  # model.quant.targets
+LAYER_TYPES = ("linear_attention", "full_attention")  # model.layer_types (transformers' names)
 ACTIVATIONS = ("silu", "gelu_tanh")  # model.mlp_activation: SwiGLU's gate, or GeGLU's (Gemma)
 GROUPED_MATMULS = ("auto", "ragged_dot", "megablox")
 ROUTERS = (
@@ -96,6 +97,21 @@ def _declared() -> dict[str, dict]:
         post_norms=False,
         mlp_activation="silu",
         attn_scale_dim=Num(0, "[0, inf)"),
+        # Hybrids (Qwen3.5, Qwen3-Next; trainer/model/delta.py): each layer's kind, one of LAYER_TYPES, n_layers
+        # of them ((): every layer full attention); the linear ones' Gated DeltaNet shapes in `linear`. Their
+        # full-attention layers rotate the first rope_fraction of each head and gate its output
+        # (attention_gate: times sigmoid of a per-head gate the query projection gives beside the query).
+        layer_types=(),
+        linear=dict(
+            key_heads=Num(16, "[1, inf)"),
+            value_heads=Num(32, "[1, inf)"),  # a multiple of key_heads
+            key_dim=Num(128, "[1, inf)"),
+            value_dim=Num(128, "[1, inf)"),
+            conv_kernel=Num(4, "[1, inf)"),
+        ),
+        rope_fraction=Num(1.0, "(0, 1]"),
+        attention_gate=False,
+        centred_norms=False,  # the norms scale by 1 + a weight that starts at 0 (Qwen3.5's form), not by the weight
         remat="none",  # one of REMAT_POLICIES
         scan_layers=True,
         attention="xla",  # one of ATTENTION_IMPLS

@@ -11,6 +11,7 @@ from trainer.config import (
     ADAPTER_BASES,
     ADAPTER_TARGETS,
     GROUPED_MATMULS,
+    LAYER_TYPES,
     MOE_IMPLS,
     QUANT_MATMULS,
     QUANT_TARGETS,
@@ -26,6 +27,7 @@ def choice(path: str, value, valid) -> None:
 
 def check_layers(cfg: ml_collections.ConfigDict) -> None:
     _check_moe(cfg)
+    _check_hybrid(cfg)
     _check_window(cfg)
     _check_latent(cfg)
     _check_mtp(cfg)
@@ -121,6 +123,35 @@ def _check_mtp(cfg: ml_collections.ConfigDict) -> None:
                           "alone; set model.mtp.depth=0 (the modules' weights are then not read).")  # fmt: skip
     if depth >= cfg.data.seq_len - 1:
         raise ConfigError(f"model.mtp.depth={depth} leaves no target in a sequence of data.seq_len={cfg.data.seq_len}.")
+
+
+def _check_hybrid(cfg: ml_collections.ConfigDict) -> None:
+    """What a hybrid of Gated DeltaNet and full attention needs (trainer/model/delta.py)."""
+    m = cfg.model
+    head = m.head_dim or m.d_model // m.n_heads
+    if m.rope_fraction != 1.0 and int(head * m.rope_fraction) % 2:
+        raise ConfigError(f"model.rope_fraction={m.rope_fraction} of a {head}-wide head rotates "
+                          f"{int(head * m.rope_fraction)} dims, an odd count; RoPE rotates pairs.")  # fmt: skip
+    types = tuple(m.layer_types)
+    if not types:
+        return
+    for kind in types:
+        choice("model.layer_types' entry", kind, LAYER_TYPES)
+    if len(types) != m.n_layers:
+        raise ConfigError(f"model.layer_types has {len(types)} entries for model.n_layers={m.n_layers} layers; give "
+                          "one kind per layer.")  # fmt: skip
+    lin = m.linear
+    if lin.value_heads % lin.key_heads:
+        raise ConfigError(f"model.linear.value_heads={lin.value_heads} is not a multiple of model.linear.key_heads="
+                          f"{lin.key_heads}; each key head serves a whole group of value heads.")  # fmt: skip
+    others = [(m.sliding_window, f"model.sliding_window={m.sliding_window}"), (m.mla.kv_rank, "latent attention "
+              "(model.mla.kv_rank)"), (m.moe.num_experts, "experts (model.moe.num_experts)"),
+              (m.mtp.depth, "multi-token prediction (model.mtp.depth)"), (cfg.mesh.stage > 1, f"mesh.stage="
+              f"{cfg.mesh.stage} (pipeline stages)")]  # fmt: skip
+    for on, what in others:
+        if on:
+            raise ConfigError(f"a hybrid with linear-attention layers (model.layer_types) and {what} is not "
+                              "supported here; use one or the other.")  # fmt: skip
 
 
 def _check_window(cfg: ml_collections.ConfigDict) -> None:

@@ -21,7 +21,7 @@ from trainer.config.forms import flatten
 from trainer.data import run_tokenizer
 from trainer.data.chat import template_for
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer, tokenizer_file
-from trainer.interop import peft
+from trainer.interop import beside, peft
 from trainer.interop.families import from_hf_tensors, hf_config, model_keys_from_hf, to_hf_tensors
 from trainer.model import adapters, quantised
 from trainer.model.spec import Adapters, Architecture
@@ -185,6 +185,9 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter
     if lora.rank:  # the model the adapters make, as plain weights (a QLoRA base as the run saw it, dequantised)
         params = jax.device_get(adapters.fold(quantised.dequantised(params), lora.alpha / lora.rank))
     tensors = to_hf_tensors(params, arch)
+    source = beside.kept(workdir)
+    if source is not None:  # imported from a larger model: that model's form again, what was set aside put back
+        config, tensors = beside.put_back(source, config, tensors)
     os.makedirs(out_dir, exist_ok=True)
     write_weights(tensors, out_dir)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -203,7 +206,7 @@ def require_hf_extra() -> None:
                           'installed): pip install -e ".[hf]".') from e  # fmt: skip
 
 
-def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = None) -> None:
+def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = None) -> str:
     """Write the weights of a Hugging Face directory (a family of trainer/interop/families/) as step 0 of a new
     run in `workdir`.
 
@@ -211,6 +214,8 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = 
     continues from it, eval.py evaluates it. With `adapter_dir`, a PEFT adapter trained on that model: the
     model goes to <workdir>/base, and `workdir` becomes step 0 of a LoRA run (model.lora, as the adapter was
     made) on it, its adapters the adapter's. Everything that can refuse does so before anything is written.
+    A larger model's text model (trainer/interop/beside.py) is read alone, the rest kept beside it. Returns
+    what was set aside, in words ("" for nothing).
     """
     import jax
 
@@ -225,8 +230,9 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = 
         if lora.rank:
             raise ConfigError("import: model.lora.rank > 0 is a run of adapters; give them with --adapter DIR (a "
                               "PEFT adapter), or import the model alone with --config.model.lora.rank=0.")  # fmt: skip
-        _write(cfg, workdir, _imported_state(hf_dir, cfg, workdir))
-        return
+        state, aside = _imported_state(hf_dir, cfg, workdir)
+        _write(cfg, workdir, state)
+        return _keep(hf_dir, workdir, aside)
     if not lora.rank:
         raise ConfigError("import --adapter: set model.lora.rank, alpha and targets as the adapter was trained.")
     saved, tensors = peft.read(adapter_dir)
@@ -234,7 +240,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = 
     base_dir = os.path.join(workdir, "base")
     base_cfg = with_changes(cfg, {"model.lora.rank": 0, "checkpoint.init_from": ""})
     cfg = with_changes(cfg, {"checkpoint.init_from": f"{base_dir}@0"})
-    base_state = _imported_state(hf_dir, base_cfg, base_dir)
+    base_state, aside = _imported_state(hf_dir, base_cfg, base_dir)
     _refuse_checkpoints(workdir)
     setup = build(cfg)
     added = peft.from_peft(tensors, trained(setup.model.abstract_params, setup.model), setup.spec.arch, saved)
@@ -242,6 +248,13 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = 
     state = state_from_params(added, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.counters)
     _write(base_cfg, base_dir, base_state)
     _write(cfg, workdir, state)
+    return _keep(hf_dir, base_dir, aside)
+
+
+def _keep(hf_dir: str, workdir: str, aside: dict) -> str:
+    if aside:
+        beside.keep(workdir, read_config(hf_dir), aside)
+    return beside.described(read_config(hf_dir), aside)
 
 
 def _as_imported(cfg, hf_dir: str):
@@ -287,13 +300,14 @@ def _refuse_checkpoints(workdir: str) -> None:
 
 
 def _imported_state(hf_dir: str, cfg, workdir: str):
-    """Step 0's state from a Hugging Face directory's weights, once they are known to fit the config."""
+    """(step 0's state from a Hugging Face directory's weights, once they are known to fit the config; the
+    tensors that are not its text model's)."""
     import jax
 
     from trainer.training.setup import build
     from trainer.training.state import param_shardings, state_from_params
 
-    wanted, have = model_keys_from_hf(read_config(hf_dir)), flatten(cfg)
+    wanted, have = model_keys_from_hf(beside.text_part(read_config(hf_dir))[0]), flatten(cfg)
     have["model.head_dim"] = Architecture.from_config(cfg).head_dim  # its 0 means d_model / n_heads
     differ = [f"model.{k}={v!r} (config has {have[f'model.{k}']!r})" for k, v in wanted.items()
               if have[f"model.{k}"] != v]  # fmt: skip
@@ -305,14 +319,15 @@ def _imported_state(hf_dir: str, cfg, workdir: str):
     _refuse_checkpoints(workdir)
     setup = build(cfg)
     interleaved = bool(read_config(hf_dir).get("rope_interleave"))  # DeepSeek's RoPE pairs
-    params = from_hf_tensors(read_weights(hf_dir), setup.spec.arch, interleaved)
+    _, tensors, aside = beside.text_part(read_config(hf_dir), read_weights(hf_dir))
+    params = from_hf_tensors(tensors, setup.spec.arch, interleaved)
     if setup.spec.arch.mtp.depth:  # no family here holds multi-token prediction modules: they start fresh
         params["mtp"] = jax.device_get(setup.new_state().params["mtp"])
     expected = jax.tree.map(lambda a: a.shape, setup.model.abstract_params)
     if jax.tree.map(lambda a: a.shape, params) != expected:
         raise ConfigError(f"the weights in {hf_dir} do not have the shapes its config.json describes.")
     params = jax.device_put(params, param_shardings(setup.model, setup.shard))
-    return state_from_params(params, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.counters)
+    return state_from_params(params, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.counters), aside
 
 
 def _write(cfg, workdir: str, state) -> None:

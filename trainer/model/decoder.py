@@ -44,21 +44,22 @@ class Decoder(nnx.Module):
         a = spec.arch
         self.embed = param(rngs, (a.vocab_size, a.d_model), ("vocab", "embed"), spec.init_std)
 
-        def stacked_blocks(count: int, moe: bool, local: bool):
+        def stacked_blocks(count: int, moe: bool, local: bool, linear: bool):
             @nnx.split_rngs(splits=count)
             @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS})
             def create(rngs):
-                return Block(spec, shard, rngs, moe, local)
+                return Block(spec, shard, rngs, moe, local, linear)
 
             return create(rngs)
 
         # Like blocks in one stack each (spec.Architecture.stacks): a mixture's dense first layers, the dense
-        # ones between its MoE layers, and the MoE layers (a dense model's every layer); or local and global.
+        # ones between its MoE layers, and the MoE layers (a dense model's every layer); local and global; or
+        # a hybrid's linear and full-attention layers.
         counts = collections.Counter(stack for stack, _ in a.stacks())
         for stack, count in counts.items():
             moe = stack == "layers" and a.moe.num_experts > 0
-            setattr(self, stack, stacked_blocks(count, moe, stack == "local_layers"))
-        self.final_norm = RMSNorm(a.d_model, a.norm_eps)
+            setattr(self, stack, stacked_blocks(count, moe, stack == "local_layers", stack == "linear_layers"))
+        self.final_norm = RMSNorm(a.d_model, a.norm_eps, centred=a.centred_norms)
         if a.mtp.depth:
 
             @nnx.split_rngs(splits=a.mtp.depth)

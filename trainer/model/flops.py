@@ -12,7 +12,9 @@ to (the router and any shared experts are counted whole), as MaxText and
 DeepSeek count them. The attention term is the QK^T and AV matmuls
 at full length: the causal half that a kernel may skip is NOT subtracted, so
 MFU figures compare directly with PaLM's and MaxText's. A local layer
-(model.sliding_window) counts the window's keys instead of seq_len.
+(model.sliding_window) counts the window's keys instead of seq_len; a linear-attention layer
+(model.layer_types) its chunked rule's matmuls instead (trainer/model/delta.py forward_flops), which do not
+grow with seq_len.
 
 MFU = FLOPs per token * tokens per second / peak FLOP/s of all devices. The
 peak is the chip's dense bf16 figure from parallelism/chips.py; on a CPU it is measured
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from parallelism.chips import CHIPS, chip_of
-from trainer.model import adapters, quantised
+from trainer.model import adapters, delta, quantised
 from trainer.model.spec import Architecture
 
 
@@ -67,8 +69,10 @@ def attention_forward_flops(arch: Architecture, seq_len: int) -> float:
     """Forward FLOPs per token of the QK^T and AV matmuls at full length (2 matmuls x 2 FLOPs a multiply-add),
     a local layer's over the keys its window holds (min(seq_len, sliding_window), as MaxText counts Gemma 3's);
     training runs them three times (forward, and two in the backward pass)."""
-    keys = sum(min(seq_len, arch.sliding_window) if arch.is_local(i) else seq_len for i in range(arch.n_layers))
-    return 2.0 * arch.n_heads * sum(arch.attention_dims) * keys  # QK^T over the query/key width, PV the value's
+    keys = sum(min(seq_len, arch.sliding_window) if arch.is_local(i) else seq_len for i in range(arch.n_layers)
+               if not arch.is_linear(i))  # fmt: skip
+    linear = sum(arch.is_linear(i) for i in range(arch.n_layers)) * delta.forward_flops(arch.linear)
+    return 2.0 * arch.n_heads * sum(arch.attention_dims) * keys + linear  # QK^T over the q/k width, PV the value's
 
 
 def flops_per_token(arch: Architecture, abstract_params: dict, seq_len: int, reference: bool = False) -> float:

@@ -19,6 +19,7 @@ from flax import nnx
 from parallelism.rules import LogicalSharding
 from trainer.model import quantised
 from trainer.model.attention import attend, cached_attention, ring_attention
+from trainer.model.delta import GatedDeltaNet
 from trainer.model.latent import LatentAttention
 from trainer.model.low_precision import einsum
 from trainer.model.moe import MoE
@@ -39,6 +40,8 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std)
         self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), std)
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
+        if a.attention_gate:  # Qwen3.5's: each head's output times sigmoid(x . wg), wg given beside wq
+            self.wg = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), std)
         for name, inputs, outputs in (("q", ((d,), ("embed",)), ((n, h), ("heads", "head_dim"))),
                                       ("k", ((d,), ("embed",)), ((k, h), ("kv_heads", "head_dim"))),
                                       ("v", ((d,), ("embed",)), ((k, h), ("kv_heads", "head_dim"))),
@@ -48,7 +51,7 @@ class Attention(nnx.Module):
         for name in ("wq", "wk", "wv", "wo") if a.lora.quantised else ():
             quantised.store(self, name, a.lora.quantised)
         if a.qk_norm:
-            self.q_norm, self.k_norm = RMSNorm(h, a.norm_eps, "head_dim"), RMSNorm(h, a.norm_eps, "head_dim")
+            self.q_norm, self.k_norm = (RMSNorm(h, a.norm_eps, "head_dim", a.centred_norms) for _ in "qk")
         self.window = a.sliding_window if local else 0
         if a.attention_sinks:  # a logit, not a matrix: no weight decay (spec.is_matrix)
             self.sinks = nnx.Param(jnp.zeros((n,), jnp.float32), sharding_names=("heads",), eager_sharding=False)
@@ -89,6 +92,9 @@ class Attention(nnx.Module):
             k_cache = write(k_cache, k.astype(k_cache.dtype), positions[:, 0])
             v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])
             out, new_cache = cached_attention(q, k_cache, v_cache, positions, sinks), (k_cache, v_cache)
+        if hasattr(self, "wg"):
+            gate = einsum("btd,dnh->btnh", x, self.wg[...].astype(dt), run, "attention")
+            out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         projected = einsum("btnh,nhd->btd", out, weight(self, "wo", dt), self.execution, "attention")
         return adapted(self, "o", projected, out, key), new_cache
 
@@ -96,16 +102,20 @@ class Attention(nnx.Module):
 class Block(nnx.Module):
     """Attention and an MLP, each after its norm (and with model.post_norms normed again) and added to the
     residual stream; with `moe`, the MLP is a mixture of experts (trainer/model/moe.py); `local`: attention
-    over the sliding window."""
+    over the sliding window; `linear`: Gated DeltaNet in attention's place (trainer/model/delta.py)."""
 
     def __init__(self, spec: ModelSpec, shard: LogicalSharding, rngs: nnx.Rngs, moe: bool = False,
-                 local: bool = False):  # fmt: skip
+                 local: bool = False, linear: bool = False):  # fmt: skip
         a = spec.arch
-        self.attn_norm = RMSNorm(a.d_model, a.norm_eps)
-        self.attn = LatentAttention(spec, shard, rngs) if a.mla.kv_rank else Attention(spec, shard, rngs, local)
-        self.mlp_norm = RMSNorm(a.d_model, a.norm_eps)
+        self.attn_norm = RMSNorm(a.d_model, a.norm_eps, centred=a.centred_norms)
+        if linear:
+            self.attn = GatedDeltaNet(spec, shard, rngs)
+        else:
+            self.attn = LatentAttention(spec, shard, rngs) if a.mla.kv_rank else Attention(spec, shard, rngs, local)
+        self.mlp_norm = RMSNorm(a.d_model, a.norm_eps, centred=a.centred_norms)
         if a.post_norms:
-            self.attn_out_norm, self.mlp_out_norm = RMSNorm(a.d_model, a.norm_eps), RMSNorm(a.d_model, a.norm_eps)
+            self.attn_out_norm, self.mlp_out_norm = (RMSNorm(a.d_model, a.norm_eps, centred=a.centred_norms)
+                                                     for _ in "am")  # fmt: skip
         if moe:
             self.moe = MoE(spec, shard, rngs)
         else:

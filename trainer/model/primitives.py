@@ -63,14 +63,19 @@ def adapted(module: nnx.Module, target: str, y: jax.Array, x: jax.Array, key: ja
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, axis: str = "embed"):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), sharding_names=(axis,), eager_sharding=False)
-        self.eps = eps
+    """x / rms(x) times a gain: the weight, or with `centred` (model.centred_norms: Qwen3.5's form) 1 + the
+    weight, which starts at 0, so that the weight is the file's exactly."""
+
+    def __init__(self, dim: int, eps: float, axis: str = "embed", centred: bool = False):
+        start = jnp.zeros((dim,), jnp.float32) if centred else jnp.ones((dim,), jnp.float32)
+        self.scale = nnx.Param(start, sharding_names=(axis,), eager_sharding=False)
+        self.eps, self.offset = eps, 1.0 if centred else 0.0
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (x32 * self.scale[...]).astype(x.dtype)
+        gain = self.scale[...] + self.offset if self.offset else self.scale[...]
+        return (x32 * gain).astype(x.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> jax.Array:
@@ -96,8 +101,12 @@ def rope_tables(positions: jax.Array, head_dim: int, theta: float, scaling: Rope
 
 
 def apply_rope(x: jax.Array, tables) -> jax.Array:
-    """Rotate pairs (i, i + head_dim/2), the layout Hugging Face's Llama uses."""
+    """Rotate pairs (i, i + rotated/2), the layout Hugging Face's Llama uses, over the first `rotated` dims
+    (twice the tables' width: all of a head, or its first model.rope_fraction); the rest pass unrotated."""
     cos, sin = tables
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rotated], tables), x[..., rotated:]], axis=-1)
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 

@@ -23,6 +23,10 @@ PREFILL_CHUNK = 128  # prompt tokens a prefill call takes at once (make_generate
 CACHE_NAMES = ("layers", "batch", None, "kv_heads", "head_dim")
 RING_NAMES = ("layers", "batch", None)  # a local layer's ring: the position each slot holds
 LATENT_NAMES = ("layers", "batch", None, None)  # latent attention's cache: every head reads the whole latent
+# A linear layer's (trainer/model/delta.py): its convolution's last inputs, by head, and the rule's state.
+CONV_NAMES = {"kv_heads": ("layers", "batch", None, "kv_heads", "head_dim"),
+              "heads": ("layers", "batch", None, "heads", "head_dim")}  # fmt: skip
+STATE_NAMES = ("layers", "batch", "heads", None, "head_dim")
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
@@ -46,10 +50,20 @@ def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int, to
 
 def empty_cache(spec: ModelSpec, batch: int, length: int, shard: LogicalSharding) -> dict:
     """{stack: (k, v)} for `length` positions, a local stack's (k, v, ring positions) for its window's
-    (the ring's slots all empty, -1): a local layer holds only the keys its window can see."""
+    (the ring's slots all empty, -1): a local layer holds only the keys its window can see. A linear stack's
+    is (q, k, v's convolution inputs, the rule's state): its size does not grow with `length`."""
     a = spec.arch
     cache = {}
     for stack, count in collections.Counter(s for s, _ in a.stacks()).items():
+        if stack == "linear_layers":
+            lin = a.linear
+            conv = [shard.constrain(jnp.zeros((count, batch, lin.conv_kernel - 1, heads, dim),
+                                              spec.execution.compute_dtype), CONV_NAMES[axis])
+                    for heads, dim, axis in ((lin.key_heads, lin.key_dim, "kv_heads"),) * 2
+                    + ((lin.value_heads, lin.value_dim, "heads"),)]  # fmt: skip
+            state = jnp.zeros((count, batch, lin.value_heads, lin.key_dim, lin.value_dim), jnp.float32)
+            cache[stack] = (*conv, shard.constrain(state, STATE_NAMES))
+            continue
         if a.mla.kv_rank:  # latent attention caches its latent and the shared RoPE key part (trainer/model/latent.py)
             dt = spec.execution.compute_dtype
             cache[stack] = tuple(shard.constrain(jnp.zeros((count, batch, length, width), dt), LATENT_NAMES)

@@ -85,6 +85,19 @@ class Latent:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttention:
+    """Gated DeltaNet's shapes (`model.linear.*`; trainer/model/delta.py), for the layers model.layer_types
+    names linear_attention: key_heads q and k heads of key_dim, value_heads v heads of value_dim (a multiple
+    of key_heads), and the convolution's kernel."""
+
+    key_heads: int = 16
+    value_heads: int = 32
+    key_dim: int = 128
+    value_dim: int = 128
+    conv_kernel: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
 class MultiToken:
     """Multi-token prediction's modules (`model.mtp.depth`; trainer/model/mtp.py); 0: none."""
 
@@ -147,6 +160,13 @@ class Architecture:
     mla: Latent = Latent()
     mtp: MultiToken = MultiToken()
     lora: Adapters = Adapters()
+    # Hybrids (Qwen3.5, Qwen3-Next): each layer's kind, linear_attention (Gated DeltaNet, model.linear.*) or
+    # full_attention; () is every layer full attention.
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttention = LinearAttention()
+    centred_norms: bool = False  # the norms scale by 1 + a weight that starts at 0 (Qwen3.5's), not by the weight
+    rope_fraction: float = 1.0  # the share of each head's width RoPE rotates (its first dims; Qwen3.5: 0.25)
+    attention_gate: bool = False  # attention's output times sigmoid of a gate the query projection also gives
 
     def __post_init__(self):
         # One value for one model: a config's 0 and its d_model / n_heads spelled out are the same architecture.
@@ -157,16 +177,21 @@ class Architecture:
         """Whether `layer` (0-based) attends over the sliding window."""
         return bool(self.sliding_window) and not (self.global_every and (layer + 1) % self.global_every == 0)
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` (0-based) is a Gated DeltaNet layer."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
     def stacks(self) -> list[tuple[str, int]]:
         """Where each layer's weights live, in the model's order: (stack, place in it). A stack holds like
-        blocks (run as scans, trainer/model/decoder.py): the mixture's (Experts.stacks), and with a window
+        blocks (run as scans, trainer/model/decoder.py): the mixture's (Experts.stacks), with a window
         `local_layers` for the local layers beside `layers` for the global ones (validation refuses windows
-        with experts)."""
-        if not self.sliding_window:
+        with experts), and in a hybrid `linear_layers` beside `layers` for the full-attention ones."""
+        if not (self.sliding_window or self.layer_types):
             return self.moe.stacks(self.n_layers)
-        out, seen = [], {"local_layers": 0, "layers": 0}
+        other = "linear_layers" if self.layer_types else "local_layers"
+        out, seen = [], {other: 0, "layers": 0}
         for i in range(self.n_layers):
-            stack = "local_layers" if self.is_local(i) else "layers"
+            stack = other if self.is_linear(i) or self.is_local(i) else "layers"
             out.append((stack, seen[stack]))
             seen[stack] += 1
         return out
@@ -183,13 +208,15 @@ class Architecture:
         mla = {f.name: values["mla"][f.name] for f in dataclasses.fields(Latent)}
         lora = values["lora"]
         lora = Adapters(int(lora["rank"]), float(lora["alpha"]), tuple(lora["targets"]), lora["base"])
+        linear = LinearAttention(**{f.name: values["linear"][f.name] for f in dataclasses.fields(LinearAttention)})
         return cls(**{**values, "rope_scaling": RopeScaling(**values["rope_scaling"]), "moe": Experts(**moe),
-                      "mla": Latent(**mla), "mtp": MultiToken(values["mtp"]["depth"]), "lora": lora})  # fmt: skip
+                      "mla": Latent(**mla), "mtp": MultiToken(values["mtp"]["depth"]), "lora": lora,
+                      "layer_types": tuple(values["layer_types"]), "linear": linear})  # fmt: skip
 
     @property
     def rope_dim(self) -> int:
         """The width RoPE rotates: a head's, or with latent attention its RoPE part's."""
-        return self.mla.rope_dim if self.mla.kv_rank else self.head_dim
+        return self.mla.rope_dim if self.mla.kv_rank else int(self.head_dim * self.rope_fraction)
 
     @property
     def attention_dims(self) -> tuple[int, int]:

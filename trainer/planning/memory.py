@@ -267,7 +267,14 @@ def rollout_bytes(cfg, setup, state: dict[str, int] | None = None) -> dict[str, 
     else:
         ways = tensor if a.n_kv_heads % tensor == 0 else 1
         per_token_layer = 2 * a.n_kv_heads // ways * a.head_dim * compute
-    cache = sum(rows * (min(seq, a.sliding_window) if stack == "local_layers" else seq) * per_token_layer
+    # A linear layer's (trainer/model/delta.py) is its fp32 state and its convolution's last inputs, whatever the
+    # length: split over tensor by head, as its weights are.
+    lin = a.linear
+    linear_layer = (lin.value_heads * lin.key_dim * lin.value_dim * 4 + (lin.conv_kernel - 1) * compute
+                    * (2 * lin.key_heads * lin.key_dim + lin.value_heads * lin.value_dim)) // (
+                    tensor if lin.key_heads % tensor == 0 else 1)  # fmt: skip
+    cache = sum(rows * (linear_layer if stack == "linear_layers" else
+                        (min(seq, a.sliding_window) if stack == "local_layers" else seq) * per_token_layer)
                 for stack, _ in a.stacks())  # fmt: skip
     heads = a.n_heads // tensor if a.n_heads % tensor == 0 else a.n_heads
     chunk = min(seq - cfg.rl.max_new_tokens, PREFILL_CHUNK)

@@ -100,7 +100,7 @@ def _add(total, new):
 def _layer_norms(grads: dict) -> dict[str, jax.Array]:
     """Gradient norm of each stacked weight, per layer: (layers in its stack,) each."""
     norms = {}
-    for stack in ("dense_layers", "dense_between", "layers", "local_layers"):
+    for stack in ("dense_layers", "dense_between", "layers", "local_layers", "linear_layers"):
         for path, g in jax.tree_util.tree_leaves_with_path(grads.get(stack, {})):
             name = f"grad_norm/{stack}." + ".".join(str(k.key) for k in path)
             norms[name] = jnp.sqrt(jnp.sum(jnp.square(g.astype(jnp.float32)), axis=tuple(range(1, g.ndim))))

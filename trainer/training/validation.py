@@ -330,6 +330,10 @@ SIZED_BY = {"heads": "model.n_heads", "kv_heads": "model.n_kv_heads", "mlp": "mo
             "lora": "model.lora.rank"}  # fmt: skip
 
 
+LINEAR_SIZED_BY = {"heads": "model.linear.value_heads", "kv_heads": "model.linear.key_heads",
+                   "head_dim": "model.linear.value_dim"}  # fmt: skip
+
+
 def check_adapters(model) -> None:
     """Refuse model.lora.targets that name a projection this model has none of (a mixture without shared
     experts has no gate, up or down outside its routed experts, which take none)."""
@@ -366,6 +370,8 @@ def check_weights_fit(model, shard) -> None:
         return
     _, name, size, axes, ways, where = min(found)
     key = "model.moe.d_ff" if name == "mlp" and ".moe." in f".{where}." else SIZED_BY.get(name, f"the '{name}' axis")
+    if where.startswith("linear_layers.") and name in LINEAR_SIZED_BY:  # a Gated DeltaNet layer's heads
+        key = LINEAR_SIZED_BY[name]
     over = " x ".join(f"mesh.{a}" for a in axes)
     raise ConfigError(
         f"{key}={size} does not divide over {over}={ways} (mesh.rules.{name} splits the '{name}' axis of the weight "
@@ -396,6 +402,10 @@ def _check_context(cfg: ml_collections.ConfigDict, context: int) -> None:
     or a fused kernel (splash, cudnn) over the gathered keys."""
     if context == 1:
         return
+    if cfg.model.layer_types:
+        raise ConfigError(f"a hybrid with linear-attention layers (model.layer_types) and mesh.context={context} is "
+                          "not supported here: the recurrent state runs through the whole sequence; use "
+                          "mesh.context=1.")  # fmt: skip
     seq = cfg.data.seq_len
     if seq % (2 * context):
         raise ConfigError(

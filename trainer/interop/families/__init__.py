@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from trainer.config.errors import ConfigError
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
-from trainer.interop.families import core, deepseek_v3, gemma3, llama, mistral, mixtral, qwen3
+from trainer.interop.families import core, deepseek_v3, gemma3, llama, mistral, mixtral, qwen3, qwen3_5
 from trainer.model.spec import Architecture
 
 FAMILIES = (
+    qwen3_5,  # linear-attention layers beside gated full attention
     deepseek_v3,  # latent attention
     gemma3,  # Gemma's norms, GeGLU, scaled embeddings; local and global layers
     mistral,  # a window on every layer
@@ -28,6 +29,11 @@ FAMILIES = (
     qwen3,  # query/key norms, with or without experts
     llama,  # none of these
 )
+
+
+# Hybrids of linear and full attention that transformers has and no family here reads: named in the refusal.
+HYBRIDS_NOT_READ = {"kimi_linear": "Kimi Linear", "olmo_hybrid": "OLMo Hybrid", "qwen3_next": "Qwen3-Next",
+                    "qwen3_5_moe_text": "Qwen3.5-MoE", "qwen3_5_moe": "Qwen3.5-MoE"}  # fmt: skip
 
 
 def classes() -> dict[str, str]:
@@ -59,9 +65,10 @@ def model_keys_from_hf(config: dict) -> dict:
     for family in FAMILIES:
         if kind in family.CLASSES:
             return family.model_keys(config)
+    what = f"a hybrid of linear and full attention ({HYBRIDS_NOT_READ[kind]}, " if kind in HYBRIDS_NOT_READ else ""
     raise ConfigError(
-        f"this Hugging Face model is of model_type {kind!r}, which this trainer does not read; it reads "
-        f"{', '.join(f'{name} ({k})' for k, name in classes().items())}."
+        f"this Hugging Face model is {what}of model_type {kind!r}{')' if what else ''}, which this trainer does "
+        f"not read; it reads {', '.join(f'{name} ({k})' for k, name in classes().items())}."
     )
 
 

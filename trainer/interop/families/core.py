@@ -67,6 +67,8 @@ class Layout:
     router_name: Callable = router_name
     moe_extras_to_hf: Callable | None = None  # a router bias and shared experts (DeepSeek-V3's)
     moe_extras_from_hf: Callable | None = None
+    linear_to_hf: Callable | None = None  # a hybrid's linear-attention layers (Qwen3.5's), as attention_*_hf
+    linear_from_hf: Callable | None = None
 
 
 def plain(spec: Architecture) -> bool:
@@ -183,6 +185,7 @@ def model_keys(config: dict, rope: dict, unsupported: dict) -> dict:
         "rope_theta": float(rope.get("rope_theta", config.get("rope_theta", 10_000.0))),
         "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
         "qk_norm": False,
+        "centred_norms": False,
         "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
     }
 
@@ -204,6 +207,12 @@ def expert_keys(config: dict, count: int, width: int, dense: int, every: int) ->
             "moe.experts_per_token": config["num_experts_per_tok"], "moe.shared_experts": 0}  # fmt: skip
 
 
+def norm_offset(spec: Architecture, layout: Layout) -> float:
+    """What a norm weight of ours less that of the family's is: their gain's offset (1 where they scale by
+    1 + weight) less ours (1 under model.centred_norms); 0 goes across unchanged."""
+    return layout.norm_offset - (1.0 if spec.centred_norms else 0.0)
+
+
 def layers_by_stack(spec: Architecture) -> dict[str, list[int]]:
     """Our stacks of layers and the layer numbers each holds, in order."""
     stacks = {}
@@ -214,7 +223,7 @@ def layers_by_stack(spec: Architecture) -> dict[str, list[int]]:
 
 def to_hf_tensors(params: dict, spec: Architecture, layout: Layout, name: str) -> dict[str, np.ndarray]:
     """Our parameters as the tensors of family class `name` laid out by `layout`."""
-    off = layout.norm_offset
+    off = norm_offset(spec, layout)
     out = {"model.embed_tokens.weight": params["embed"], "model.norm.weight": params["final_norm"]["scale"] - off}
     if not spec.tie_embeddings:
         # muP divides our logits by m; the families have no output multiplier, so the head carries it
@@ -224,8 +233,11 @@ def to_hf_tensors(params: dict, spec: Architecture, layout: Layout, name: str) -
         layers = params[stack]
         for n, i in enumerate(numbers):
             a, prefix = layers["attn"], f"model.layers.{i}."
-            out.update(layout.attention_to_hf(a, n, prefix, spec))
-            if spec.qk_norm:
+            if stack == "linear_layers":
+                out.update(layout.linear_to_hf(a, n, prefix, spec))
+            else:
+                out.update(layout.attention_to_hf(a, n, prefix, spec))
+            if spec.qk_norm and stack != "linear_layers":
                 out[prefix + "self_attn.q_norm.weight"] = a["q_norm"]["scale"][n] - off
                 out[prefix + "self_attn.k_norm.weight"] = a["k_norm"]["scale"][n] - off
             if "moe" in layers:
@@ -249,15 +261,18 @@ def to_hf_tensors(params: dict, spec: Architecture, layout: Layout, name: str) -
 
 def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture, layout: Layout, interleaved: bool) -> dict:
     """Our parameters from a family's tensors laid out by `layout` (`interleaved`: DeepSeek's RoPE rows)."""
-    off = layout.norm_offset
+    off = norm_offset(spec, layout)
     params = {"embed": t["model.embed_tokens.weight"], "final_norm": {"scale": t["model.norm.weight"] + off}}
     for stack, numbers in layers_by_stack(spec).items():
 
         def each(name, fn, numbers=numbers):
             return np.stack([fn(t[f"model.layers.{i}.{name}"]) for i in numbers])
 
-        attn = layout.attention_from_hf(t, numbers, spec, interleaved)
-        if spec.qk_norm:
+        if stack == "linear_layers":
+            attn = layout.linear_from_hf(t, numbers, spec)
+        else:
+            attn = layout.attention_from_hf(t, numbers, spec, interleaved)
+        if spec.qk_norm and stack != "linear_layers":
             attn.update({f"{q}_norm": {"scale": each(f"self_attn.{q}_norm.weight", lambda w: w + off)} for q in "qk"})
         layers = {"attn": attn, **{ours: {"scale": each(f"{theirs}.weight", lambda w: w + off)}
                                    for theirs, ours in layout.norms.items()}}  # fmt: skip

@@ -1,0 +1,32 @@
+"""qwen3_5_tiny: the quick start's model as a Qwen3.5-style hybrid, trained from scratch on the same corpus.
+
+    python scripts/train.py --config configs/qwen3_5_tiny.py
+
+Four layers of width 128 as configs/quickstart.py has, of which the first three are Gated DeltaNet
+(linear attention with a fixed-size state per head, trainer/model/delta.py) and the fourth full attention
+with Qwen3.5's output gate, query/key norms and RoPE over a quarter of each head: the 3:1 pattern of
+Qwen3.5 and Qwen3-Next. Same data, batch, steps and schedule as the quick start, d_ff chosen so that the
+parameter count is the quick start's (scripts/plan.py prints both); docs/model_families.md compares their
+losses.
+
+Fine-tuning a real Qwen3.5 with LoRA: import the Hub's checkpoint (its text model; the vision tower is set
+aside) into a run, then train adapters on it:
+
+    python scripts/convert_hf.py import --hf DIR --config configs/lora_tiny.py --workdir runs/qwen3_5_base
+    python scripts/train.py --config configs/lora_tiny.py --config.checkpoint.init_from=runs/qwen3_5_base ...
+
+where the config's model.* keys are the ones the import names (it refuses a config that differs and says
+which keys to set).
+"""
+
+import os
+
+from trainer.config.forms import from_file
+
+
+def get_config():
+    c = from_file(os.path.join(os.path.dirname(__file__), "quickstart.py"))
+    c.model.update(head_dim=32, qk_norm=True, attention_gate=True, centred_norms=True, rope_fraction=0.25,
+                   layer_types=("linear_attention",) * 3 + ("full_attention",))  # fmt: skip
+    c.model.linear.update(key_heads=2, value_heads=4, key_dim=32, value_dim=32, conv_kernel=4)
+    return c

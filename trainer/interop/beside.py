@@ -1,0 +1,86 @@
+"""A Hub checkpoint whose language model sits inside a larger one (Qwen3.5's `Qwen3_5ForConditionalGeneration`:
+a vision tower beside the text model): read by its text model, the rest set aside in the run, and put back
+unchanged on export, so that the export is the same class as the source.
+
+An import keeps what it set aside in <workdir>/hf_beside: the source's config.json and the tensors that are
+not the text model's (model.safetensors). An export of that run, or of one started from it
+(checkpoint.init_from, a LoRA run's base), writes the source's class again: the text model's tensors under the
+source's names and the kept tensors beside them, byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+# model_type -> (the key of its text model's config, its text model's tensor prefix, the source's class)
+FORMS = {"qwen3_5": ("text_config", "model.language_model.", "Qwen3_5ForConditionalGeneration")}
+ASIDE = "hf_beside"
+
+
+def text_part(config: dict, tensors: dict | None = None) -> tuple[dict, dict | None, dict]:
+    """(the text model's config.json, its tensors under the text class's names, the tensors set aside) of a
+    checkpoint; a text model's own comes back whole, with nothing aside."""
+    form = FORMS.get(config.get("model_type"))
+    if form is None:
+        return config, tensors, {}
+    key, prefix, _ = form
+    text = dict(config[key])
+    if "tie_word_embeddings" in config:  # the outer model's, which transformers ties by
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    if tensors is None:
+        return text, None, {}
+    ours = {("model." + k[len(prefix) :]) if k.startswith(prefix) else k: v for k, v in tensors.items()
+            if k.startswith(prefix) or k == "lm_head.weight"}  # fmt: skip
+    aside = {k: v for k, v in tensors.items() if not (k.startswith(prefix) or k == "lm_head.weight")}
+    return text, ours, aside
+
+
+def described(config: dict, aside: dict) -> str:
+    """What an import set aside, in words; "" for nothing."""
+    if not aside:
+        return ""
+    count = sum(int(np.prod(v.shape)) for v in aside.values())
+    return (f"{FORMS[config['model_type']][2]}: its text model imported; the rest ({len(aside)} tensors, "
+            f"{count:,} parameters: its vision tower) set aside and put back on export")  # fmt: skip
+
+
+def keep(workdir: str, config: dict, aside: dict) -> None:
+    """Write what an import set aside into the run."""
+    from trainer.interop.huggingface import write_weights
+
+    folder = os.path.join(workdir, ASIDE)
+    os.makedirs(folder, exist_ok=True)
+    write_weights(aside, folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+def kept(workdir: str) -> str | None:
+    """The folder of what an import set aside for this run: its own, or that of the run it started from."""
+    from trainer.training.resume import parse_init_from, saved_config
+
+    seen = set()
+    while workdir and workdir not in seen:
+        seen.add(workdir)
+        folder = os.path.join(workdir, ASIDE)
+        if os.path.isdir(folder):
+            return folder
+        saved = saved_config(workdir)
+        workdir = parse_init_from(saved.checkpoint.init_from)[0] if saved and saved.checkpoint.init_from else ""
+    return None
+
+
+def put_back(folder: str, text_config: dict, tensors: dict) -> tuple[dict, dict]:
+    """(the source's config.json with our text model's, every tensor under the source's names)."""
+    from trainer.interop.huggingface import read_config, read_weights
+
+    source = read_config(folder)
+    key, prefix, _ = FORMS[source["model_type"]]
+    config = {**source, key: {**source[key], **{k: v for k, v in text_config.items()
+                                                if k not in ("architectures", "model_type")}}}  # fmt: skip
+    config["tie_word_embeddings"] = text_config["tie_word_embeddings"]
+    renamed = {(prefix + k[len("model.") :]) if k.startswith("model.") else k: v for k, v in tensors.items()}
+    return config, {**renamed, **read_weights(folder)}
