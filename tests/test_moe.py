@@ -167,6 +167,12 @@ def test_a_run_with_experts_trains_resumes_onto_another_expert_axis_and_decodes(
         np.testing.assert_allclose(a, b, atol=1e-4)
     bias = weights[1]["layers"]["moe"]["router_bias"]  # (2 MoE layers, 8 experts): 4 steps of +-1e-3 each
     assert np.all(np.abs(bias) <= 4e-3 + 1e-9) and np.any(bias != 0)
+    # ... each step's towards the even load: 1e-3 x sign(mean share - share), from the shares the run logged
+    with open(tmp_path / "one" / "metrics.jsonl") as f:
+        logged = {r["step"]: r for r in map(json.loads, f) if "loss" in r}
+    shares = np.array([[[logged[s][f"moe/load/{i}/{e}"] for e in range(8)] for i in range(2)] for s in range(1, 5)])
+    np.testing.assert_allclose(weights[0]["layers"]["moe"]["router_bias"], 1e-3 * np.sign(1 / 8 - shares).sum(0),
+                               atol=1e-9)  # fmt: skip
     with pytest.raises(ConfigError, match=r"layer 1's router bias \(model.moe.router_bias\) is not zero"):
         to_hf_tensors(weights[1], one.spec.arch)  # a moved bias has no place in Hugging Face's forms
     with open(tmp_path / "split" / "metrics.jsonl") as f:
