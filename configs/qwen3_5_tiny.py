@@ -29,4 +29,5 @@ def get_config():
     c.model.update(head_dim=32, qk_norm=True, attention_gate=True, centred_norms=True, rope_fraction=0.25,
                    layer_types=("linear_attention",) * 3 + ("full_attention",))  # fmt: skip
     c.model.linear.update(key_heads=2, value_heads=4, key_dim=32, value_dim=32, conv_kernel=4)
+    c.model.d_ff = 336  # the linear layers and the gate hold more than attention: the quick start's parameter count
     return c
