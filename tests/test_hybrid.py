@@ -34,8 +34,9 @@ def rule_inputs(seed: int, b: int = 2, t: int = 100, kh: int = 2, vh: int = 4, d
 def test_the_gated_delta_rule_in_chunks_and_token_by_token_equals_transformers():
     """100 tokens (a chunk of 64 and a part of one), two key heads each serving two value heads, from a given
     state: our chunked form and our recurrent one give transformers' torch_chunk_gated_delta_rule's outputs and
-    final state (which its token-by-token form also gives) to 1e-5. With two documents packed in the row
-    (the boundary inside the first chunk), the two forms still agree: each restarts the state there."""
+    final state (which its token-by-token form also gives) to 1e-5, and the same gradients (the chunked
+    form's triangular inverse has its own backward pass). With two documents packed in the row (the boundary
+    inside the first chunk), the two forms still agree: each restarts the state there."""
     torch = pytest.importorskip("torch", reason="the hf extra is not installed: pip install -e '.[hf]'")
     pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
     from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
@@ -55,6 +56,11 @@ def test_the_gated_delta_rule_in_chunks_and_token_by_token_equals_transformers()
         ours, ours_last = jax.jit(form)(q, k, v, g, beta, state)
         np.testing.assert_allclose(ours, out, rtol=1e-5, atol=1e-5, err_msg=form.__name__)
         np.testing.assert_allclose(ours_last, last, rtol=1e-5, atol=1e-5, err_msg=form.__name__)
+    weights = np.random.default_rng(1).normal(size=out.shape).astype(np.float32)
+    grads = [jax.jit(jax.grad(lambda *a, form=form: jnp.sum(form(*a, state)[0] * weights), argnums=(0, 1, 2, 3, 4)))(
+        q, k, v, g, beta) for form in (delta.chunked, delta.recurrent)]  # fmt: skip
+    for a, b in zip(*grads, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
     ids = np.stack([np.r_[np.ones(37), np.full(63, 2)], np.r_[np.ones(90), np.zeros(10)]]).astype(np.int32)
     chunked = jax.jit(delta.chunked)(q, k, v, g, beta, None, ids)

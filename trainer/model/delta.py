@@ -95,10 +95,9 @@ def chunked(q, k, v, g, beta, state=None, segment_ids=None, chunk: int = CHUNK):
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
     strict = jnp.einsum("bhnik,bhnjk->bhnij", k_beta, k) * decay * (1 - jnp.eye(chunk))
     # (I + strict) u = v_beta and (I + strict) w = k_beta decayed: the chunk's writes as if S were 0, and how
-    # much of the carried state each would have removed first.
-    system = jnp.eye(chunk) + strict
-    u, w = (jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
-            for rhs in (v_beta, k_beta * (jnp.exp(cum) * reads)[..., None]))  # fmt: skip
+    # much of the carried state each would have removed first (the WY form's T = (I + strict)^-1).
+    both = unit_lower_solve(strict, jnp.concatenate([v_beta, k_beta * (jnp.exp(cum) * reads)[..., None]], -1))
+    u, w = both[..., :dv], both[..., dv:]
     within = jnp.einsum("bhnik,bhnjk->bhnij", q, k) * decay
     q_in = q * (jnp.exp(cum) * reads)[..., None]
     k_out = k * (jnp.exp(cum[..., -1:] - cum) * last)[..., None]
@@ -117,13 +116,49 @@ def chunked(q, k, v, g, beta, state=None, segment_ids=None, chunk: int = CHUNK):
     return jnp.moveaxis(out, 1, 2), state
 
 
+@jax.custom_vjp
+def unit_lower_solve(strict: jax.Array, rhs: jax.Array) -> jax.Array:
+    """x with (I + strict) x = rhs, for strictly lower-triangular `strict` (..., C, C) and rhs (..., C, D): row
+    by row, x_i = rhs_i - strict_i x (its rows above i already found). Not jax.lax.linalg.triangular_solve:
+    on a CPU, jaxlib's LAPACK solve spreads its batch over the thread pool XLA runs it in and waits, so two
+    solves at once on a two-core machine's pool wait forever (seen: qwen3_5_tiny's step hung with both pool
+    threads inside lapack_strsm_ffi). Solving, not inverting and multiplying: an explicit inverse lost a
+    decimal against transformers in float64."""
+
+    def row(i, x):
+        found = jax.lax.dynamic_index_in_dim(rhs, i, axis=-2, keepdims=True)
+        found = found - jax.lax.dynamic_index_in_dim(strict, i, axis=-2, keepdims=True) @ x
+        return jax.lax.dynamic_update_index_in_dim(x, found, i, axis=-2)
+
+    return jax.lax.fori_loop(1, strict.shape[-1], row, rhs)
+
+
+def _solve_forward(strict, rhs):
+    x = unit_lower_solve(strict, rhs)
+    return x, (strict, x)
+
+
+def _solve_backward(saved, grad):
+    """rhs's gradient y solves (I + strict)^T y = grad, the same solve on the rows and columns reversed;
+    strict's is -y x^T on its strict lower part."""
+    strict, x = saved
+    flip = lambda a: jnp.flip(a, axis=-2)  # noqa: E731
+    y = flip(unit_lower_solve(flip(jnp.flip(jnp.swapaxes(strict, -1, -2), axis=-1)), flip(grad)))
+    return jnp.tril(-(y @ jnp.swapaxes(x, -1, -2)), -1), y
+
+
+unit_lower_solve.defvjp(_solve_forward, _solve_backward)
+
+
 def forward_flops(lin: LinearAttention, chunk: int = CHUNK) -> float:
     """Forward FLOPs per token of `chunked`'s matmuls (the projections are counted with the parameters), for
-    each value head: within its chunk the k.k and q.k products (2 x 2 C dk), the two triangular solves
-    (about C (dk + dv)) and the intra-chunk read (2 C dv); against the state its two reads and its update
-    (3 x 2 dk dv). Linear in the sequence's length, where attention's per token grows with it."""
+    each value head: within its chunk the k.k and q.k products (2 x 2 C dk), the triangular solve for
+    both (C (dk + dv)), and the intra-chunk read (2 C dv); against the
+    state its two reads and its update (3 x 2 dk dv). Per token it does not grow with the sequence's
+    length, where attention's does."""
     dk, dv, c = lin.key_dim, lin.value_dim, chunk
-    return float(lin.value_heads * (4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv))
+    per_head = 4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv
+    return float(lin.value_heads * per_head)
 
 
 def causal_conv(x, kernel, segment_ids=None, state=None):
