@@ -1,11 +1,12 @@
-"""quickstart: a 0.9M-parameter model that learns Python's look in under three minutes on a CPU.
+"""quickstart: a 0.9M-parameter model that learns Python's look in two minutes on a CPU.
 
     python scripts/train.py --config configs/quickstart.py
 
 The same recipe as configs/tiny.py, smaller (4 layers of width 128, 128-byte
-sequences, 32 a batch) and shorter (300 steps): about 0.4 s a step on a
-two-core VM. It prepares the corpus from your Python's standard library (~1 s),
-evaluates at steps 150 and 300 (validation loss beside the unigram baseline's)
+sequences, 32 a batch) and shorter (300 steps): 0.27-0.33 s a step and 1m50s in
+all, compile included, on a two-core VM (README.md says how it was timed). It
+prepares the corpus from your Python's standard library (~1 s), evaluates at
+steps 150 and 300 (validation loss beside the unigram baseline's)
 and prints what the model writes after "def ", "import " and "class ". At the
 end it says where the run is and the next commands: train it longer, evaluate
 it, sample from it. configs/tiny.py is the next step up (450 steps, 11-17 minutes).
