@@ -103,12 +103,21 @@ def test_a_packed_row_through_a_hybrid_equals_each_document_alone():
          "model.layer_types' entry='local' is not one of linear_attention, full_attention"),
         (dict(linear=dict(key_heads=3, value_heads=4)), "value_heads=4 is not a multiple of model.linear.key_heads=3"),
         (dict(sliding_window=16), "and model.sliding_window=16 is not supported"),
+        (dict(mesh=dict(stage=2)), "and mesh.stage=2 (pipeline stages) is not supported here"),
+        (dict(mesh=dict(context=2)), "and mesh.context=2 is not supported here: the recurrent state runs through"),
+        (dict(mesh=dict(tensor=4), n_heads=4, n_kv_heads=4),
+         "model.linear.key_heads=2 does not divide over mesh.tensor=4"),
     ],
 )  # fmt: skip
 def test_a_hybrid_that_cannot_work_is_one_sentence(changes, says):
-    """Settings a hybrid cannot run with, each refused in one sentence by the config's checks (before any
-    device is asked)."""
+    """Settings a hybrid cannot run with, each refused in one sentence before anything compiles: by the
+    config's checks, or (the mesh's) when the mesh is laid out."""
+    from trainer.training.setup import build
+
+    changes = dict(changes)
+    mesh = changes.pop("mesh", {})
     model = {**HYBRID, **changes, "linear": {**HYBRID["linear"], **changes.get("linear", {})}}
+    cfg = micro_config(model=model, mesh={"fsdp": 1, "data": -1, **mesh})
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")) as info:
-        validate(micro_config(model=model))
+        build(cfg)
     assert "\n" not in str(info.value)

@@ -124,8 +124,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"train.global_batch_size={t.global_batch_size} does not divide into "
             f"train.grad_accum_steps={t.grad_accum_steps} microbatches."
         )
+    check_layers(cfg)  # first: a kind of layer that no pipeline setting fixes is said before the pipeline's own
     _check_pipeline(cfg)
-    check_layers(cfg)
     if cfg.stability.max_bad_steps > cfg.stability.bad_window:
         raise ConfigError(
             f"stability.max_bad_steps={cfg.stability.max_bad_steps} bad steps can never occur within "
