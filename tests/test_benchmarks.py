@@ -79,6 +79,7 @@ def quick(corpus_dir, out):
             ],
             "sliding_window",
         ),  # fmt: skip
+        ("linear_attention.py", ["--seq_lens=128", "--steps=1", "--target="], "linear_attention"),
         (
             "latent_cache.py",
             ["--config", "configs/deepseek_tiny.py", "--prompt=32", "--new=4", "--layers=1"],

@@ -118,19 +118,28 @@ def chunked(q, k, v, g, beta, state=None, segment_ids=None, chunk: int = CHUNK):
 
 @jax.custom_vjp
 def unit_lower_solve(strict: jax.Array, rhs: jax.Array) -> jax.Array:
-    """x with (I + strict) x = rhs, for strictly lower-triangular `strict` (..., C, C) and rhs (..., C, D): row
-    by row, x_i = rhs_i - strict_i x (its rows above i already found). Not jax.lax.linalg.triangular_solve:
-    on a CPU, jaxlib's LAPACK solve spreads its batch over the thread pool XLA runs it in and waits, so two
-    solves at once on a two-core machine's pool wait forever (seen: qwen3_5_tiny's step hung with both pool
-    threads inside lapack_strsm_ffi). Solving, not inverting and multiplying: an explicit inverse lost a
-    decimal against transformers in float64."""
+    """x with (I + strict) x = rhs, for strictly lower-triangular `strict` (..., C, C) and rhs (..., C, D).
 
-    def row(i, x):
-        found = jax.lax.dynamic_index_in_dim(rhs, i, axis=-2, keepdims=True)
-        found = found - jax.lax.dynamic_index_in_dim(strict, i, axis=-2, keepdims=True) @ x
-        return jax.lax.dynamic_update_index_in_dim(x, found, i, axis=-2)
+    On a TPU or GPU, XLA's triangular solve (blocked, in matmuls). On a CPU, row by row, x_i = rhs_i -
+    strict_i x (its rows above i already found): there XLA calls jaxlib's LAPACK solve, which spreads its
+    batch over the thread pool XLA runs it in and waits, so two solves at once on a two-core machine's pool
+    wait forever (seen: qwen3_5_tiny's step hung with both pool threads inside lapack_strsm_ffi). The rows'
+    loop reads the whole block at each row, which on a TPU made a 2048-token layer's step 2.3x slower than
+    the solve (benchmarks/linear_attention.py's roofline for v5e)."""
 
-    return jax.lax.fori_loop(1, strict.shape[-1], row, rhs)
+    def rows(strict, rhs):
+        def row(i, x):
+            found = jax.lax.dynamic_index_in_dim(rhs, i, axis=-2, keepdims=True)
+            found = found - jax.lax.dynamic_index_in_dim(strict, i, axis=-2, keepdims=True) @ x
+            return jax.lax.dynamic_update_index_in_dim(x, found, i, axis=-2)
+
+        return jax.lax.fori_loop(1, strict.shape[-1], row, rhs)
+
+    def solve(strict, rhs):
+        system = strict + jnp.eye(strict.shape[-1], dtype=strict.dtype)
+        return jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+    return jax.lax.platform_dependent(strict, rhs, cpu=rows, default=solve)
 
 
 def _solve_forward(strict, rhs):
