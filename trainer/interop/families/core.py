@@ -128,6 +128,21 @@ def common_config(spec: Architecture, max_seq_len: int, kind: str, name: str,
     }
 
 
+# The common keys that a strict config class (Gemma 3's, Qwen3.5's: they refuse any other key) takes.
+STRICT_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
+               "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id", "dtype",
+               "torch_dtype")  # fmt: skip
+
+
+def strict_common(spec: Architecture, common: dict, name: str, extra: tuple[str, ...] = ()) -> dict:
+    """The common keys a strict config class takes (STRICT_KEYS and `extra`), once Llama 3's RoPE scaling,
+    which those forms lack, is refused."""
+    if spec.rope_scaling.factor != 1:
+        raise ConfigError(f"model.rope_scaling: {name}'s form here has no Llama 3 RoPE scaling; use factor=1.")
+    return {k: common[k] for k in STRICT_KEYS + extra}
+
+
 def llama3_scaling(spec: Architecture) -> dict:
     r = spec.rope_scaling
     return {"factor": r.factor, "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor,

@@ -40,15 +40,9 @@ def claims(spec: Architecture) -> str | None:
 
 def config(spec: Architecture, common: dict) -> dict:
     """Gemma3TextConfig's keys (it refuses others'): each layer's type, each type's RoPE base."""
-    if spec.rope_scaling.factor != 1:
-        raise ConfigError("model.rope_scaling: Gemma 3's form here has no Llama 3 RoPE scaling; use factor=1.")
-    keep = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps",
-            "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id", "dtype",
-            "torch_dtype")  # fmt: skip
     local_theta = spec.local_rope_theta or spec.rope_theta
     return {
-        **{k: common[k] for k in keep},
+        **core.strict_common(spec, common, "Gemma 3"),
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": spec.attn_scale_dim or spec.head_dim,
         # Without a window every layer is global; the window's value is then never read.

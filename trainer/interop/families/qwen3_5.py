@@ -95,14 +95,8 @@ def claims(spec: Architecture) -> str | None:
 
 def config(spec: Architecture, common: dict) -> dict:
     """Qwen3_5TextConfig's keys (it refuses others')."""
-    if spec.rope_scaling.factor != 1:
-        raise ConfigError("model.rope_scaling: Qwen3.5's form here has no Llama 3 RoPE scaling; use factor=1.")
-    keep = ("architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-            "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
-            "rms_norm_eps", "tie_word_embeddings", "attention_bias", "bos_token_id", "eos_token_id", "pad_token_id",
-            "dtype", "torch_dtype")  # fmt: skip
     lin = spec.linear
-    return {**{k: common[k] for k in keep},
+    return {**core.strict_common(spec, common, "Qwen3.5", ("hidden_act",)),
             "layer_types": list(spec.layer_types),
             "linear_conv_kernel_dim": lin.conv_kernel, "linear_key_head_dim": lin.key_dim,
             "linear_value_head_dim": lin.value_dim, "linear_num_key_heads": lin.key_heads,
