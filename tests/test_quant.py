@@ -186,7 +186,8 @@ def test_a_quantised_run_skips_and_rolls_back_as_at_full_precision_and_exports_f
     # read with the hf extra's safetensors (CI installs it); without it the rollback above is what ran.
     load_file = pytest.importorskip("safetensors.numpy").load_file
 
-    from trainer.interop.huggingface import WEIGHTS_FILE, export_checkpoint
+    from trainer.interop.hf_files import WEIGHTS_FILE
+    from trainer.interop.huggingface import export_checkpoint
     from trainer.training.resume import load_params
 
     export_checkpoint(cfg, str(tmp_path / "run"), None, str(tmp_path / "hf"))

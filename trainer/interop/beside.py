@@ -15,6 +15,8 @@ import os
 
 import numpy as np
 
+from trainer.interop.hf_files import read_config, read_weights, write_weights
+
 # model_type -> (the key of its text model's config, its text model's tensor prefix, the source's class)
 FORMS = {"qwen3_5": ("text_config", "model.language_model.", "Qwen3_5ForConditionalGeneration")}
 ASIDE = "hf_beside"
@@ -49,8 +51,6 @@ def described(config: dict, aside: dict) -> str:
 
 def keep(workdir: str, config: dict, aside: dict) -> None:
     """Write what an import set aside into the run."""
-    from trainer.interop.huggingface import write_weights
-
     folder = os.path.join(workdir, ASIDE)
     os.makedirs(folder, exist_ok=True)
     write_weights(aside, folder)
@@ -75,8 +75,6 @@ def kept(workdir: str) -> str | None:
 
 def put_back(folder: str, text_config: dict, tensors: dict) -> tuple[dict, dict]:
     """(the source's config.json with our text model's, every tensor under the source's names)."""
-    from trainer.interop.huggingface import read_config, read_weights
-
     source = read_config(folder)
     key, prefix, _ = FORMS[source["model_type"]]
     config = {**source, key: {**source[key], **{k: v for k, v in text_config.items()

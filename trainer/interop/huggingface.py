@@ -1,5 +1,6 @@
 """Checkpoints and tokenizers to and from Hugging Face's formats (Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE,
-Gemma 3, DeepSeek-V3: how our weights map onto theirs is trainer/interop/families/).
+Gemma 3, DeepSeek-V3, Qwen3.5: how our weights map onto theirs is trainer/interop/families/; the files
+themselves, trainer/interop/hf_files.py).
 
 Files are written with safetensors' numpy API:
 exporting needs neither torch nor transformers, only `safetensors` and (for the
@@ -9,11 +10,9 @@ tokenizer) `tokenizers`, both in the `hf` extra.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import os
 
-import numpy as np
 from etils import epath
 
 from trainer.config.errors import ConfigError
@@ -23,41 +22,9 @@ from trainer.data.chat import template_for
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer, tokenizer_file
 from trainer.interop import beside, peft
 from trainer.interop.families import from_hf_tensors, hf_config, model_keys_from_hf, to_hf_tensors
+from trainer.interop.hf_files import read_config, read_weights, write_weights
 from trainer.model import adapters, quantised
 from trainer.model.spec import Adapters, Architecture
-
-WEIGHTS_FILE = "model.safetensors"
-
-
-def write_weights(tensors: dict[str, np.ndarray], out_dir: str) -> None:
-    from safetensors.numpy import save_file
-
-    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
-
-
-def read_weights(hf_dir: str) -> dict[str, np.ndarray]:
-    """Every tensor of a (possibly sharded) safetensors checkpoint, as float32 numpy arrays."""
-    from safetensors import safe_open
-
-    files = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
-    if not files:
-        raise ConfigError(f"{hf_dir} holds no .safetensors files; give a Hugging Face model directory.")
-    tensors = {}
-    for path in files:
-        # The flax framework reads bfloat16 too, which numpy cannot.
-        with safe_open(path, framework="flax") as f:
-            for name in f.keys():
-                tensors[name] = np.asarray(f.get_tensor(name), np.float32)
-    return tensors
-
-
-def read_config(hf_dir: str) -> dict:
-    path = os.path.join(hf_dir, "config.json")
-    if not os.path.exists(path):
-        raise ConfigError(f"{hf_dir} has no config.json; give a Hugging Face model directory.")
-    with open(path) as f:
-        return json.load(f)
-
 
 # ---- tokenizers ----
 
