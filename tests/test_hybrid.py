@@ -121,3 +121,21 @@ def test_a_hybrid_that_cannot_work_is_one_sentence(changes, says):
     with pytest.raises(ConfigError, match=says.replace("(", r"\(").replace(")", r"\)")) as info:
         build(cfg) if mesh else validate(cfg)  # the mesh's checks need its devices; the rest are the config's
     assert "\n" not in str(info.value)
+
+
+def test_the_planner_counts_a_hybrids_rollout_cache_as_the_sampler_holds_it():
+    """GRPO's planned cache (trainer/planning/memory.py rollout_bytes: each linear layer's state and convolution
+    inputs, each attention layer's keys and values, held twice) against the bytes a device holds of the cache
+    the sampler makes (trainer/model/sampling.py empty_cache), on data 2 x fsdp 2 x tensor 2."""
+    from parallelism.rules import LogicalSharding
+    from trainer.model.sampling import empty_cache
+    from trainer.planning.memory import rollout_bytes
+    from trainer.training.setup import build
+
+    cfg = micro_config(model=HYBRID, mesh=dict(data=2, fsdp=2, tensor=2))
+    setup = build(cfg)
+    rules = {**dict(setup.shard.rules), "seq": (), "residual_seq": ()}  # the sampler's, rows split (split_batch)
+    shard = LogicalSharding.create(setup.mesh, rules)
+    cache = jax.jit(lambda: empty_cache(setup.spec, cfg.train.global_batch_size, cfg.data.seq_len, shard))()
+    held = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(cache))
+    assert rollout_bytes(cfg, setup)["kv_cache"] == 2 * held

@@ -162,9 +162,8 @@ unit_lower_solve.defvjp(_solve_forward, _solve_backward)
 def forward_flops(lin: LinearAttention, chunk: int = CHUNK) -> float:
     """Forward FLOPs per token of `chunked`'s matmuls (the projections are counted with the parameters), for
     each value head: within its chunk the k.k and q.k products (2 x 2 C dk), the triangular solve for
-    both (C (dk + dv)), and the intra-chunk read (2 C dv); against the
-    state its two reads and its update (3 x 2 dk dv). Per token it does not grow with the sequence's
-    length, where attention's does."""
+    both (C (dk + dv)) and the intra-chunk read (2 C dv); against the state its two reads and its update
+    (3 x 2 dk dv). Per token it does not grow with the sequence's length, where attention's does."""
     dk, dv, c = lin.key_dim, lin.value_dim, chunk
     per_head = 4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv
     return float(lin.value_heads * per_head)
