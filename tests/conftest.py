@@ -38,6 +38,12 @@ from time_limit import (  # noqa: E402, F401 - the suite's guard on its own spee
 from trainer.config import defaults  # noqa: E402
 from trainer.config.forms import flatten, from_file  # noqa: E402
 
+# Qwen3.5's hybrid at micro size (model.* of micro_config): a Gated DeltaNet layer, then gated full attention
+# (trainer/model/delta.py).
+HYBRID = dict(layer_types=("linear_attention", "full_attention"), qk_norm=True, attention_gate=True,
+              centred_norms=True, rope_fraction=0.5,
+              linear=dict(key_heads=2, value_heads=4, key_dim=8, value_dim=8))  # fmt: skip
+
 
 def micro_config(**sections):
     """A ~0.1M-parameter model that compiles in seconds; override with section=dict(...)."""

@@ -454,6 +454,35 @@ def test_qwen3_5_imports_from_transformers_decodes_as_it_does_and_exports_back(t
     np.testing.assert_array_equal(padded[1:], alone)
 
 
+def test_qwen3_5_moe_imports_from_transformers_decodes_as_it_does_and_exports_back(tmp_path):
+    """Qwen3.5-MoE (text): the same hybrid with a mixture in every layer, linear and full alike: four
+    softmax-routed experts, two a token, and a shared expert gated per token by a sigmoid. As for Qwen3.5:
+    our logits are transformers' (float64) to 1e-5 of their largest, greedy decoding is theirs token for
+    token, and the export is their tensors exactly."""
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(0)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    text = {k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}
+    model = qwen3_5(transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig(**text, **moe))
+    model.set_experts_implementation("eager")  # its grouped kernel takes no float64
+    cfg = micro_config(
+        model={
+            **QWEN3_5_OURS,
+            "d_ff": 32,
+            "moe": dict(num_experts=4, experts_per_token=2, d_ff=32, shared_experts=1, shared_gate=True),
+        }
+    )
+    round_trip(model, cfg, tmp_path, prompt=12, new=10)
+    ours, exact = our_logits(cfg, str(tmp_path / "run")), float64_logits(model)
+    assert np.abs(ours - exact).max() <= 1e-5 * np.abs(exact).max()
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    saved = load_file(str(tmp_path / "hf" / "model.safetensors"))  # the per-expert files save_pretrained writes
+    assert sorted(exported) == sorted(saved)
+    for name, tensor in saved.items():
+        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
+
+
 def test_the_hubs_qwen3_5_imports_its_text_model_and_exports_back_whole(tmp_path):
     """The Hub's Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration: a vision tower beside the text
     model. One built small and random by transformers, saved and imported: the text model alone is read

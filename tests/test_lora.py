@@ -6,10 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import micro_config
+from conftest import HYBRID, micro_config
 from flax import nnx
 
 from parallelism.rules import LogicalSharding
+from trainer.config import ADAPTER_TARGETS
 from trainer.config.errors import ConfigError
 from trainer.model import adapters
 from trainer.model.decoder import ModelDef, init_params
@@ -67,16 +68,22 @@ def test_an_adapted_mlp_is_its_base_plus_alpha_over_rank_times_x_a_b_in_numpy():
     np.testing.assert_allclose(np.asarray(dropped(jnp.asarray(x))), np.asarray(mlp(jnp.asarray(x))), rtol=1e-6)
 
 
-def test_the_adapted_model_starts_as_its_base_and_equals_it_with_the_adapters_folded_in():
-    cfg = adapted()
-    spec, base_spec = ModelSpec.from_config(cfg), ModelSpec.from_config(micro_config())
+@pytest.mark.parametrize("hybrid", [False, True], ids=["llama", "hybrid"])
+def test_the_adapted_model_starts_as_its_base_and_equals_it_with_the_adapters_folded_in(hybrid):
+    """On a hybrid, every target: the full-attention layer's q adapter covers its gate as q_proj does, and the
+    Gated DeltaNet layer's qkv (one A for q, k and v), z and out."""
+    model = HYBRID if hybrid else {}
+    cfg = adapted(targets=ADAPTER_TARGETS, model=model)
+    spec, base_spec = ModelSpec.from_config(cfg), ModelSpec.from_config(micro_config(model=model))
     params = init_params(spec, NO_MESH, 0)
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 384, (2, 16)), jnp.int32)
     model, base_model = ModelDef.create(spec, NO_MESH), ModelDef.create(base_spec, NO_MESH)
     apply, apply_base = jax.jit(model.apply), jax.jit(base_model.apply)
     added, base = adapters.split(params)
-    assert set(adapters.count(params)) == {"q", "k", "v", "o", "gate", "up", "down"}
-    np.testing.assert_array_equal(apply(params, tokens), apply_base(base, tokens))  # B = 0
+    linear = {"qkv", "z", "out"} if hybrid else set()
+    assert set(adapters.count(params)) == {"q", "k", "v", "o", "gate", "up", "down"} | linear
+    # B = 0: the base's logits; bit for bit on a Llama, to rounding on a hybrid (its rule compiles otherwise)
+    np.testing.assert_allclose(apply(params, tokens), apply_base(base, tokens), rtol=0, atol=1e-6 if hybrid else 0)
     keys = iter(jax.random.split(jax.random.key(2), len(jax.tree.leaves(added))))
     added = jax.tree.map(lambda x: 0.05 * jax.random.normal(next(keys), x.shape), added)
     moved = adapters.join(added, base)
@@ -191,11 +198,18 @@ def test_a_lora_run_with_dropout_resumes_exactly(base_run, tmp_path):
     ("changes", "says"),
     [
         (dict(rank=-1), "model.lora.rank=-1"),
-        (dict(targets=("q", "query")), "names query; the projections that take adapters: q,k,v,o,gate,up,down"),
+        (
+            dict(targets=("q", "query")),
+            "names query; the projections that take adapters: q,k,v,o,gate,up,down,qkv,z,out",
+        ),
         (dict(base="int4"), "model.lora.base='int4' is not one of"),
         (dict(init_from=""), "give them with --config.checkpoint.init_from"),
         (dict(stage=2), "adapters do not run through pipeline stages"),
-        (dict(moe=True), "names gate,up,down, which this model has none of; the projections it adapts: q,k,v,o"),
+        (
+            dict(moe=True, targets=("q", "k", "v", "o", "gate", "up", "down")),
+            "names gate,up,down, which this model has none of; the projections it adapts: q,k,v,o",
+        ),
+        (dict(targets=("qkv", "o")), "names qkv, which this model has none of; the projections it adapts: o ("),
         (dict(base="nf4", d_ff=129), "packs two 4-bit values a byte along w_down's inputs, which number 129"),
         (dict(base="int8", rank=0), "model.lora.base=int8 quantises the frozen base beside adapters (QLoRA); set"),
         (dict(rank=3, lora_rule=True), "model.lora.rank=3 does not divide over mesh.fsdp=2 (mesh.rules.lora splits"),

@@ -2,6 +2,8 @@
 loaded by PeftModel.from_pretrained on the export of its base gives our logits, as does its merged export;
 a PEFT adapter imported beside its base gives PEFT's logits; an adapter of another rank is one sentence."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -128,3 +130,44 @@ def test_adapters_go_to_peft_and_come_back_with_the_same_logits(tmp_path, family
         with pytest.raises(ConfigError, match=says):
             import_checkpoint(str(tmp_path / "hf_base"), fresh, str(tmp_path / "refused"), str(tmp_path / f"other{i}"))
     assert not (tmp_path / "refused").exists()  # refused before anything was written
+
+
+def test_qwen3_5s_adapters_on_every_projection_come_in_from_peft_and_go_back(tmp_path):
+    """The Hub's form of Qwen3.5 (Qwen3_5ForConditionalGeneration, its layers under model.language_model),
+    small and random: an adapter peft made on every projection (the full-attention layer's q_proj with its gate
+    rows, the linear layers' in_proj_qkv, in_proj_z and out_proj) imports beside it with peft's logits; its
+    export loads back into peft on the base's export with the same logits, and the merged export is the same
+    class with them too."""
+    from test_huggingface import QWEN3_5, QWEN3_5_OURS, qwen3_5
+
+    torch.manual_seed(0)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  num_position_embeddings=16)  # fmt: skip
+    config = transformers.Qwen3_5Config(text_config=QWEN3_5, vision_config=vision)
+    qwen3_5(transformers.Qwen3_5ForConditionalGeneration, config).save_pretrained(str(tmp_path / "hub"))
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv", "in_proj_z",
+             "out_proj"]  # fmt: skip
+
+    def base():
+        return transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(tmp_path / "hub"), dtype=torch.float32)
+
+    made = peft.get_peft_model(base(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=every,
+                                                       init_lora_weights=False))  # fmt: skip
+    made.save_pretrained(str(tmp_path / "made"))
+    theirs = logits_of(made)
+    assert np.max(np.abs(theirs - logits_of(base()))) > 1e-2  # the adapters do something
+    cfg = micro_config(model=QWEN3_5_OURS)
+    cfg.model.lora.update(rank=4, alpha=8.0)
+    import_checkpoint(str(tmp_path / "hub"), cfg, str(tmp_path / "run"), str(tmp_path / "made"))
+    saved = saved_config(str(tmp_path / "run"))
+    np.testing.assert_allclose(ours(saved, str(tmp_path / "run")), theirs, rtol=1e-4, atol=1e-4)
+
+    export_checkpoint(saved, str(tmp_path / "run"), None, str(tmp_path / "adapter"), adapter=True)
+    with open(tmp_path / "adapter" / "adapter_config.json") as f:
+        assert sorted(json.load(f)["target_modules"]) == sorted(every)
+    again = peft.PeftModel.from_pretrained(base(), str(tmp_path / "adapter"))
+    np.testing.assert_allclose(logits_of(again), theirs, rtol=1e-4, atol=1e-4)
+    export_checkpoint(saved, str(tmp_path / "run"), None, str(tmp_path / "merged"))
+    merged = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(tmp_path / "merged"),
+                                                                          dtype=torch.float32)  # fmt: skip
+    np.testing.assert_allclose(logits_of(merged), theirs, rtol=1e-4, atol=1e-4)

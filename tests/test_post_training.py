@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, cli_args, micro_config
+from conftest import HYBRID, REPO, cli_args, micro_config
 
 from trainer.config.errors import ConfigError
 from trainer.data import chat, corpora, streams
@@ -95,11 +95,7 @@ def first_moment(state):
     return jax.device_get(state.opt_state[1].inner_state[0].mu)
 
 
-# Qwen3.5's hybrid at micro size: a Gated DeltaNet layer, then gated full attention (trainer/model/delta.py). Its
-# state and convolution must restart at each packed document as attention's mask does.
-HYBRID = dict(layer_types=("linear_attention", "full_attention"), qk_norm=True, attention_gate=True,
-              centred_norms=True, rope_fraction=0.5,
-              linear=dict(key_heads=2, value_heads=4, key_dim=8, value_dim=8))  # fmt: skip
+# The hybrid's state and convolution must restart at each packed document as attention's mask does.
 MODELS = {"llama": {}, "hybrid": HYBRID}
 
 

@@ -8,15 +8,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import micro_config
+from conftest import HYBRID, micro_config
 
 from trainer.model import adapters, quantised
-from trainer.model.decoder import ModelDef
+from trainer.model.decoder import ModelDef, init_params
 from trainer.model.spec import ModelSpec
 from trainer.planning.memory import state_bytes
 from trainer.run.loop import train
 from trainer.training.resume import load_init_params, load_params
 from trainer.training.setup import build
+from trainer.training.state import abstract_params, frozen
 
 torch = pytest.importorskip("torch", reason="the hf extra is not installed: pip install -e '.[hf]'")
 bnb = pytest.importorskip("bitsandbytes.functional", reason="the post extra is not installed: pip install -e '.[post]'")
@@ -124,3 +125,33 @@ def test_a_qlora_run_trains_its_adapters_keeps_the_base_bits_resumes_exactly_and
     scales = 4 * (d // 64 * h * (n + 2 * k) + n * (h // 64) * d // 8 + 2 * (d // 64) * f + (f // 64) * d // 8)
     want = a.n_layers * (projections + scales + 2 * 4 * d // 8) + 2 * vocab * d * 4 // 8 + 4 * d // 8
     assert state_bytes(setup)["frozen"] == want
+
+
+def test_a_hybrids_linear_layers_quantise_as_bitsandbytes_and_adapt_on_that_base():
+    """A Gated DeltaNet layer's every projection (in_proj_qkv's q, k and v, in_proj_z, in_proj_b, in_proj_a,
+    out_proj) and the full-attention layer's gate are quantised as bitsandbytes' nf4 quantises the torch
+    Linear each is (value heads of 64, so out_proj's blocks are bitsandbytes' too); the adapted model on that
+    base gives the float model's logits on the dequantised weights with the adapters folded in."""
+    hybrid = {**HYBRID, "linear": dict(key_heads=2, value_heads=2, key_dim=16, value_dim=64)}
+    cfg = micro_config(model=hybrid, checkpoint={"init_from": "unread"})
+    cfg.model.lora.update(rank=4, alpha=8.0, base="nf4")
+    setup = build(cfg)
+    float_spec = ModelSpec.from_config(micro_config(model=hybrid))
+    floats = jax.device_get(init_params(float_spec, setup.shard, 0))
+    added = adapters.split(setup.model.abstract_params)[0]
+    base = quantised.quantise_tree(floats, frozen(abstract_params(setup.model, setup.shard), setup.model))
+    restored = jax.tree.map(np.asarray, quantised.dequantised(base))
+    want = jax.tree.map(lambda x: x, restored)  # the rest (the MLPs, attention's q, k, v, o) checked above
+    inputs = {"wq": 1, "wk": 1, "wv": 1, "wz": 1, "wb": 1, "wa": 1, "wo": 2, "wg": 1}
+    for stack, names in (("linear_layers", ("wq", "wk", "wv", "wz", "wb", "wa", "wo")), ("layers", ("wg",))):
+        for name in names:
+            value = floats[stack]["attn"][name]
+            want[stack]["attn"][name] = np.stack([bnb_nf4(layer, inputs[name]) for layer in value])
+            np.testing.assert_allclose(restored[stack]["attn"][name], want[stack]["attn"][name], rtol=0, atol=1e-7)
+    added = jax.tree.map(lambda a: jax.random.normal(jax.random.key(a.size), a.shape) * 0.05, added)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 384, (2, 16)), jnp.int32)
+    logits = jax.jit(setup.model.apply)(adapters.join(added, base), tokens)
+    folded = adapters.fold(adapters.join(jax.device_get(added), want), 2.0)
+    float_model = ModelDef.create(float_spec, setup.shard)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(jax.jit(float_model.apply)(folded, tokens)), rtol=1e-4,
+                               atol=1e-4)  # fmt: skip

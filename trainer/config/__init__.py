@@ -38,7 +38,8 @@ DPO_LOSSES = ("sigmoid", "ipo")
 RL_LOSSES = ("grpo", "dr_grpo")  # rl.loss (trainer/objectives/grpo.py)
 RL_KEYS = ("reward", "reward_weights", "format_regex", "group_size", "max_new_tokens", "temperature", "top_p",
            "epsilon", "updates_per_batch", "beta", "loss")  # fmt: skip
-ADAPTER_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # model.lora.targets (trainer/model/spec.py Adapters)
+# model.lora.targets (trainer/model/spec.py Adapters); new ones go last: a target's place seeds its dropout
+ADAPTER_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "z", "out")
 ADAPTER_BASES = ("", "int8", "nf4")  # model.lora.base
 QUANT_MATMULS = ("", "int8", "fp8")  # model.quant.matmul (trainer/model/low_precision.py)
 QUANT_TARGETS = ("attention", "mlp", "experts", "logits")  # model.quant.targets
@@ -126,6 +127,7 @@ def _declared() -> dict[str, dict]:
             num_experts=Num(0, "[0, inf)"),
             experts_per_token=Num(2, "[1, inf)"),  # top-k
             shared_experts=Num(0, "[0, inf)"),  # always-on experts (one MLP this many times moe.d_ff wide)
+            shared_gate=False,  # the shared experts' output times sigmoid(x . w), a gate per token (Qwen3.5-MoE)
             d_ff=Num(0, "[0, inf)"),  # each expert's MLP width; 0 = model.d_ff
             dense_layers=Num(0, "[0, inf)"),  # the first layers keep a dense MLP ...
             every=Num(1, "[1, inf)"),  # ... and of the rest every this-many-th is MoE (1 = all of them)

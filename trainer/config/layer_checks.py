@@ -145,7 +145,11 @@ def _check_hybrid(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.linear.value_heads={lin.value_heads} is not a multiple of model.linear.key_heads="
                           f"{lin.key_heads}; each key head serves a whole group of value heads.")  # fmt: skip
     others = [(m.sliding_window, f"model.sliding_window={m.sliding_window}"), (m.mla.kv_rank, "latent attention "
-              "(model.mla.kv_rank)"), (m.moe.num_experts, "experts (model.moe.num_experts)"),
+              "(model.mla.kv_rank)"),
+              (m.moe.num_experts and (m.moe.dense_layers or m.moe.every > 1), "dense layers among its experts "
+               f"(model.moe.dense_layers={m.moe.dense_layers}, every={m.moe.every}: experts go in every layer)"),
+              (m.moe.num_experts and (m.moe.router != "softmax" or m.moe.router_bias), "a router other than softmax "
+               f"without bias (model.moe.router={m.moe.router}, router_bias={m.moe.router_bias})"),
               (m.mtp.depth, "multi-token prediction (model.mtp.depth)"), (cfg.mesh.stage > 1, f"mesh.stage="
               f"{cfg.mesh.stage} (pipeline stages)")]  # fmt: skip
     for on, what in others:
@@ -186,6 +190,9 @@ def _check_moe(cfg: ml_collections.ConfigDict) -> None:
     choice("model.moe.grouped_matmul", m.grouped_matmul, GROUPED_MATMULS)
     if not m.num_experts:
         return
+    if m.shared_gate and not m.shared_experts:
+        raise ConfigError("model.moe.shared_gate=true gates the shared experts' output, and model.moe.shared_experts "
+                          "is 0; add a shared expert or set shared_gate=false.")  # fmt: skip
     if m.experts_per_token > m.num_experts:
         raise ConfigError(
             f"model.moe.experts_per_token={m.experts_per_token} exceeds model.moe.num_experts={m.num_experts}: "

@@ -18,7 +18,10 @@ import numpy as np
 from trainer.interop.hf_files import read_config, read_weights, write_weights
 
 # model_type -> (the key of its text model's config, its text model's tensor prefix, the source's class)
-FORMS = {"qwen3_5": ("text_config", "model.language_model.", "Qwen3_5ForConditionalGeneration")}
+FORMS = {
+    "qwen3_5": ("text_config", "model.language_model.", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": ("text_config", "model.language_model.", "Qwen3_5MoeForConditionalGeneration"),
+}
 ASIDE = "hf_beside"
 
 
@@ -38,6 +41,12 @@ def text_part(config: dict, tensors: dict | None = None) -> tuple[dict, dict | N
             if k.startswith(prefix) or k == "lm_head.weight"}  # fmt: skip
     aside = {k: v for k, v in tensors.items() if not (k.startswith(prefix) or k == "lm_head.weight")}
     return text, ours, aside
+
+
+def layers_module(config: dict) -> str:
+    """Where a checkpoint's decoder layers sit: the module path a PEFT adapter of it names them by."""
+    form = FORMS.get(config.get("model_type"))
+    return (form[1] if form else "model.") + "layers"
 
 
 def described(config: dict, aside: dict) -> str:

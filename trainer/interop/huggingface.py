@@ -144,15 +144,16 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter
     setup, step, params = load_params(cfg, workdir, step)
     params = jax.device_get(params)
     tokenizer = hf_tokenizer(cfg.data)
+    source = beside.kept(workdir)
     if adapter:  # with the run's tokenizer: its chat template is the fine-tune's, not the base's
-        tensors = peft.to_peft(adapters.split(params)[0], arch)  # what can refuse, before anything is written
-        peft.write(tensors, lora, out_dir)  # its base is a run of ours, which peft cannot load (convert_hf.py says)
+        modules = beside.layers_module(read_config(source)) if source else peft.MODULES  # the base's export's
+        tensors = peft.to_peft(adapters.split(params)[0], arch, modules)  # what can refuse, before anything is written
+        peft.write(tensors, lora, arch, out_dir)  # on a run of ours, which peft cannot load (convert_hf.py says)
         tokenizer.save_pretrained(out_dir)
         return step
     if lora.rank:  # the model the adapters make, as plain weights (a QLoRA base as the run saw it, dequantised)
         params = jax.device_get(adapters.fold(quantised.dequantised(params), lora.alpha / lora.rank))
     tensors = to_hf_tensors(params, arch)
-    source = beside.kept(workdir)
     if source is not None:  # imported from a larger model: that model's form again, what was set aside put back
         config, tensors = beside.put_back(source, config, tensors)
     os.makedirs(out_dir, exist_ok=True)
@@ -203,14 +204,16 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = 
     if not lora.rank:
         raise ConfigError("import --adapter: set model.lora.rank, alpha and targets as the adapter was trained.")
     saved, tensors = peft.read(adapter_dir)
-    peft.check_config(saved, lora, adapter_dir, cfg.model.n_layers)
+    modules = beside.layers_module(read_config(hf_dir))
+    peft.check_config(saved, lora, adapter_dir, Architecture.from_config(cfg), modules)
     base_dir = os.path.join(workdir, "base")
     base_cfg = with_changes(cfg, {"model.lora.rank": 0, "checkpoint.init_from": ""})
     cfg = with_changes(cfg, {"checkpoint.init_from": f"{base_dir}@0"})
     base_state, aside = _imported_state(hf_dir, base_cfg, base_dir)
     _refuse_checkpoints(workdir)
     setup = build(cfg)
-    added = peft.from_peft(tensors, trained(setup.model.abstract_params, setup.model), setup.spec.arch, saved)
+    added = peft.from_peft(tensors, trained(setup.model.abstract_params, setup.model), setup.spec.arch, saved,
+                           modules)  # fmt: skip
     added = jax.device_put(added, trained(param_shardings(setup.model, setup.shard), setup.model))
     state = state_from_params(added, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.counters)
     _write(base_cfg, base_dir, base_state)

@@ -12,9 +12,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PREFIX = "lora_"
-WEIGHTS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
+# target -> (its projection's input axes, the weights its adapter's outputs fall on, side by side along its last
+# output axis: q's on the query and, with a gate, the gate; qkv's on a Gated DeltaNet layer's q, k and v)
+WEIGHTS = {"q": (1, ("wq", "wg")), "k": (1, ("wk",)), "v": (1, ("wv",)), "o": (2, ("wo",)), "gate": (1, ("w_gate",)),
+           "up": (1, ("w_up",)), "down": (1, ("w_down",)), "qkv": (1, ("wq", "wk", "wv")), "z": (1, ("wz",)),
+           "out": (2, ("wo",))}  # fmt: skip
 
 
 def split(tree: dict) -> tuple[dict, dict]:
@@ -70,10 +75,18 @@ def fold(tree: dict, scale: float) -> dict:
         if str(key).startswith(PREFIX):
             continue
         out[key] = fold(value, scale) if isinstance(value, dict) else value
-    for target, weight in WEIGHTS.items():
+    for target, (inputs, names) in WEIGHTS.items():
         adapter = tree.get(PREFIX + target)
-        if adapter is not None:
-            out[weight] = out[weight] + scale * delta(adapter["a"], adapter["b"], out[weight].shape)
+        if adapter is None:
+            continue
+        a, b = adapter["a"], adapter["b"]
+        lead = a.ndim - 1 - inputs
+        outputs = b.shape[lead + 1 :]
+        whole = delta(a, b, (*a.shape[:-1], *outputs))
+        names = [n for n in names if n in out]
+        widths = [math.prod(out[n].shape[lead + inputs :]) // math.prod(outputs[:-1]) for n in names]
+        for name, piece in zip(names, jnp.split(whole, np.cumsum(widths)[:-1].tolist(), axis=-1), strict=True):
+            out[name] = out[name] + scale * piece.reshape(out[name].shape)
     return out
 
 

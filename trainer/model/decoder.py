@@ -57,8 +57,8 @@ class Decoder(nnx.Module):
         # a hybrid's linear and full-attention layers.
         counts = collections.Counter(stack for stack, _ in a.stacks())
         for stack, count in counts.items():
-            moe = stack == "layers" and a.moe.num_experts > 0
-            setattr(self, stack, stacked_blocks(count, moe, stack == "local_layers", stack == "linear_layers"))
+            linear = stack == "linear_layers"
+            setattr(self, stack, stacked_blocks(count, a.moe_stack(stack), stack == "local_layers", linear))
         self.final_norm = RMSNorm(a.d_model, a.norm_eps, centred=a.centred_norms)
         if a.mtp.depth:
 
@@ -151,6 +151,8 @@ class Decoder(nnx.Module):
             keys = {stack: jax.random.split(jax.random.fold_in(dropout_key, i), n)
                     for i, (stack, n) in enumerate(counts.items())}  # fmt: skip
         x, outs = self._run(block, x, keys, remat=True)
+        if self.arch.layer_types and self.arch.moe.num_experts:  # a hybrid's experts: in both stacks
+            return x, self._in_order(outs)
         return x, outs.get("layers", {})  # the MoE layers' statistics ({} from dense blocks)
 
     def _tables(self, positions) -> dict:

@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from parallelism.rules import LogicalSharding
+from trainer.model import quantised
 from trainer.model.low_precision import einsum
-from trainer.model.primitives import RMSNorm, param
+from trainer.model.primitives import Adapter, RMSNorm, adapted, param, update
+from trainer.model.quantised import weight
 from trainer.model.spec import LinearAttention, ModelSpec
 
 CHUNK = 64
@@ -225,6 +228,16 @@ class GatedDeltaNet(nnx.Module):
         self.dt_bias = nnx.Param(jnp.ones((vh,), jnp.float32), sharding_names=("heads",), eager_sharding=False)
         self.norm = RMSNorm(dv, a.norm_eps, "head_dim")
         self.wo = param(rngs, (vh, dv, d), ("heads", "head_dim", "embed"), std / (2 * a.n_layers) ** 0.5)
+        # qkv's adapter is in_proj_qkv's: one A, and a B whose outputs are q's channels, k's, then v's (whole
+        # over tensor: they do not fall on head boundaries of one kind).
+        channels = 2 * kh * dk + vh * dv
+        for name, inputs, outputs in (("qkv", ((d,), ("embed",)), ((channels,), (None,))),
+                                      ("z", ((d,), ("embed",)), ((vh, dv), ("heads", "head_dim"))),
+                                      ("out", ((vh, dv), ("heads", "head_dim")), ((d,), ("embed",)))):  # fmt: skip
+            if a.lora.on(name):
+                setattr(self, f"lora_{name}", Adapter(rngs, a.lora, *inputs, *outputs, spec.execution.adapter_dropout))
+        for name in ("wq", "wk", "wv", "wz", "wb", "wa", "wo") if a.lora.quantised else ():
+            quantised.store(self, name, a.lora.quantised)
         self.execution, self.shard = spec.execution, shard
 
     def __call__(self, x, tables, segment_ids, cache=None, key=None):
@@ -233,10 +246,15 @@ class GatedDeltaNet(nnx.Module):
         goes on from them; padding (position -1) takes nothing in. Returns (output, updated cache)."""
         run, dt = self.execution, self.execution.compute_dtype
         b, t, _ = x.shape
-        parts = {n: einsum("btd,dnh->btnh", x, getattr(self, f"w{n}")[...].astype(dt), run, "attention")
-                 for n in "qkvz"}  # fmt: skip
-        beta = jax.nn.sigmoid(einsum("btd,dn->btn", x, self.wb[...].astype(dt), run, "attention").astype(jnp.float32))
-        a = einsum("btd,dn->btn", x, self.wa[...].astype(dt), run, "attention").astype(jnp.float32)
+        parts = {n: einsum("btd,dnh->btnh", x, weight(self, f"w{n}", dt), run, "attention") for n in "qkvz"}
+        added = update(self, "qkv", x, key)
+        if added is not None:
+            ends = np.cumsum([parts[n].shape[2] * parts[n].shape[3] for n in "qkv"])
+            for n, piece in zip("qkv", jnp.split(added, ends[:-1], axis=-1), strict=True):
+                parts[n] = parts[n] + piece.reshape(parts[n].shape)
+        parts["z"] = adapted(self, "z", parts["z"], x, key)
+        beta = jax.nn.sigmoid(einsum("btd,dn->btn", x, weight(self, "wb", dt), run, "attention").astype(jnp.float32))
+        a = einsum("btd,dn->btn", x, weight(self, "wa", dt), run, "attention").astype(jnp.float32)
         g = -jnp.exp(self.a_log[...]) * jax.nn.softplus(a + self.dt_bias[...])
         states, positions = (None, None, None, None), None
         if cache is not None:
@@ -262,5 +280,6 @@ class GatedDeltaNet(nnx.Module):
         if cache is not None:
             new_cache.append(state.astype(states[3].dtype))
         gated = self.norm(out) * jax.nn.silu(parts["z"].astype(jnp.float32))
-        projected = einsum("btnh,nhd->btd", gated.astype(dt), self.wo[...].astype(dt), run, "attention")
+        projected = einsum("btnh,nhd->btd", gated.astype(dt), weight(self, "wo", dt), run, "attention")
+        projected = adapted(self, "out", projected, gated.astype(dt), key)
         return projected, (tuple(new_cache) if cache is not None else None)

@@ -23,7 +23,7 @@ from trainer.model.delta import GatedDeltaNet
 from trainer.model.latent import LatentAttention
 from trainer.model.low_precision import einsum
 from trainer.model.moe import MoE
-from trainer.model.primitives import MLP, Adapter, RMSNorm, adapted, apply_rope, param
+from trainer.model.primitives import MLP, Adapter, RMSNorm, adapted, apply_rope, param, update
 from trainer.model.quantised import weight
 from trainer.model.spec import ModelSpec
 
@@ -42,13 +42,15 @@ class Attention(nnx.Module):
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), out_std)
         if a.attention_gate:  # Qwen3.5's: each head's output times sigmoid(x . wg), wg given beside wq
             self.wg = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), std)
-        for name, inputs, outputs in (("q", ((d,), ("embed",)), ((n, h), ("heads", "head_dim"))),
+        # With a gate, q's adapter is q_proj's: each head's query, then its gate (2h wide).
+        q_width = 2 * h if a.attention_gate else h
+        for name, inputs, outputs in (("q", ((d,), ("embed",)), ((n, q_width), ("heads", "head_dim"))),
                                       ("k", ((d,), ("embed",)), ((k, h), ("kv_heads", "head_dim"))),
                                       ("v", ((d,), ("embed",)), ((k, h), ("kv_heads", "head_dim"))),
                                       ("o", ((n, h), ("heads", "head_dim")), ((d,), ("embed",)))):  # fmt: skip
             if a.lora.on(name):
                 setattr(self, f"lora_{name}", Adapter(rngs, a.lora, *inputs, *outputs, spec.execution.adapter_dropout))
-        for name in ("wq", "wk", "wv", "wo") if a.lora.quantised else ():
+        for name in ("wq", "wk", "wv", "wo", "wg")[: 5 if a.attention_gate else 4] if a.lora.quantised else ():
             quantised.store(self, name, a.lora.quantised)
         if a.qk_norm:
             self.q_norm, self.k_norm = (RMSNorm(h, a.norm_eps, "head_dim", a.centred_norms) for _ in "qk")
@@ -66,7 +68,11 @@ class Attention(nnx.Module):
         dt = self.execution.compute_dtype
         tables = tables["local" if self.window else "global"]
         run = self.execution
-        q = adapted(self, "q", einsum("btd,dnh->btnh", x, weight(self, "wq", dt), run, "attention"), x, key)
+        q = einsum("btd,dnh->btnh", x, weight(self, "wq", dt), run, "attention")
+        q_added, gate_added = update(self, "q", x, key), None
+        if q_added is not None:
+            h = q.shape[-1]
+            q, gate_added = q + q_added[..., :h], q_added[..., h:]
         k = adapted(self, "k", einsum("btd,dkh->btkh", x, weight(self, "wk", dt), run, "attention"), x, key)
         v = adapted(self, "v", einsum("btd,dkh->btkh", x, weight(self, "wv", dt), run, "attention"), x, key)
         if hasattr(self, "q_norm"):
@@ -93,7 +99,8 @@ class Attention(nnx.Module):
             v_cache = write(v_cache, v.astype(v_cache.dtype), positions[:, 0])
             out, new_cache = cached_attention(q, k_cache, v_cache, positions, sinks), (k_cache, v_cache)
         if hasattr(self, "wg"):
-            gate = einsum("btd,dnh->btnh", x, self.wg[...].astype(dt), run, "attention")
+            gate = einsum("btd,dnh->btnh", x, weight(self, "wg", dt), run, "attention")
+            gate = gate if gate_added is None else gate + gate_added
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         projected = einsum("btnh,nhd->btd", out, weight(self, "wo", dt), self.execution, "attention")
         return adapted(self, "o", projected, out, key), new_cache

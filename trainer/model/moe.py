@@ -272,6 +272,8 @@ class MoE(nnx.Module):
         self.w_up = param(rngs, (e, d, f), ("expert", "embed", "mlp"), std)
         self.w_down = param(rngs, (e, f, d), ("expert", "mlp", "embed"), out_std)
         self.shared = MLP(spec, shard, rngs, width=m.shared_experts * f) if m.shared_experts else None
+        if m.shared_experts and m.shared_gate:
+            self.w_shared_gate = param(rngs, (d,), ("embed",), std)
         self.k, self.config, self.execution, self.shard = m.experts_per_token, m, spec.execution, shard
 
     def __call__(self, x, valid=None, key=None):
@@ -282,5 +284,9 @@ class MoE(nnx.Module):
         weights_in_dt = (w[...].astype(dt) for w in (self.w_gate, self.w_up, self.w_down))
         out, stats["dropped"] = experts(x, chosen, weights, *weights_in_dt, self.shard, run)
         if self.shared is not None:
-            out = out + self.shared(x, key)
+            shared = self.shared(x, key)
+            if hasattr(self, "w_shared_gate"):
+                gate = jnp.einsum("btd,d->bt", x, self.w_shared_gate[...].astype(dt)).astype(jnp.float32)
+                shared = shared * jax.nn.sigmoid(gate)[..., None].astype(shared.dtype)
+            out = out + shared
         return out.astype(x.dtype), stats

@@ -53,13 +53,19 @@ class Adapter(nnx.Module):
         return jnp.tensordot(down, self.b[...].astype(x.dtype), axes=1) * jnp.asarray(self.scale, x.dtype)
 
 
-def adapted(module: nnx.Module, target: str, y: jax.Array, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
-    """A projection's output `y` of `x`, plus its adapter's update where `target` has one (`key`: the layer's
+def update(module: nnx.Module, target: str, x: jax.Array, key: jax.Array | None = None) -> jax.Array | None:
+    """The adapter's update for `target`'s projection of `x`, None where it has none (`key`: the layer's
     dropout key, None outside training)."""
     adapter = getattr(module, f"lora_{target}", None)
     if adapter is None:
-        return y
-    return y + adapter(x, None if key is None else jax.random.fold_in(key, ADAPTER_TARGETS.index(target)))
+        return None
+    return adapter(x, None if key is None else jax.random.fold_in(key, ADAPTER_TARGETS.index(target)))
+
+
+def adapted(module: nnx.Module, target: str, y: jax.Array, x: jax.Array, key: jax.Array | None = None) -> jax.Array:
+    """A projection's output `y` of `x`, plus its adapter's update where `target` has one."""
+    added = update(module, target, x, key)
+    return y if added is None else y + added
 
 
 class RMSNorm(nnx.Module):

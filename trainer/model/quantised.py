@@ -1,10 +1,13 @@
 """A frozen base kept quantised (QLoRA; `model.lora.base`): int8 or nf4 weights that the adapters train beside.
 
 Qwix (Google's JAX quantisation library) does the arithmetic: `qwix.quantize` and `qwix.dequantize`. Each
-projection weight the adapter targets can name (attention's wq, wk, wv, wo; the gated MLP's w_gate, w_up,
-w_down, in dense layers and a mixture's shared experts) is stored as its quantised values under its own name
-with its scales beside it under `<name>_scale`, whatever model.lora.targets adapts, as QLoRA quantises every
-linear layer. Embeddings, the head, norms, routers, routed experts and latent attention keep their dtype.
+projection weight the adapter targets can name (attention's wq, wk, wv, wo and an output gate's wg; the gated
+MLP's w_gate, w_up, w_down, in dense layers and a mixture's shared experts; a Gated DeltaNet layer's wq, wk,
+wv, wz, wb, wa and wo, every nn.Linear of transformers' layer, as bitsandbytes would) is stored as its
+quantised values under its own name with its scales beside it under `<name>_scale`, whatever
+model.lora.targets adapts, as QLoRA quantises every linear layer. Embeddings, the head, norms, routers,
+routed experts, latent attention and a Gated DeltaNet layer's convolution and decay parameters keep their
+dtype.
 
 - int8: one scale per output channel, the absolute maximum over the weight's inputs (Qwix's symmetric int8,
   which maps it to 127.5 and clips to [-128, 127]).
@@ -34,7 +37,19 @@ SCALE = "_scale"
 BLOCK = 64
 # How many of a weight's axes are its inputs and, after them, its outputs; axes before both are stacked
 # layers'. The quantised weights are these.
-AXES = {"wq": (1, 2), "wk": (1, 2), "wv": (1, 2), "wo": (2, 1), "w_gate": (1, 1), "w_up": (1, 1), "w_down": (1, 1)}
+AXES = {
+    "wq": (1, 2),
+    "wk": (1, 2),
+    "wv": (1, 2),
+    "wo": (2, 1),
+    "w_gate": (1, 1),
+    "w_up": (1, 1),
+    "w_down": (1, 1),
+    "wg": (1, 2),
+    "wz": (1, 2),
+    "wb": (1, 1),
+    "wa": (1, 1),
+}  # wg: attention's gate; wz, wb, wa: delta.py's
 QTYPES = {"int8": jnp.int8, "nf4": "nf4"}
 
 

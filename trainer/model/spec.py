@@ -49,6 +49,7 @@ class Experts:
     num_experts: int = 0
     experts_per_token: int = 2
     shared_experts: int = 0
+    shared_gate: bool = False  # the shared experts' output times sigmoid(x . w_shared_gate) (Qwen3.5-MoE's)
     d_ff: int = 0
     dense_layers: int = 0
     every: int = 1
@@ -107,8 +108,10 @@ class MultiToken:
 @dataclasses.dataclass(frozen=True)
 class Adapters:
     """Low-rank adapters (LoRA, `model.lora.*`; trainer/model/primitives.py Adapter) beside the projections
-    `targets` names; rank 0: none. q, k, v, o: attention's query, key, value and output projections; gate, up,
-    down: the gated MLP's, in dense layers and a mixture's shared experts (routed experts take none)."""
+    `targets` names; rank 0: none. q, k, v, o: attention's query, key, value and output projections (q's
+    covers an output gate's projection too, as Qwen3.5's q_proj holds both); gate, up, down: the gated MLP's,
+    in dense layers and a mixture's shared experts (routed experts take none); qkv, z, out: a Gated DeltaNet
+    layer's (trainer/model/delta.py) q, k and v together (one A, as in_proj_qkv), its gate and its output."""
 
     rank: int = 0
     alpha: float = 16.0
@@ -180,6 +183,11 @@ class Architecture:
     def is_linear(self, layer: int) -> bool:
         """Whether `layer` (0-based) is a Gated DeltaNet layer."""
         return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    def moe_stack(self, stack: str) -> bool:
+        """Whether the blocks of `stack` have experts: a mixture's `layers`, and in a hybrid with experts (every
+        layer a mixture) both stacks."""
+        return bool(self.moe.num_experts) and stack in ("layers", "linear_layers")
 
     def stacks(self) -> list[tuple[str, int]]:
         """Where each layer's weights live, in the model's order: (stack, place in it). A stack holds like

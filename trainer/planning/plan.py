@@ -44,9 +44,9 @@ def moe_volumes(cfg, abstract_params: dict, mesh_shape: dict[str, int]) -> dict:
     m = cfg.model.moe
     if not m.num_experts:
         return {}
-    experts = abstract_params["layers"]["moe"]
+    stacks = [layers["moe"] for layers in abstract_params.values() if isinstance(layers, dict) and "moe" in layers]
     exchanged = m.capacity_factor if m.impl == "capacity" else mesh_shape.get("expert", 1)
-    return {"expert_params": sum(math.prod(experts[w].shape) for w in ("w_gate", "w_up", "w_down")),
+    return {"expert_params": sum(math.prod(e[w].shape) for e in stacks for w in ("w_gate", "w_up", "w_down")),
             "moe_layers": (cfg.model.n_layers - m.dense_layers) // m.every, "experts_per_token": m.experts_per_token,
             "exchanged": exchanged, "recomputed": cfg.model.remat != "none"}  # fmt: skip
 

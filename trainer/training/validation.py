@@ -336,12 +336,15 @@ LINEAR_SIZED_BY = {"heads": "model.linear.value_heads", "kv_heads": "model.linea
 
 def check_adapters(model) -> None:
     """Refuse model.lora.targets that name a projection this model has none of (a mixture without shared
-    experts has no gate, up or down outside its routed experts, which take none)."""
+    experts has no gate, up or down outside its routed experts, which take none; a model without Gated
+    DeltaNet layers no qkv, z or out). The default, every target, adapts whatever the model has."""
     lora = model.arch.lora
     if not lora.rank:
         return
     found = adapters.count(model.abstract_params)
-    missing = [t for t in lora.targets if t not in found]
+    missing = [t for t in lora.targets if t not in found] if tuple(lora.targets) != ADAPTER_TARGETS else []
+    if not found:
+        missing = list(lora.targets)
     if missing:
         raise ConfigError(f"model.lora.targets names {','.join(missing)}, which this model has none of; the "
                           f"projections it adapts: {','.join(t for t in ADAPTER_TARGETS if t in found) or 'none'} "

@@ -32,8 +32,7 @@ FAMILIES = (
 
 
 # Hybrids of linear and full attention that transformers has and no family here reads: named in the refusal.
-HYBRIDS_NOT_READ = {"kimi_linear": "Kimi Linear", "olmo_hybrid": "OLMo Hybrid", "qwen3_next": "Qwen3-Next",
-                    "qwen3_5_moe_text": "Qwen3.5-MoE", "qwen3_5_moe": "Qwen3.5-MoE"}  # fmt: skip
+HYBRIDS_NOT_READ = {"kimi_linear": "Kimi Linear", "olmo_hybrid": "OLMo Hybrid", "qwen3_next": "Qwen3-Next"}
 
 
 def classes() -> dict[str, str]:

@@ -291,7 +291,7 @@ def from_hf_tensors(t: dict[str, np.ndarray], spec: Architecture, layout: Layout
             attn.update({f"{q}_norm": {"scale": each(f"self_attn.{q}_norm.weight", lambda w: w + off)} for q in "qk"})
         layers = {"attn": attn, **{ours: {"scale": each(f"{theirs}.weight", lambda w: w + off)}
                                    for theirs, ours in layout.norms.items()}}  # fmt: skip
-        if stack == "layers" and spec.moe.num_experts:
+        if spec.moe_stack(stack):
             experts = range(spec.moe.num_experts)
             names = {i: [layout.expert_names(i, j) for j in experts] for i in numbers}
             layers["moe"] = {

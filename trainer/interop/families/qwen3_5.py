@@ -9,9 +9,16 @@ scales by the weight.
 A linear layer's q, k and v come from one projection, in_proj_qkv (q's rows, k's, then v's), and pass one
 depthwise convolution over the same channels in that order; ours keeps each apart, so that the tensor axis
 splits them by head.
+
+Qwen3.5-MoE (`Qwen3_5MoeForCausalLM`, qwen3_5_moe_text) is the same hybrid with a mixture in every layer:
+softmax-routed experts (their top-k weights renormalised, as ours are) in Qwen3-MoE's per-expert files, and a
+shared expert (shared_expert_intermediate_size wide: model.moe.shared_experts times moe.d_ff) whose output is
+gated per token by sigmoid(shared_expert_gate . x) (model.moe.shared_gate).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -19,7 +26,7 @@ from trainer.config.errors import ConfigError
 from trainer.interop.families import core
 from trainer.model.spec import Architecture
 
-CLASSES = {"qwen3_5_text": "Qwen3_5ForCausalLM"}
+CLASSES = {"qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 LINEAR = ("linear_attention", "full_attention")
 
 
@@ -77,26 +84,53 @@ def linear_from_hf(t: dict, numbers: list[int], spec: Architecture) -> dict:
             "wo": each("out_proj.weight", lambda w: w.T.reshape(lin.value_heads, lin.value_dim, d))}  # fmt: skip
 
 
+def shared_to_hf(moe: dict, n: int, prefix: str) -> dict:
+    """Layer `n`'s shared expert and its gate under Qwen3.5-MoE's names."""
+    out = {prefix + "mlp.shared_expert_gate.weight": moe["w_shared_gate"][n][None, :]}
+    for ours, theirs in core.MLP:
+        out[prefix + f"mlp.shared_expert.{theirs}.weight"] = moe["shared"][ours][n].T
+    return out
+
+
+def shared_from_hf(t: dict, numbers: list[int]) -> dict:
+    return {"w_shared_gate": np.stack([t[f"model.layers.{i}.mlp.shared_expert_gate.weight"][0] for i in numbers]),
+            "shared": {ours: np.stack([t[f"model.layers.{i}.mlp.shared_expert.{theirs}.weight"].T for i in numbers])
+                       for ours, theirs in core.MLP}}  # fmt: skip
+
+
 LAYOUT = core.Layout(norm_offset=1.0, attention_to_hf=gated_attention_to_hf, attention_from_hf=gated_attention_from_hf,
-                     linear_to_hf=linear_to_hf, linear_from_hf=linear_from_hf)  # fmt: skip
+                     linear_to_hf=linear_to_hf, linear_from_hf=linear_from_hf, moe_extras_to_hf=shared_to_hf,
+                     moe_extras_from_hf=shared_from_hf)  # fmt: skip
 
 
 def claims(spec: Architecture) -> str | None:
     hybrid = {"layer_types": bool(spec.layer_types), "attention_gate": spec.attention_gate}
     if not any(hybrid.values()):
         return None
-    missing = [k for k, v in {**hybrid, "qk_norm": spec.qk_norm}.items() if not v]
-    if missing or spec.moe.num_experts or not core.plain(spec):
-        why = f"lacks {', '.join(missing)}" if missing else "has experts" if spec.moe.num_experts else "has a window"
-        raise ConfigError(f"this model has Qwen3.5's details but {why}: Qwen3.5 is the only hybrid family here, so "
-                          "it has no Hugging Face form.")  # fmt: skip
-    return "qwen3_5_text"
+    m = spec.moe
+    needs = {"qk_norm": spec.qk_norm, **({"moe.shared_experts": m.shared_experts, "moe.shared_gate": m.shared_gate}
+                                         if m.num_experts else {})}  # fmt: skip
+    missing = [k for k, v in {**hybrid, **needs}.items() if not v]
+    if missing or not core.plain(spec):
+        why = f"lacks {', '.join(missing)}" if missing else "has a window"
+        raise ConfigError(f"this model has Qwen3.5's details but {why}: Qwen3.5 (and Qwen3.5-MoE, with a gated "
+                          "shared expert) is the only hybrid family here, so it has no Hugging Face form.")  # fmt: skip
+    return "qwen3_5_moe_text" if m.num_experts else "qwen3_5_text"
 
 
 def config(spec: Architecture, common: dict) -> dict:
     """Qwen3_5TextConfig's keys (it refuses others')."""
-    lin = spec.linear
-    return {**core.strict_common(spec, common, "Qwen3.5", ("hidden_act",)),
+    lin, m = spec.linear, spec.moe
+    strict = core.strict_common(spec, common, "Qwen3.5", ("hidden_act",))
+    experts = {}
+    if m.num_experts:  # every layer a mixture: no dense width
+        core.refuse_other_routers(dataclasses.replace(spec, moe=dataclasses.replace(m, shared_experts=0)),
+                                  CLASSES["qwen3_5_moe_text"])  # fmt: skip
+        del strict["intermediate_size"]
+        experts = {"num_experts": m.num_experts, "num_experts_per_tok": m.experts_per_token,
+                   "moe_intermediate_size": spec.expert_d_ff,
+                   "shared_expert_intermediate_size": m.shared_experts * spec.expert_d_ff}  # fmt: skip
+    return {**strict, **experts,
             "layer_types": list(spec.layer_types),
             "linear_conv_kernel_dim": lin.conv_kernel, "linear_key_head_dim": lin.key_dim,
             "linear_value_head_dim": lin.value_dim, "linear_num_key_heads": lin.key_heads,
@@ -106,6 +140,9 @@ def config(spec: Architecture, common: dict) -> dict:
 
 
 def model_keys(config: dict) -> dict:
+    moe = config.get("model_type") == "qwen3_5_moe_text"
+    if moe:  # every layer a mixture; our dense width, unused, is the experts'
+        config = {**config, "intermediate_size": config["moe_intermediate_size"]}
     rope = core.rope_of(config)
     layers = config["num_hidden_layers"]
     every = config.get("full_attention_interval", 4)
@@ -117,4 +154,11 @@ def model_keys(config: dict) -> dict:
                  "linear.value_heads": config["linear_num_value_heads"],
                  "linear.key_dim": config["linear_key_head_dim"], "linear.value_dim": config["linear_value_head_dim"],
                  "linear.conv_kernel": config["linear_conv_kernel_dim"]})  # fmt: skip
+    if moe:
+        width, shared = config["moe_intermediate_size"], config["shared_expert_intermediate_size"]
+        if shared % width:
+            raise ConfigError(f"this Qwen3.5-MoE's shared expert is {shared} wide, not a multiple of its "
+                              f"experts' {width}: model.moe.shared_experts counts experts of their width.")  # fmt: skip
+        keys.update(core.expert_keys(config, config["num_experts"], width, 0, 1))
+        keys.update({"moe.shared_experts": shared // width, "moe.shared_gate": True})
     return keys
