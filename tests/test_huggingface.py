@@ -483,6 +483,45 @@ def test_qwen3_5_moe_imports_from_transformers_decodes_as_it_does_and_exports_ba
         np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
 
 
+def test_qwen3_next_imports_decodes_as_transformers_does_and_exports_back_as_itself(tmp_path):
+    """Qwen3-Next: Qwen3.5-MoE's arithmetic with q, k, v, z and b, a in projections grouped by key head. Our
+    logits are transformers' (float64) to 1e-5 of their largest, greedy decoding theirs, and the export is
+    Qwen3-Next again (the import keeps its form), its tensors the saved ones exactly."""
+    from safetensors.numpy import load_file
+
+    torch.manual_seed(0)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    text = {k: v for k, v in QWEN3_5.items() if k != "rope_parameters"}
+    config = transformers.Qwen3NextConfig(**text, **moe, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                                           "partial_rotary_factor": 0.25})  # fmt: skip
+    model = qwen3_5(transformers.Qwen3NextForCausalLM, config)
+    model.set_experts_implementation("eager")  # its grouped kernel takes no float64
+    cfg = micro_config(
+        model={
+            **QWEN3_5_OURS,
+            "d_ff": 32,
+            "moe": dict(num_experts=4, experts_per_token=2, d_ff=32, shared_experts=1, shared_gate=True),
+        }
+    )
+    round_trip(model, cfg, tmp_path, prompt=12, new=10)
+    ours, exact = our_logits(cfg, str(tmp_path / "run")), float64_logits(model)
+    assert np.abs(ours - exact).max() <= 1e-5 * np.abs(exact).max()
+    with open(tmp_path / "out" / "config.json") as f:
+        assert json.load(f)["architectures"] == ["Qwen3NextForCausalLM"]
+    exported, saved = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("out", "hf"))
+    assert sorted(exported) == sorted(saved)
+    for name, tensor in saved.items():
+        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
+    # Adapters on q, k, v (one A) and z have no PEFT form on its fused in_proj_qkvz: one sentence before anything
+    # is read, nothing written.
+    lora = micro_config(model=cfg.model.to_dict(), checkpoint={"init_from": str(tmp_path / "run")})
+    lora.model.lora.update(rank=4, alpha=8.0)
+    with pytest.raises(ConfigError, match=r"adapters on qkv,z have no PEFT form on Qwen3-Next, .*in_proj_qkvz"):
+        export_checkpoint(lora, str(tmp_path / "run"), None, str(tmp_path / "adapter"), adapter=True)
+    assert not (tmp_path / "adapter").exists()
+
+
 def test_the_hubs_qwen3_5_imports_its_text_model_and_exports_back_whole(tmp_path):
     """The Hub's Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration: a vision tower beside the text
     model. One built small and random by transformers, saved and imported: the text model alone is read

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import REPO, micro_config
+from conftest import HYBRID, REPO, micro_config
 from test_context import packed_batch
 
 from parallelism.mesh import make_mesh
@@ -99,8 +99,10 @@ def test_the_layer_equals_every_expert_on_every_token_and_a_capacity_drops_the_l
     assert float(dropped) == pytest.approx((~kept).mean())
 
 
-def loss_grads(mesh: dict, batch: dict, params=None, impl="dropless", capacity_factor=1.25):
-    model = dict(n_layers=3, moe={**EXPERTS, "impl": impl, "capacity_factor": capacity_factor})
+def loss_grads(mesh: dict, batch: dict, params=None, impl="dropless", capacity_factor=1.25, model=None):
+    """(loss with both auxiliary losses, gradients, statistics, the compiled text, parameters) of a micro
+    model with EXPERTS (or `model`'s model.*) on `mesh`."""
+    model = model or dict(n_layers=3, moe={**EXPERTS, "impl": impl, "capacity_factor": capacity_factor})
     setup = build(micro_config(mesh={"fsdp": 1, "data": -1, **mesh}, model=model))
     params = setup.new_state().params if params is None else jax.device_put(params, setup.state_shardings.params)
 
@@ -136,6 +138,25 @@ def test_experts_split_over_the_expert_axis_equal_one_device():
     # random router's imbalance overfills some.
     _, _, dropped, _, _ = loss_grads({"expert": 4}, batch, params, "capacity", 1.0)
     assert 0 < float(np.max(dropped["dropped"])) < 0.5
+
+
+def test_a_hybrid_with_experts_in_every_layer_splits_over_the_expert_axis_as_one_device():
+    """Qwen3.5-MoE's shape: a Gated DeltaNet layer and a full-attention one, each with routed experts and a
+    shared expert behind its sigmoid gate. At expert 2 x fsdp 2 x tensor 2: the loss, every gradient and
+    each layer's load (in the model's layer order, both stacks) of one device, within fp32 rounding."""
+    model = {**HYBRID, "moe": dict(num_experts=4, experts_per_token=2, d_ff=32, shared_experts=1, shared_gate=True)}
+    batch = packed_batch()
+    loss, grads, stats, _, params = loss_grads({}, batch, model=model)
+    assert stats["load"].shape == (2, 4) and np.allclose(stats["load"].sum(axis=1), 1)
+    assert float(np.abs(grads["linear_layers"]["moe"]["w_shared_gate"]).max()) > 0
+    scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads))
+    other, other_grads, other_stats, hlo, _ = loss_grads({"expert": 2, "fsdp": 2, "tensor": 2}, batch, params,
+                                                         model=model)  # fmt: skip
+    assert other == pytest.approx(loss, rel=1e-6)
+    for a, b in zip(jax.tree.leaves(other_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5 * scale)
+    np.testing.assert_allclose(other_stats["load"], stats["load"], atol=1e-6)
+    assert " all-to-all" in hlo
 
 
 def test_a_run_with_experts_trains_resumes_onto_another_expert_axis_and_decodes(tmp_path):

@@ -3,7 +3,8 @@ a vision tower beside the text model): read by its text model, the rest set asid
 unchanged on export, so that the export is the same class as the source.
 
 An import keeps what it set aside in <workdir>/hf_beside: the source's config.json and the tensors that are
-not the text model's (model.safetensors). An export of that run, or of one started from it
+not the text model's (model.safetensors). A text model whose arithmetic is another family's too (Qwen3-Next's
+is Qwen3.5-MoE's) keeps its config there alone, so that its export is its own class again. An export of that run, or of one started from it
 (checkpoint.init_from, a LoRA run's base), writes the source's class again: the text model's tensors under the
 source's names and the kept tensors beside them, byte for byte.
 """
@@ -23,6 +24,9 @@ FORMS = {
     "qwen3_5_moe": ("text_config", "model.language_model.", "Qwen3_5MoeForConditionalGeneration"),
 }
 ASIDE = "hf_beside"
+# Text forms whose arithmetic another family's form also is (Qwen3-Next's is Qwen3.5-MoE's): an import keeps
+# the source's config, so that an export writes that form again.
+REMEMBERED = ("qwen3_next",)
 
 
 def text_part(config: dict, tensors: dict | None = None) -> tuple[dict, dict | None, dict]:
@@ -82,9 +86,24 @@ def kept(workdir: str) -> str | None:
     return None
 
 
+def worth_keeping(config: dict, aside: dict) -> bool:
+    """Whether an import of a checkpoint of `config` keeps anything: tensors set aside, or a form to write again."""
+    return bool(aside) or text_part(config)[0].get("model_type") in REMEMBERED
+
+
+def form(folder: str | None) -> str | None:
+    """The text form (model_type) an export of a run whose kept folder is `folder` writes, where its family has
+    several (REMEMBERED); None: the family's own."""
+    kind = text_part(read_config(folder))[0].get("model_type") if folder else None
+    return kind if kind in REMEMBERED else None
+
+
 def put_back(folder: str, text_config: dict, tensors: dict) -> tuple[dict, dict]:
-    """(the source's config.json with our text model's, every tensor under the source's names)."""
+    """(the source's config.json with our text model's, every tensor under the source's names); a text model's
+    own (a REMEMBERED form) as they are."""
     source = read_config(folder)
+    if source.get("model_type") not in FORMS:
+        return text_config, tensors
     key, prefix, _ = FORMS[source["model_type"]]
     config = {**source, key: {**source[key], **{k: v for k, v in text_config.items()
                                                 if k not in ("architectures", "model_type")}}}  # fmt: skip

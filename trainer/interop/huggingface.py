@@ -140,11 +140,16 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter
     lora, arch = cfg.model.lora, dataclasses.replace(Architecture.from_config(cfg), lora=Adapters())
     if adapter and not lora.rank:
         raise ConfigError("export --adapter: this run trains no adapters (model.lora.rank=0); export it whole.")
-    config = hf_config(arch, cfg.model.max_seq_len, special)  # before the restore
+    source = beside.kept(workdir)  # what an import set aside, or the form it came in
+    fused = [t for t in ("qkv", "z") if lora.rank and t in lora.targets and "linear_attention" in arch.layer_types]
+    if adapter and fused and beside.form(source) == "qwen3_next":
+        raise ConfigError(f"export --adapter: adapters on {','.join(fused)} have no PEFT form on Qwen3-Next, "
+                          "whose q, k, v and z come from one projection (in_proj_qkvz); export the merged model "
+                          "with --out, or train with model.lora.targets without qkv and z.")  # fmt: skip
+    config = hf_config(arch, cfg.model.max_seq_len, special, beside.form(source))  # before the restore
     setup, step, params = load_params(cfg, workdir, step)
     params = jax.device_get(params)
     tokenizer = hf_tokenizer(cfg.data)
-    source = beside.kept(workdir)
     if adapter:  # with the run's tokenizer: its chat template is the fine-tune's, not the base's
         modules = beside.layers_module(read_config(source)) if source else peft.MODULES  # the base's export's
         tensors = peft.to_peft(adapters.split(params)[0], arch, modules)  # what can refuse, before anything is written
@@ -153,7 +158,7 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter
         return step
     if lora.rank:  # the model the adapters make, as plain weights (a QLoRA base as the run saw it, dequantised)
         params = jax.device_get(adapters.fold(quantised.dequantised(params), lora.alpha / lora.rank))
-    tensors = to_hf_tensors(params, arch)
+    tensors = to_hf_tensors(params, arch, beside.form(source))
     if source is not None:  # imported from a larger model: that model's form again, what was set aside put back
         config, tensors = beside.put_back(source, config, tensors)
     os.makedirs(out_dir, exist_ok=True)
@@ -222,7 +227,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = 
 
 
 def _keep(hf_dir: str, workdir: str, aside: dict) -> str:
-    if aside:
+    if beside.worth_keeping(read_config(hf_dir), aside):
         beside.keep(workdir, read_config(hf_dir), aside)
     return beside.described(read_config(hf_dir), aside)
 
@@ -289,8 +294,8 @@ def _imported_state(hf_dir: str, cfg, workdir: str):
     _refuse_checkpoints(workdir)
     setup = build(cfg)
     interleaved = bool(read_config(hf_dir).get("rope_interleave"))  # DeepSeek's RoPE pairs
-    _, tensors, aside = beside.text_part(read_config(hf_dir), read_weights(hf_dir))
-    params = from_hf_tensors(tensors, setup.spec.arch, interleaved)
+    text, tensors, aside = beside.text_part(read_config(hf_dir), read_weights(hf_dir))
+    params = from_hf_tensors(tensors, setup.spec.arch, interleaved, text.get("model_type"))
     if setup.spec.arch.mtp.depth:  # no family here holds multi-token prediction modules: they start fresh
         params["mtp"] = jax.device_get(setup.new_state().params["mtp"])
     expected = jax.tree.map(lambda a: a.shape, setup.model.abstract_params)

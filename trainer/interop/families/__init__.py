@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from trainer.config.errors import ConfigError
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID
-from trainer.interop.families import core, deepseek_v3, gemma3, llama, mistral, mixtral, qwen3, qwen3_5
+from trainer.interop.families import core, deepseek_v3, gemma3, llama, mistral, mixtral, qwen3, qwen3_5, qwen3_next
 from trainer.model.spec import Architecture
 
 FAMILIES = (
     qwen3_5,  # linear-attention layers beside gated full attention
+    qwen3_next,  # Qwen3.5-MoE's arithmetic in another layout: claims nothing, written for runs imported from it
     deepseek_v3,  # latent attention
     gemma3,  # Gemma's norms, GeGLU, scaled embeddings; local and global layers
     mistral,  # a window on every layer
@@ -32,7 +33,7 @@ FAMILIES = (
 
 
 # Hybrids of linear and full attention that transformers has and no family here reads: named in the refusal.
-HYBRIDS_NOT_READ = {"kimi_linear": "Kimi Linear", "olmo_hybrid": "OLMo Hybrid", "qwen3_next": "Qwen3-Next"}
+HYBRIDS_NOT_READ = {"kimi_linear": "Kimi Linear", "olmo_hybrid": "OLMo Hybrid"}
 
 
 def classes() -> dict[str, str]:
@@ -40,8 +41,14 @@ def classes() -> dict[str, str]:
     return {kind: name for family in reversed(FAMILIES) for kind, name in family.CLASSES.items()}
 
 
-def family_of(spec: Architecture):
-    """(the family's module, the model_type) of this architecture; refuses one no family has."""
+def family_of(spec: Architecture, kind: str | None = None):
+    """(the family's module, the model_type) of this architecture; refuses one no family has. `kind`: a form
+    the run was imported from (beside.form), which is written again where the architecture's family is that
+    form's (Qwen3-Next's arithmetic is Qwen3.5-MoE's)."""
+    if kind is not None:
+        for family in FAMILIES:
+            if kind in family.CLASSES:
+                return family, kind
     if spec.attention_sinks:
         raise ConfigError("model.attention_sinks: none of the Hugging Face families here (gpt-oss's is not among "
                           "them) has attention sinks, so this model has no Hugging Face form.")  # fmt: skip
@@ -52,9 +59,11 @@ def family_of(spec: Architecture):
     core.refuse_unclaimed(spec)
 
 
-def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int] = (BOS_ID, EOS_ID, PAD_ID)) -> dict:
-    """The config.json of this architecture's family; `special`: the tokenizer's (begin, end, padding) ids."""
-    family, kind = family_of(spec)
+def hf_config(spec: Architecture, max_seq_len: int, special: tuple[int, int, int] = (BOS_ID, EOS_ID, PAD_ID),
+              kind: str | None = None) -> dict:  # fmt: skip
+    """The config.json of this architecture's family (of form `kind`, family_of); `special`: the tokenizer's
+    (begin, end, padding) ids."""
+    family, kind = family_of(spec, kind)
     return family.config(spec, core.common_config(spec, max_seq_len, kind, family.CLASSES[kind], special))
 
 
@@ -71,12 +80,13 @@ def model_keys_from_hf(config: dict) -> dict:
     )
 
 
-def to_hf_tensors(params: dict, spec: Architecture) -> dict:
-    family, kind = family_of(spec)
+def to_hf_tensors(params: dict, spec: Architecture, kind: str | None = None) -> dict:
+    family, kind = family_of(spec, kind)
     return core.to_hf_tensors(params, spec, family.LAYOUT, family.CLASSES[kind])
 
 
-def from_hf_tensors(tensors: dict, spec: Architecture, interleaved: bool = False) -> dict:
-    """Our parameters from a family's tensors; `interleaved`: DeepSeek's RoPE rows in interleaved pairs."""
-    family, _ = family_of(spec)
+def from_hf_tensors(tensors: dict, spec: Architecture, interleaved: bool = False, kind: str | None = None) -> dict:
+    """Our parameters from a family's tensors (of form `kind`); `interleaved`: DeepSeek's RoPE rows in
+    interleaved pairs."""
+    family, _ = family_of(spec, kind)
     return core.from_hf_tensors(tensors, spec, family.LAYOUT, interleaved)
