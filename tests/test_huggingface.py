@@ -522,31 +522,39 @@ def test_qwen3_next_imports_decodes_as_transformers_does_and_exports_back_as_its
     assert not (tmp_path / "adapter").exists()
 
 
-def test_the_hubs_qwen3_5_imports_its_text_model_and_exports_back_whole(tmp_path):
-    """The Hub's Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration: a vision tower beside the text
-    model. One built small and random by transformers, saved and imported: the text model alone is read
-    (the import says what it set aside), our logits are the model's on text (in float64) to 1e-5 of their
-    largest, and the
-    export is the same class, every tensor the saved one's (the vision tower's untouched), loading back with
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_the_hubs_qwen3_5_imports_its_text_model_and_exports_back_whole(tmp_path, moe):
+    """The Hub's Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration (Qwen3.5-MoE's
+    Qwen3_5MoeForConditionalGeneration): a vision tower beside the text model. One built small and random by
+    transformers, saved and imported: the text model alone is read (the import says what it set aside), our
+    logits are the model's on text (in float64) to 1e-5 of their largest, and the export is the same class, every tensor the saved one's (the vision tower's untouched), loading back with
     the same logits."""
     from safetensors.numpy import load_file
 
     torch.manual_seed(0)
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
                   num_position_embeddings=16)  # fmt: skip
-    config = transformers.Qwen3_5Config(text_config=QWEN3_5, vision_config=vision)
-    model = qwen3_5(transformers.Qwen3_5ForConditionalGeneration, config)
+    text, ours, kind = QWEN3_5, QWEN3_5_OURS, "Qwen3_5"
+    if moe:  # Qwen3.5-MoE's Hub form: the same, with experts and a gated shared expert in every layer
+        text = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}, "num_experts": 4,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+        ours, kind = {**ours, "d_ff": 32, "moe": dict(num_experts=4, experts_per_token=2, d_ff=32, shared_experts=1,
+                                                      shared_gate=True)}, "Qwen3_5Moe"  # fmt: skip
+    cls = getattr(transformers, f"{kind}ForConditionalGeneration")
+    model = qwen3_5(cls, getattr(transformers, f"{kind}Config")(text_config=text, vision_config=vision))
+    if moe:
+        model.set_experts_implementation("eager")  # its grouped kernel takes no float64
     model.save_pretrained(str(tmp_path / "hub"))
-    cfg, workdir = micro_config(model=QWEN3_5_OURS), str(tmp_path / "run")
+    cfg, workdir = micro_config(model=ours), str(tmp_path / "run")
     said = import_checkpoint(str(tmp_path / "hub"), cfg, workdir)
-    pattern = (r"Qwen3_5ForConditionalGeneration: its text model imported; the rest \(\d+ tensors, [\d,]+ "
+    pattern = (rf"{kind}ForConditionalGeneration: its text model imported; the rest \(\d+ tensors, [\d,]+ "
                r"parameters: its vision tower\) set aside and put back on export")  # fmt: skip
     assert re.fullmatch(pattern, said), said
     ours, theirs, exact = our_logits(cfg, workdir), hf_logits(model), float64_logits(model)
     assert np.abs(ours - exact).max() <= 1e-5 * np.abs(exact).max()
     assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
     with open(tmp_path / "out" / "config.json") as f:
-        assert json.load(f)["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+        assert json.load(f)["architectures"] == [f"{kind}ForConditionalGeneration"]
     saved = {}
     for name in os.listdir(tmp_path / "hub"):
         if name.endswith(".safetensors"):
@@ -555,7 +563,7 @@ def test_the_hubs_qwen3_5_imports_its_text_model_and_exports_back_whole(tmp_path
     assert sorted(exported) == sorted(saved)
     for name, tensor in saved.items():
         np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
-    back = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
+    back = cls.from_pretrained(str(tmp_path / "out"), dtype=torch.float32)
     np.testing.assert_allclose(hf_logits(back), theirs, rtol=1e-5, atol=1e-5)
 
 

@@ -4,9 +4,9 @@ unchanged on export, so that the export is the same class as the source.
 
 An import keeps what it set aside in <workdir>/hf_beside: the source's config.json and the tensors that are
 not the text model's (model.safetensors). A text model whose arithmetic is another family's too (Qwen3-Next's
-is Qwen3.5-MoE's) keeps its config there alone, so that its export is its own class again. An export of that run, or of one started from it
-(checkpoint.init_from, a LoRA run's base), writes the source's class again: the text model's tensors under the
-source's names and the kept tensors beside them, byte for byte.
+is Qwen3.5-MoE's) keeps its config there alone, so that its export is its own class again. An export of that
+run, or of one started from it (checkpoint.init_from, a LoRA run's base), writes the source's class again:
+the text model's tensors under the source's names and the kept tensors beside them, byte for byte.
 """
 
 from __future__ import annotations
