@@ -527,8 +527,8 @@ def test_the_hubs_qwen3_5_imports_its_text_model_and_exports_back_whole(tmp_path
     """The Hub's Qwen3.5 checkpoints are Qwen3_5ForConditionalGeneration (Qwen3.5-MoE's
     Qwen3_5MoeForConditionalGeneration): a vision tower beside the text model. One built small and random by
     transformers, saved and imported: the text model alone is read (the import says what it set aside), our
-    logits are the model's on text (in float64) to 1e-5 of their largest, and the export is the same class, every tensor the saved one's (the vision tower's untouched), loading back with
-    the same logits."""
+    logits are the model's on text (in float64) to 1e-5 of their largest, and the export is the same class,
+    every tensor the saved one's (the vision tower's untouched), loading back with the same logits."""
     from safetensors.numpy import load_file
 
     torch.manual_seed(0)
@@ -536,8 +536,13 @@ def test_the_hubs_qwen3_5_imports_its_text_model_and_exports_back_whole(tmp_path
                   num_position_embeddings=16)  # fmt: skip
     text, ours, kind = QWEN3_5, QWEN3_5_OURS, "Qwen3_5"
     if moe:  # Qwen3.5-MoE's Hub form: the same, with experts and a gated shared expert in every layer
-        text = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}, "num_experts": 4,
-                "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}
+        text = {
+            **{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"},
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        }
         ours, kind = {**ours, "d_ff": 32, "moe": dict(num_experts=4, experts_per_token=2, d_ff=32, shared_experts=1,
                                                       shared_gate=True)}, "Qwen3_5Moe"  # fmt: skip
     cls = getattr(transformers, f"{kind}ForConditionalGeneration")
