@@ -36,6 +36,7 @@ FORMATS = ("text", "chat", "preference", "prompts")  # data.format (trainer/data
 LOSS_ON = ("all", "assistant", "last_turn")  # data.loss_on
 DPO_LOSSES = ("sigmoid", "ipo")
 RL_LOSSES = ("grpo", "dr_grpo")  # rl.loss (trainer/objectives/grpo.py)
+DISTILL_MODES = ("online", "offline")  # distill.mode (trainer/objectives/distill.py)
 RL_KEYS = ("reward", "reward_weights", "format_regex", "group_size", "max_new_tokens", "temperature", "top_p",
            "epsilon", "updates_per_batch", "beta", "loss")  # fmt: skip
 # model.lora.targets (trainer/model/spec.py Adapters); new ones go last: a target's place seeds its dropout
@@ -271,6 +272,19 @@ def _declared() -> dict[str, dict]:
         beta=Num(0.0, "[0, inf)"),  # the KL penalty to checkpoint.init_from's weights (k3); 0 holds no reference
         loss="grpo",  # one of RL_LOSSES
     )
+    # Knowledge distillation (trainer/objectives/distill.py): the student learns from a teacher's next-token
+    # distributions beside the data. teacher: a run's workdir or convert_hf.py import's output, DIR[@STEP]
+    # ("" = no distillation); the objective is (1 - alpha) x the data's cross-entropy + alpha x the divergence.
+    c.distill = dict(
+        teacher="",
+        mode="online",  # one of DISTILL_MODES: the teacher in the step, or its top_k logits stored beforehand
+        temperature=Num(1.0, "(0, inf)"),  # divides both models' logits before their softmax, as TRL's GKD
+        alpha=Num(0.5, "[0, 1]"),  # the divergence's weight against the data's cross-entropy
+        beta=Num(0.5, "[0, 1]"),  # 0: forward KL(teacher | student), 1: reverse KL, between: GKD's generalized JSD
+        top_k=Num(64, "[1, inf)"),  # offline: the teacher logits stored per token (scripts/teacher_logits.py)
+        logits_dir="",  # offline: where scripts/teacher_logits.py wrote them; "" = beside the prepared corpus
+        on_policy=Num(0.0, "[0, 1]"),  # the share of batches made of the student's own samples (GKD's lmbda)
+    )
     c.precision = dict(
         param_dtype="float32",
         compute_dtype="bfloat16",
@@ -410,6 +424,8 @@ READ_ONLY_UNDER = {
     "dpo.label_smoothing": ("dpo.loss", ("sigmoid",)),
     **{f"rl.{k}": ("data.format", ("prompts",)) for k in RL_KEYS},
     "model.moe.grouped_matmul": ("model.moe.impl", ("dropless",)),
+    "distill.top_k": ("distill.mode", ("offline",)),
+    "distill.logits_dir": ("distill.mode", ("offline",)),
 }
 # Keys read only when another is not 0 (named first, and alone, when it is): the experts' own with experts.
 READ_ONLY_WITH = {f"model.moe.{k}": "model.moe.num_experts"
@@ -420,7 +436,9 @@ READ_ONLY_WITH |= {f"model.{k}": "model.sliding_window" for k in ("global_every"
 READ_ONLY_WITH |= {f"model.moe.{k}": "model.moe.num_experts" for k in ("router", "routed_scale", "groups",
                                                                       "groups_per_token")}  # fmt: skip
 READ_ONLY_WITH |= {f"model.mla.{k}": "model.mla.kv_rank" for k in ("q_rank", "nope_dim", "rope_dim", "v_dim")}
-READ_ONLY_WITH |= {"model.mtp.weight": "model.mtp.depth"}
+READ_ONLY_WITH |= {"model.mtp.weight": "model.mtp.depth", "model.moe.shared_gate": "model.moe.num_experts"}
+READ_ONLY_WITH |= {f"distill.{k}": "distill.teacher" for k in ("mode", "temperature", "alpha", "beta", "top_k",
+                                                               "logits_dir", "on_policy")}  # fmt: skip
 
 # Keys that were renamed: refused with their new name, and read from an older run's config.json.
 RENAMED = {"train.microbatches": "train.pipeline_microbatches"}

@@ -36,6 +36,13 @@ def _record(workdir: str) -> dict | None:
     return json.loads(file.read_text()) if file.exists() else None
 
 
+def recorded_digest(workdir: str) -> str | None:
+    """The sha256 of the tokenizer file a run keeps (None where it keeps none: the byte tokenizer, or a run
+    from before copies were kept)."""
+    record = _record(workdir)
+    return None if record is None else record["sha256"]
+
+
 def _with_path(cfg, location: str):
     out = cfg.copy_and_resolve_references()
     out.data.tokenizer_path = location

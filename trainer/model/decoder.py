@@ -109,6 +109,14 @@ class Decoder(nnx.Module):
         out = chunked_target_logprobs(logits, features, targets, self.execution.loss_chunk, entropy)
         return (out if order is None else jax.tree.map(lambda o: o[:, np.argsort(order)], out)), stats
 
+    def trained_features(self, tokens, positions, segment_ids, dropout_key=None):
+        """(the final-normed residual stream in the sequence's order, the MoE layers' statistics): for an
+        objective with a head of its own over the features (distillation's, trainer/objectives/distill.py).
+        `dropout_key`: as loss_sums'."""
+        order = self._order(tokens.shape[1])
+        x, stats, _ = self._through_layers(tokens, positions, segment_ids, dropout_key)
+        return (x if order is None else x[:, np.argsort(order)]), stats
+
     def features(self, tokens, positions, segment_ids) -> jax.Array:
         """The final-normed residual stream (batch, seq, d_model), through the layers as the execution says."""
         order = self._order(tokens.shape[1])

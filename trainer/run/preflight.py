@@ -17,7 +17,7 @@ from trainer.interop import harness
 from trainer.storage import local_tier
 from trainer.storage import workdir as wd
 from trainer.storage.metrics import check_fresh_start
-from trainer.training import resume
+from trainer.training import resume, teacher
 from trainer.training.setup import Setup, build
 from trainer.training.validation import unread_settings
 
@@ -30,6 +30,7 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
     the batch (DPO's reference weights; its config then pins init_from to DIR@STEP), and the run's identity
     (written to the workdir with its config, once a checkpoint is accepted: trainer/run/loop.py).
     """
+    cfg = teacher.pinned(cfg, workdir)  # a resumed run learns from the teacher it started with
     setup = build(cfg)
     primary = jax.process_index() == 0
     say = print if primary else _quiet
@@ -64,6 +65,11 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
     if setup.preference or setup.adapted or rl_reference:  # the reference, or the frozen base: pinned at the start
         reference, pinned = resume.load_reference(cfg, setup, workdir, init)
         inputs, cfg = (reference,), with_changes(cfg, {"checkpoint.init_from": pinned})
+    if cfg.distill.teacher:  # pinned as DIR@STEP; an online teacher's weights are the step's last input
+        taught = teacher.teacher_config(cfg)
+        cfg = with_changes(cfg, {"distill.teacher": taught.checkpoint.init_from})
+        if setup.teacher is not None:
+            inputs += (resume.load_init_params(taught, setup.teacher)[0],)
     # The run's identity: its workdir's, or a new one (a new run, or its workdir deleted and made again),
     # which no local checkpoint of an earlier run carries; the same on every process (process 0's).
     run = first_process_says(bytes.fromhex(wd.run_id(workdir) or uuid.uuid4().hex)).hex()

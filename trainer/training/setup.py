@@ -35,6 +35,7 @@ from trainer.training.state import (
     trained,
 )
 from trainer.training.step import BATCH_NAMES, abstract_batch, batch_keys, jit_train_step, make_train_step
+from trainer.training.teacher import teacher_config
 from trainer.training.validation import check_adapters, check_mesh_fit, check_weights_fit, validate
 
 
@@ -49,6 +50,7 @@ class Setup:
     state_shardings: TrainState
     batch_sharding: NamedSharding
     counters: dict  # a fresh state's clock, loss scale and stability entries (trainer/training/state.py)
+    teacher: Setup | None = None  # distillation's online teacher on the same mesh (trainer/training/teacher.py)
 
     @functools.cached_property
     def inference_model(self) -> ModelDef:
@@ -66,10 +68,10 @@ class Setup:
         """The jitted step over `microbatches` (default train.grad_accum_steps) microbatches; it takes the
         state, the batch and `step_inputs()`."""
         k = microbatches or self.cfg.train.grad_accum_steps
-        inputs = self.step_inputs()
-        reference = jax.tree.map(lambda a: a.sharding, inputs[0]) if inputs else None
-        return jit_train_step(make_train_step(self.model, self.tx, self.shard, self.cfg, k), self.state_shardings,
-                              self.shard, batch_keys(self.cfg), reference)  # fmt: skip
+        inputs = tuple(jax.tree.map(lambda a: a.sharding, x) for x in self.step_inputs())
+        teacher = self.teacher.inference_model if self.teacher is not None else None
+        step = make_train_step(self.model, self.tx, self.shard, self.cfg, k, teacher)
+        return jit_train_step(step, self.state_shardings, self.shard, batch_keys(self.cfg), inputs)
 
     @property
     def preference(self) -> bool:
@@ -83,10 +85,11 @@ class Setup:
     def step_inputs(self) -> tuple:
         """The train step's inputs after the batch, as shapes and shardings: the frozen base under
         model.lora (DPO's reference too: the base with the adapters switched off), DPO's reference
-        parameters, or none."""
+        parameters, or none; then an online teacher's parameters, where the run distils from one."""
+        teacher = (self.teacher.abstract_params(),) if self.teacher is not None else ()
         if self.adapted:
-            return (frozen(self.abstract_params(), self.model),)
-        return (self.abstract_params(),) if self.preference else ()
+            return (frozen(self.abstract_params(), self.model), *teacher)
+        return ((self.abstract_params(),) if self.preference else ()) + teacher
 
     def describe(self, flops_per_token: float) -> list[str]:
         """The model's lines in a run's start-up log: its size, cost and mesh; under model.lora what trains
@@ -159,4 +162,6 @@ def build(cfg, devices: list[jax.Device] | None = None) -> Setup:
     tx = make_optimizer(cfg, trained(model.logical_names, model))
     counters = initial_counters(cfg)
     shardings = state_shardings(model, tx, shard, counters)
-    return Setup(cfg, mesh, shard, spec, model, tx, shardings, shard.named(BATCH_NAMES), counters)
+    taught = teacher_config(cfg) if cfg.distill.mode == "online" else None
+    teacher = build(taught, list(mesh.devices.flat)) if taught is not None else None
+    return Setup(cfg, mesh, shard, spec, model, tx, shardings, shard.named(BATCH_NAMES), counters, teacher)

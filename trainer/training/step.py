@@ -34,7 +34,7 @@ from parallelism.rules import LogicalSharding
 from trainer.model import adapters
 from trainer.model.decoder import ModelDef
 from trainer.model.moe import empty_statistics
-from trainer.objectives import dpo, grpo
+from trainer.objectives import distill, dpo, grpo
 from trainer.optim.optimizer import applied_learning_rate, with_hyperparams
 from trainer.optim.schedules import make_schedule
 from trainer.training import clock, stability
@@ -67,13 +67,19 @@ def _sums(model: ModelDef, params, batch, z_loss: float, moe=None, mtp_weight: f
         params, batch["tokens"], batch["positions"], batch["segment_ids"], batch.get("loss_mask"), key,
         method="loss_sums",
     )  # fmt: skip
-    objective = ce + z_loss * log_z_sq
+    objective = ce
     if "mtp" in stats and mtp_weight:
         objective = objective + mtp_weight / stats["mtp"]["ce"].shape[0] * jnp.sum(stats["mtp"]["ce"])
+    return _regularised(objective, log_z_sq, stats, batch, z_loss, moe), (ce, count, largest, stats, {})
+
+
+def _regularised(objective, log_z_sq, stats: dict, batch: dict, z_loss: float, moe):
+    """An objective's sum with the z-loss and the MoE layers' auxiliary losses added (see _sums)."""
+    objective = objective + z_loss * log_z_sq
     if stats.get("load") is not None and moe is not None:
         aux = moe.aux_loss * jnp.sum(stats["balance_loss"]) + moe.z_loss * jnp.sum(stats["router_z"])
         objective = objective + batch["tokens"].size * aux
-    return objective, (ce, count, largest, stats, {})
+    return objective
 
 
 def split_microbatches(batch: dict, k: int, shard: LogicalSharding) -> dict:
@@ -129,11 +135,18 @@ def _balance_router(params: dict, load: jax.Array, rate: float) -> dict:
 
 
 def make_train_step(
-    model: ModelDef, tx: optax.GradientTransformation, shard: LogicalSharding, cfg, microbatches: int
+    model: ModelDef,
+    tx: optax.GradientTransformation,
+    shard: LogicalSharding,
+    cfg,
+    microbatches: int,
+    teacher: ModelDef | None = None,
 ) -> Callable[..., tuple[TrainState, dict]]:
     """(state, batch, *inputs) -> (state, metrics). The inputs: under model.lora the frozen base, which the
     state's adapters join (DPO's reference is then the base with the adapters switched off); under DPO
-    (data.format=preference) without adapters its reference parameters; else none."""
+    (data.format=preference) without adapters its reference parameters; then, distilling online, the
+    parameters `teacher` applies (trainer/objectives/distill.py: its loss is then the objective's mean, its
+    cross-entropy and divergence logged apart)."""
     k = microbatches
     scaling = LossScaling.from_config(cfg)
     schedule = make_schedule(cfg.optim, cfg.train.steps)
@@ -149,10 +162,15 @@ def make_train_step(
     rl = cfg.data.format == "prompts"
     no_extra = {f"dpo/{m}": 0.0 for m in dpo.METRICS} if preference else {}
     no_extra = {f"rl/{m}": 0.0 for m in grpo.METRICS} if rl else no_extra
+    distilling = bool(cfg.distill.teacher)
+    no_extra = {f"distill/{m}": 0.0 for m in distill.METRICS} if distilling else no_extra
     adapted = bool(model.arch.lora.rank)
     dropout = adapted and cfg.model.lora.dropout > 0
 
     def scaled(params, batch, factor, inputs, key):
+        teacher_params = None
+        if teacher is not None:
+            inputs, teacher_params = inputs[:-1], inputs[-1]
         if adapted:  # the gradient is of the adapters alone: the base is an input, not a variable
             base = inputs[0]
             params, reference = adapters.join(params, base), adapters.join(adapters.switched_off(params), base)
@@ -164,6 +182,11 @@ def make_train_step(
         elif rl:  # the reference's log-probabilities came with the batch
             objective, aux = grpo.sums(model, params, batch, cfg.rl, key)
             aux = (*aux[:4], {f"rl/{m}": v for m, v in aux[4].items()})
+        elif distilling:
+            objective, (count, log_z_sq, largest, stats, sums) = distill.sums(
+                model, params, teacher, teacher_params, batch, cfg.distill, cfg.model.loss_chunk, key)  # fmt: skip
+            aux = (objective, count, largest, stats, {f"distill/{m}": v for m, v in sums.items()})
+            objective = _regularised(objective, log_z_sq, stats, batch, z_loss, moe)
         else:
             objective, aux = _sums(model, params, batch, z_loss, moe, mtp_weight, key)
         return objective * factor, aux
@@ -273,13 +296,14 @@ def make_eval_step(model: ModelDef, shard: LogicalSharding, microbatches: int) -
     return eval_step
 
 
-def jit_train_step(step_fn, state_shardings: TrainState, shard: LogicalSharding, keys=BATCH_KEYS, reference=None):
-    """Explicit in/out shardings; the old state is donated so its buffers are reused. `reference`: DPO's
-    reference parameters' shardings (a third argument, never donated)."""
+def jit_train_step(step_fn, state_shardings: TrainState, shard: LogicalSharding, keys=BATCH_KEYS, inputs=()):
+    """Explicit in/out shardings; the old state is donated so its buffers are reused. `inputs`: the shardings
+    of the step's inputs after the batch (Setup.step_inputs: a frozen base, DPO's reference, a teacher; never
+    donated)."""
     batch = {k: shard.named(BATCH_NAMES) for k in keys}
     return jax.jit(
         step_fn,
-        in_shardings=(state_shardings, batch) + ((reference,) if reference is not None else ()),
+        in_shardings=(state_shardings, batch, *inputs),
         out_shardings=(state_shardings, shard.replicated()),
         donate_argnums=0,
     )

@@ -21,6 +21,7 @@ from trainer.config import (
     ADAPTER_TARGETS,
     ATTENTION_IMPLS,
     CONTEXT_ATTENTION,
+    DISTILL_MODES,
     DPO_LOSSES,
     DTYPES,
     FORMATS,
@@ -93,6 +94,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     _choice("data.loss_on", d.loss_on, LOSS_ON)
     _choice("dpo.loss", cfg.dpo.loss, DPO_LOSSES)
     _check_post_training(cfg)
+    _check_distill(cfg)
     if d.source in ("megatron", "dolma") and not d.paths:
         what = "the datasets' prefixes (without .bin or .idx)" if d.source == "megatron" else "globs of its .npy files"
         raise ConfigError(f"data.source={d.source} reads token files where they are: give data.paths, {what}.")
@@ -246,6 +248,30 @@ def _check_post_training(cfg) -> None:
         )
     if d.format == "preference" and cfg.mesh.stage > 1:
         raise ConfigError("DPO runs without pipeline stages: set mesh.stage=1.")
+
+
+def _check_distill(cfg) -> None:
+    """What distillation (distill.teacher, trainer/objectives/distill.py) runs with; the teacher itself is
+    checked where it is read (trainer/training/teacher.py)."""
+    d = cfg.distill
+    if not d.teacher:
+        return
+    _choice("distill.mode", d.mode, DISTILL_MODES)
+    objective = {"preference": "DPO", "prompts": "GRPO"}.get(cfg.data.format)
+    others = [(objective, f"data.format={cfg.data.format} ({objective}'s own objective)"),
+              (cfg.mesh.stage > 1, f"mesh.stage={cfg.mesh.stage} (pipeline stages)"),
+              (cfg.mesh.context != 1, f"mesh.context={cfg.mesh.context}"),
+              (cfg.model.mtp.depth, f"model.mtp.depth={cfg.model.mtp.depth} (multi-token prediction)")]  # fmt: skip
+    for on, what in others:
+        if on:
+            raise ConfigError(f"distill.teacher with {what} is not supported: distil on text or chat data "
+                              "(data.format=text or chat), without it.")  # fmt: skip
+    if d.on_policy:
+        raise ConfigError(f"distill.on_policy={d.on_policy}: training on the student's own samples is not built "
+                          "yet; distil on the data (distill.on_policy=0).")  # fmt: skip
+    if d.mode == "offline" and d.top_k > cfg.model.vocab_size:
+        raise ConfigError(f"distill.top_k={d.top_k} exceeds the vocabulary (model.vocab_size="
+                          f"{cfg.model.vocab_size}); keep at most the whole of it.")  # fmt: skip
 
 
 def _check_rl(cfg) -> None:

@@ -1,0 +1,160 @@
+"""Knowledge distillation (distill.*, trainer/objectives/distill.py): the divergence against TRL's
+GKDTrainer.generalized_jsd_loss; offline with the whole vocabulary equal to online; a distilling run on 8
+devices equal to one device and resumed exactly; the refusals, before anything compiles."""
+
+import json
+import os
+import shutil
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import micro_config
+
+from trainer.config.errors import ConfigError
+from trainer.objectives import distill
+from trainer.objectives.language_model import target_weights
+from trainer.run.loop import train
+from trainer.training import resume
+from trainer.training.setup import build
+from trainer.training.teacher import teacher_config
+
+
+def settings(beta, temperature, alpha=0.5):
+    return types.SimpleNamespace(beta=beta, temperature=temperature, alpha=alpha)
+
+
+def test_the_divergence_is_trls_generalized_jsd_for_every_beta_and_temperature():
+    """TRL 1.16's GKDTrainer.generalized_jsd_loss (trl.experimental.gkd, with labels: a mean over the labelled
+    positions) on the same logits, for beta 0 (forward KL), 0.5 and 1 (reverse KL) at temperatures 1 and 2;
+    and the same sums in chunks, and from each position's whole-vocabulary "top k" (offline's form)."""
+    torch = pytest.importorskip("torch", reason="the hf extra is not installed: pip install -e '.[hf]'")
+    gkd = pytest.importorskip(
+        "trl.experimental.gkd", reason="the post extra is not installed: pip install -e '.[post]'"
+    )
+    rng = np.random.default_rng(0)
+    student, teacher = (rng.normal(0, 2, (2, 8, 40)).astype(np.float32) for _ in range(2))
+    weights = (rng.random((2, 8)) < 0.7).astype(np.float32)
+    targets = rng.integers(0, 40, (2, 8))
+    labels = np.where(weights > 0, targets, -100)
+    identity = lambda x: x  # noqa: E731 - features that are the logits already
+    vocab = np.broadcast_to(np.arange(40), (2, 8, 40))
+    for beta in (0.0, 0.5, 1.0):
+        for temperature in (1.0, 2.0):
+            theirs = float(gkd.GKDTrainer.generalized_jsd_loss(torch.tensor(student), torch.tensor(teacher),
+                                                               labels=torch.tensor(labels), beta=beta,
+                                                               temperature=temperature))  # fmt: skip
+            s = settings(beta, temperature)
+            per = distill.divergence(jnp.asarray(student), jnp.asarray(teacher), beta, temperature)
+            assert float(jnp.sum(per * weights) / weights.sum()) == pytest.approx(theirs, rel=1e-5), (beta, temperature)
+            whole = distill.chunked_sums(identity, student, identity, teacher, targets, weights, s, 0)
+            chunks = distill.chunked_sums(identity, student, identity, teacher, targets, weights, s, 4)
+            top = distill.chunked_sums(identity, student, None, (vocab, teacher), targets, weights, s, 4)
+            for got in (whole, chunks, top):
+                np.testing.assert_allclose(np.asarray(got), np.asarray(whole), rtol=1e-6)
+            assert float(whole[3]) / weights.sum() == pytest.approx(theirs, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def teacher_run(tmp_path_factory):
+    """A teacher of another size than micro_config's student (3 layers of 96 against 2 of 64), trained 6 steps."""
+    path = str(tmp_path_factory.mktemp("teacher") / "run")
+    train(micro_config(model=dict(n_layers=3, d_model=96), train=dict(steps=6), checkpoint={"every_steps": 3}), path)
+    return path
+
+
+def student(teacher: str, **sections):
+    cfg = micro_config(**sections)
+    cfg.distill.update(teacher=teacher, alpha=0.3, beta=0.5, temperature=2.0)
+    return cfg
+
+
+def test_a_distilling_step_on_8_devices_equals_one_device_and_logs_the_models_own_figures(teacher_run):
+    """On data 2 x fsdp 2 x tensor 2 with two microbatches, three steps give one device's losses and weights
+    (the teacher sharded by its own logical axes, an input never changed). The first step's logged
+    cross-entropy and divergence are those of the two models' logits computed apart (numpy's log-softmax, and
+    the divergence checked against TRL above), and its loss (1 - alpha) x the one + alpha x the other."""
+    mesh = dict(data=2, fsdp=2, tensor=2)
+    one, eight = (build(student(teacher_run, mesh=m, train=dict(grad_accum_steps=2)), devices)
+                  for m, devices in ((dict(fsdp=1), jax.devices()[:1]), (mesh, None)))  # fmt: skip
+    rng = np.random.default_rng(3)
+    batch = {"tokens": rng.integers(0, 384, (8, 32)).astype(np.int32),
+             "positions": np.tile(np.arange(32, dtype=np.int32), (8, 1)),
+             "segment_ids": np.repeat(np.array([[1] * 20 + [2] * 12]), 8, axis=0).astype(np.int32)}  # fmt: skip
+    results = []
+    for setup in (one, eight):
+        taught = teacher_config(setup.cfg)
+        weights = resume.load_init_params(taught, setup.teacher)[0]
+        before = jax.tree.map(np.asarray, weights)
+        state, step, logged = setup.new_state(), setup.train_step(), []
+        start = jax.tree.map(np.asarray, state.params)
+        placed = {k: jax.device_put(v, setup.batch_sharding) for k, v in batch.items()}
+        for _ in range(3):
+            state, metrics = step(state, placed, weights)
+            logged.append({k: float(v) for k, v in metrics.items() if k == "loss" or k.startswith("distill/")})
+        for got, want in zip(jax.tree.leaves(weights), jax.tree.leaves(before), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), want)
+        results.append((logged, jax.tree.map(np.asarray, state.params), start, before))
+    for a, b in zip(results[0][0], results[1][0], strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+    for got, want in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[0][1]), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4)  # lr / 100, as test_step: Adam where v is ~0
+
+    logged, _, start, teacher_weights = results[0]
+    s = jax.jit(one.model.apply)(start, batch["tokens"], batch["positions"], batch["segment_ids"])
+    t = jax.jit(one.teacher.model.apply)(teacher_weights, batch["tokens"], batch["positions"], batch["segment_ids"])
+    targets, counted = (np.asarray(x) for x in target_weights(batch["tokens"], batch["segment_ids"]))
+    log_p = np.asarray(jax.nn.log_softmax(np.asarray(s, np.float64), axis=-1))
+    ce = -np.sum(np.take_along_axis(log_p, targets[..., None], -1)[..., 0] * counted) / counted.sum()
+    div = float(np.sum(np.asarray(distill.divergence(s, t, 0.5, 2.0)) * counted) / counted.sum())
+    first = logged[0]
+    assert first["distill/cross_entropy"] == pytest.approx(ce, rel=1e-5)
+    assert first["distill/divergence"] == pytest.approx(div, rel=1e-4)
+    assert first["loss"] == pytest.approx(0.7 * ce + 0.3 * div, rel=1e-5)
+    assert logged[-1]["loss"] < first["loss"]
+
+
+def test_a_distilling_run_resumes_exactly_with_the_teacher_it_pinned(teacher_run, tmp_path):
+    """Four steps straight equal two, a restart and two more; the run's config.json pins its teacher at the
+    step it read (DIR@STEP), and a resume naming another of the teacher's checkpoints is one sentence."""
+
+    def run(steps, name, teacher=teacher_run):
+        cfg = student(teacher, train=dict(steps=steps, log_every=1), checkpoint={"every_steps": 2})
+        return train(cfg, str(tmp_path / name))
+
+    straight = run(4, "straight")
+    run(2, "resumed")
+    resumed = run(4, "resumed")
+    assert resumed["loss"] == straight["loss"]
+    with open(tmp_path / "resumed" / "config.json") as f:
+        assert json.load(f)["distill"]["teacher"] == f"{teacher_run}@6"
+    with pytest.raises(ConfigError, match=r"this run distils from .*@6, pinned at its start"):
+        run(6, "resumed", f"{teacher_run}@3")
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ("missing", r"distill.teacher=.*: .*nowhere does not exist; give a run's workdir"),
+        ("empty", r"holds no checkpoint; train the teacher there first"),
+        ("vocab", r"reads other tokens \(model.vocab_size=384, .*\) than the student \(model.vocab_size=256"),
+        ("dpo", r"distill.teacher with data.format=preference \(DPO's own objective\) is not supported"),
+        ("on_policy", r"distill.on_policy=0.5: training on the student's own samples is not built yet"),
+    ],
+)
+def test_a_teacher_that_cannot_teach_is_one_sentence_before_anything_compiles(teacher_run, tmp_path, change, says):
+    teacher = {"missing": str(tmp_path / "nowhere"), "empty": str(tmp_path / "empty")}.get(change, teacher_run)
+    if change == "empty":  # a workdir with its config and no checkpoint
+        os.makedirs(tmp_path / "empty")
+        shutil.copy(os.path.join(teacher_run, "config.json"), tmp_path / "empty" / "config.json")
+    cfg = student(teacher, model=dict(vocab_size=256) if change == "vocab" else {})
+    if change == "dpo":
+        cfg.data.update(format="preference", source="text_files", paths="x.jsonl")
+        cfg.checkpoint.init_from = teacher_run
+    if change == "on_policy":
+        cfg.distill.on_policy = 0.5
+    with pytest.raises(ConfigError, match=says) as info:
+        build(cfg)
+    assert "\n" not in str(info.value)

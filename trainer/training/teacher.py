@@ -1,0 +1,76 @@
+"""Distillation's teacher (distill.teacher, trainer/objectives/distill.py): a run's workdir, or what
+convert_hf.py import wrote, read as the model it holds and built on the student's mesh.
+
+The teacher may be another size or family than the student; it must read the same tokens (the same
+vocabulary and kind of tokenizer). Its model is its own run's model.* (a LoRA run's is its base with the
+adapters folded in, as checkpoint.init_from reads one); everything else (mesh, precision, batch) is the
+student's, so that its parameters are sharded by their own logical axes over the same devices. Its weights
+are read once at the start, held beside the state with no optimiser state, and pinned in the run's
+config.json as DIR@STEP, so a resumed run learns from the same teacher.
+"""
+
+from __future__ import annotations
+
+from trainer.config.errors import ConfigError
+from trainer.config.forms import flatten, from_dict, with_changes
+from trainer.data import run_tokenizer
+from trainer.data.tokenizers import digest
+from trainer.storage import workdir as wd
+
+
+def parse(text: str) -> tuple[str, int | None]:
+    """'DIR' or 'DIR@STEP' -> (DIR, STEP or None)."""
+    path, _, step = text.rpartition("@") if "@" in text else (text, "", "")
+    if step and not step.isdigit():
+        raise ConfigError(f"distill.teacher={text!r} must be DIR or DIR@STEP with STEP a number.")
+    return path, int(step) if step else None
+
+
+def teacher_config(cfg):
+    """The config the teacher is built from (None without distill.teacher): the student's, with the teacher
+    run's model.* and checkpoint.init_from its weights, DIR@STEP. Refuses, in one sentence each, a teacher
+    that is not there, holds no checkpoint, or reads other tokens."""
+    given = cfg.distill.teacher
+    if not given:
+        return None
+    path, step = parse(given)
+    if not wd.path(path).exists():
+        raise ConfigError(f"distill.teacher={given!r}: {path} does not exist; give a run's workdir or the output "
+                          "of scripts/convert_hf.py import.")  # fmt: skip
+    saved = wd.saved_config(path)
+    if saved is None:
+        raise ConfigError(f"distill.teacher={given!r}: {path} has no config.json, so it is not a run's workdir nor "
+                          "an import's; give one of those.")  # fmt: skip
+    steps = wd.saved_steps(path) if wd.path(wd.checkpoint_dir(path)).is_dir() else []
+    if not steps:
+        raise ConfigError(f"distill.teacher={given!r}: {path} holds no checkpoint; train the teacher there first "
+                          "(or import one with scripts/convert_hf.py import).")  # fmt: skip
+    if step is not None and step not in steps:
+        raise ConfigError(f"distill.teacher={given!r}: {path} has no checkpoint at step {step}; it has {steps}.")
+    theirs = from_dict(saved)
+    recorded = run_tokenizer.recorded_digest(path)
+    mine = (cfg.model.vocab_size, cfg.data.tokenizer, digest(cfg.data))
+    other = (theirs.model.vocab_size, theirs.data.tokenizer, digest(theirs.data) if recorded is None else recorded)
+    if mine != other:
+        said = lambda c, v: f"model.vocab_size={v}, data.tokenizer={c.data.tokenizer} {c.data.tokenizer_path!r}"  # noqa: E731
+        raise ConfigError(f"distill.teacher={given!r} reads other tokens ({said(theirs, other[0])}) than the "
+                          f"student ({said(cfg, mine[0])}); distillation compares their distributions token by "
+                          "token: give a teacher with the student's tokenizer.")  # fmt: skip
+    model = {k: v for k, v in flatten(theirs).items() if k.startswith("model.")}
+    return with_changes(cfg, {**model, "model.lora.rank": 0, "model.lora.base": "", "model.max_seq_len":
+                              cfg.model.max_seq_len, "checkpoint.init_from": f"{path}@{step or steps[-1]}",
+                              "distill.teacher": ""})  # fmt: skip
+
+
+def pinned(cfg, workdir: str):
+    """`cfg` with the teacher a resumed run pinned at its start (its config.json's DIR@STEP); a run that
+    started with another teacher is refused, as another teacher would change what it learns mid-run."""
+    saved = wd.saved_config(workdir)
+    kept = from_dict(saved).distill.teacher if saved is not None and wd.saved_steps(workdir) else ""
+    if not kept or not cfg.distill.teacher:
+        return cfg
+    path, step = parse(cfg.distill.teacher)
+    if path != parse(kept)[0] or step not in (None, parse(kept)[1]):
+        raise ConfigError(f"distill.teacher={cfg.distill.teacher!r}: this run distils from {kept}, pinned at its "
+                          "start; resume it with that teacher, or start a new run (another --workdir).")  # fmt: skip
+    return with_changes(cfg, {"distill.teacher": kept})
