@@ -158,3 +158,18 @@ def test_a_teacher_that_cannot_teach_is_one_sentence_before_anything_compiles(te
     with pytest.raises(ConfigError, match=says) as info:
         build(cfg)
     assert "\n" not in str(info.value)
+
+
+def test_the_planner_counts_the_teachers_weights_and_forward_pass(teacher_run):
+    """An online teacher adds its forward pass to the FLOPs per token: 2 x its parameters less the embedding
+    table, and its attention (2 matmuls x 2 FLOPs x 4 heads x 24 wide x 32 keys x 3 layers); and to the
+    planned memory its weights' shards, which are exactly what the compiled step's arguments grow by."""
+    from trainer.planning.plan import plan
+
+    alone, taught = plan(micro_config()), plan(student(teacher_run))
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(build(student(teacher_run)).teacher.model.abstract_params))
+    attention = 2 * 2 * 4 * 24 * 32 * 3
+    assert taught["flops_per_token"] - alone["flops_per_token"] == 2 * (n - 384 * 96) + attention
+    grown = taught["compiled_breakdown"]["arguments"] - alone["compiled_breakdown"]["arguments"]
+    features = 8 // 8 * 32 * 96 * 4  # a device's rows of the microbatch x seq x the teacher's width, fp32
+    assert taught["bytes_per_device"]["teacher"] == grown + features

@@ -75,16 +75,21 @@ def attention_forward_flops(arch: Architecture, seq_len: int) -> float:
     return 2.0 * arch.n_heads * sum(arch.attention_dims) * keys + linear  # QK^T over the q/k width, PV the value's
 
 
-def flops_per_token(arch: Architecture, abstract_params: dict, seq_len: int, reference: bool = False) -> float:
-    """Training FLOPs per token: FORMULA; with `reference` (DPO), also a forward pass of the reference weights
-    (2 * N_matmul + the attention's forward), a third more; under model.lora less the frozen weights'
-    gradients (2 * their N): activations' gradients still flow through them, theirs are not taken."""
+def forward_flops(arch: Architecture, abstract_params: dict, seq_len: int) -> float:
+    """A forward pass's FLOPs per token: 2 * N_matmul + the attention's (a distillation teacher's cost)."""
     forward = 2.0 * matmul_params(arch, abstract_params) + attention_forward_flops(arch, seq_len)
     # Multi-token prediction's modules: their parameters are in N, their attention and their uses of the
     # shared head (counted once in N) are not
     depth = arch.mtp.depth
-    forward += depth * (2.0 * arch.vocab_size * arch.d_model + 2.0 * arch.n_heads * sum(arch.attention_dims) * seq_len)
-    total = forward * (4 if reference else 3)
+    return forward + depth * (2.0 * arch.vocab_size * arch.d_model + 2.0 * arch.n_heads * sum(arch.attention_dims)
+                              * seq_len)  # fmt: skip
+
+
+def flops_per_token(arch: Architecture, abstract_params: dict, seq_len: int, reference: bool = False) -> float:
+    """Training FLOPs per token: FORMULA; with `reference` (DPO), also a forward pass of the reference weights
+    (2 * N_matmul + the attention's forward), a third more; under model.lora less the frozen weights'
+    gradients (2 * their N): activations' gradients still flow through them, theirs are not taken."""
+    total = forward_flops(arch, abstract_params, seq_len) * (4 if reference else 3)
     if arch.lora.rank:  # low-rank adapters: the frozen base's weight gradients (2 * its N) are never computed
         total -= 2.0 * matmul_params(arch, adapters.split(abstract_params)[1])
     return total

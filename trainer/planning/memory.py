@@ -20,6 +20,8 @@ shows, and tests/test_memory_calibration.py holds this file to it):
 - `reference`: DPO's frozen reference weights, stored as the parameters are (fp32), so that at the start
   the policy and its reference score every pair alike; GRPO's with rl.beta > 0 (rollout_bytes has the
   rollout's own memory, KV cache included).
+- `teacher`: distilling online, the teacher's weights (fp32, sharded by their own logical axes) and its
+  features for a microbatch (teacher_bytes); it has no gradients or optimiser state.
 - `gathered`: what FSDP all-gathers beyond the device's own shard (gathered_bytes).
 - `activations`: what the backward pass keeps for one microbatch under the remat
   policy, the fp32 logits, and under remat the larger of the logits (less the
@@ -293,6 +295,14 @@ def rollout_bytes(cfg, setup, state: dict[str, int] | None = None) -> dict[str, 
     return out
 
 
+def teacher_bytes(cfg, setup) -> int:
+    """An online teacher's bytes on one device: its weights' shards (fp32) and one microbatch's features."""
+    shape = setup.mesh.shape
+    rows = microbatch_size(cfg) / (shape["data"] * shape["fsdp"] * shape.get("expert", 1))
+    features = rows * cfg.data.seq_len * setup.teacher.spec.arch.d_model * 4
+    return int(shard_bytes(setup.teacher.abstract_params()) + features)
+
+
 def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None) -> dict[str, int]:
     """The analytic breakdown, per device, with its total. `spec` and `state` (from state_bytes) let a
     search vary remat, loss chunk and accumulation over one built setup."""
@@ -311,6 +321,9 @@ def bytes_per_device(cfg, setup, spec=None, state: dict[str, int] | None = None)
         # DPO's reference: a second copy, but under model.lora the base with the adapters off (none); GRPO's
         # with rl.beta, held beside the step for the rollouts (trainer/training/rollouts.py)
         **({"reference": fp32} if _holds_reference(cfg) and not state.get("frozen") else {}),
+        # Distilling online: the teacher's weights as stored (fp32, sharded by their own axes) and its features
+        # (tokens x its width, fp32) beside the student's step, with no gradients or optimiser state.
+        **({"teacher": teacher_bytes(cfg, setup)} if setup.teacher is not None else {}),
         "update": max(0, fp32 - activations),
         "gathered": gathered_bytes(spec, shape, compute),
         "activations": activations,

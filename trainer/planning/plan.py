@@ -25,7 +25,7 @@ from parallelism.chips import CHIPS, gpu_memory_share
 from trainer.config import microbatch_size
 from trainer.config.errors import ConfigError
 from trainer.config.forms import with_changes
-from trainer.model.flops import FORMULA, count_params, flops_per_token, inactive_params, matmul_params
+from trainer.model.flops import FORMULA, count_params, inactive_params, matmul_params
 from trainer.model.sampling import make_generate
 from trainer.model.splash import hlo_call_cost
 from trainer.planning import fit as fitting
@@ -84,7 +84,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
     setup = build(cfg, devices)
     t, seq = cfg.train, cfg.data.seq_len
     counts = count_params(setup.model.abstract_params)
-    fpt = flops_per_token(setup.spec.arch, setup.model.abstract_params, seq, setup.preference)
+    fpt = setup.flops_per_token()
     result = {
         "n_params": counts["total"],
         "n_params_non_embedding": counts["non_embedding"],
@@ -94,6 +94,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         "flops_per_token": fpt,
         "flops_formula": FORMULA
         + " + DPO's reference forward, a third of it" * setup.preference
+        + " + the teacher's forward, 2 N_teacher + its attention (distill.mode=online)" * bool(setup.teacher)
         + " (a local layer's keys: its window's; latent attention's head_dim: (qk + v) / 2)"
         * bool(setup.spec.arch.sliding_window or setup.spec.arch.mla.kv_rank)
         + " + the MTP modules' head and attention" * bool(setup.spec.arch.mtp.depth)

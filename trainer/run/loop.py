@@ -32,7 +32,7 @@ from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluation import samples
 from trainer.evaluation.loss import Evaluator, eval_line
 from trainer.interop import harness
-from trainer.model.flops import flops_per_token, peak_flops
+from trainer.model.flops import peak_flops
 from trainer.run import preflight, startup
 from trainer.run.hang import HangWatch
 from trainer.run.preemption import watch_for_sigterm
@@ -190,8 +190,7 @@ class Run:
         self.goodput.open(self.files, self.step)
         self.writer = MetricsWriter(self.files, resume_step=self.step, cfg=cfg, workdir=workdir, fresh=not self.resumed)
         self.profiler = StepProfiler(t.profile_steps, self.files, workdir)
-        self.flops_per_token = flops_per_token(setup.spec.arch, setup.model.abstract_params, cfg.data.seq_len,
-                                               setup.preference)  # fmt: skip
+        self.flops_per_token = setup.flops_per_token()
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
         self.samples = samples.Samples(setup, load_tokenizer(cfg.data)) if t.sample_prompts else None
         tokens = load_tokenizer(cfg.data) if t.harness_tasks else None

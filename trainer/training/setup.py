@@ -21,7 +21,7 @@ from trainer.model import adapters
 from trainer.model.attention import context_kernel, resolve
 from trainer.model.context import ways
 from trainer.model.decoder import ModelDef
-from trainer.model.flops import count_params, inactive_params
+from trainer.model.flops import count_params, flops_per_token, forward_flops, inactive_params
 from trainer.model.spec import ModelSpec, for_inference
 from trainer.optim.optimizer import make_optimizer
 from trainer.training.state import (
@@ -110,6 +110,13 @@ class Setup:
             lines.append(f"trainable: {added / 1e6:.3f}M adapter parameters ({100 * added / base:.3f}% of the "
                          f"frozen model's {base / 1e6:.2f}M{stored}), rank {lora.rank} on {on}")  # fmt: skip
         return lines
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (model/flops.py), with an online teacher's forward pass."""
+        fpt = flops_per_token(self.spec.arch, self.model.abstract_params, self.cfg.data.seq_len, self.preference)
+        if self.teacher is not None:
+            fpt += forward_flops(self.teacher.spec.arch, self.teacher.model.abstract_params, self.cfg.data.seq_len)
+        return fpt
 
     def abstract_params(self) -> dict:
         """Every parameter the model applies (with model.lora: base and adapters), as shapes and shardings."""
