@@ -173,3 +173,42 @@ def test_the_planner_counts_the_teachers_weights_and_forward_pass(teacher_run):
     grown = taught["compiled_breakdown"]["arguments"] - alone["compiled_breakdown"]["arguments"]
     features = 8 // 8 * 32 * 96 * 4  # a device's rows of the microbatch x seq x the teacher's width, fp32
     assert taught["bytes_per_device"]["teacher"] == grown + features
+
+
+def test_offline_logits_of_the_whole_vocabulary_train_as_the_teacher_online_and_resume_exactly(teacher_run, tmp_path):
+    """scripts/teacher_logits.py's logits with top_k = the vocabulary: a run reading them beside its tokens
+    trains as the online teacher teaches (the same losses and weights), two steps, a restart and two more equal
+    four straight, and an interrupted writing is finished by writing again (a row deleted is written anew, the
+    others kept). Logits made for another top_k or batch are one sentence naming it."""
+    from trainer.training.teacher import write_logits
+
+    def config(steps, mode="offline", **changes):
+        cfg = student(teacher_run, train=dict(steps=steps, log_every=1), checkpoint={"every_steps": 2})
+        cfg.data.data_dir = str(tmp_path / "data")
+        cfg.distill.update({"mode": mode, "top_k": 384, **changes})
+        return cfg
+
+    folder = write_logits(config(4), say=lambda _: None)
+    first = os.path.getmtime(os.path.join(folder, "rows", "1.ids.npy"))
+    os.remove(os.path.join(folder, "rows", "3.logits.npy"))
+    assert write_logits(config(4), say=lambda _: None) == folder
+    assert os.path.exists(os.path.join(folder, "rows", "3.logits.npy"))
+    assert os.path.getmtime(os.path.join(folder, "rows", "1.ids.npy")) == first
+    assert np.load(os.path.join(folder, "rows", "0.ids.npy")).shape == (4, 32, 384)
+
+    online = train(config(4, "online"), str(tmp_path / "online"))
+    straight = train(config(4), str(tmp_path / "straight"))
+    train(config(2), str(tmp_path / "resumed"))
+    resumed = train(config(4), str(tmp_path / "resumed"))
+    assert straight["loss"] == pytest.approx(online["loss"], rel=1e-6)
+    assert resumed["loss"] == straight["loss"]
+    for name in ("distill/divergence", "distill/cross_entropy"):
+        assert straight[name] == pytest.approx(online[name], rel=1e-5)
+
+    for change, says in (
+        (dict(top_k=8, logits_dir=folder), r"made for another distill.top_k \(384 there, 8 here\)"),
+        (dict(logits_dir=str(tmp_path / "none")), r"no teacher logits at .*none; write them first"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            train(config(4, **change), str(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()

@@ -41,7 +41,7 @@ import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchDatasetIterator
 from jax.sharding import NamedSharding
 
-from trainer.data import chat, readers
+from trainer.data import chat, readers, teacher_logits
 from trainer.data.corpora import text_feature
 from trainer.data.mixture import parse_mixture
 from trainer.data.tokenizers import load_tokenizer
@@ -80,6 +80,9 @@ class Stream:
     format: str = "text"
     loss_on: str = "all"
     chat_template: str = ""
+    # Offline distillation: the folder of the teacher's logits for the training windows (trainer/data/
+    # teacher_logits.py), read beside each row's tokens; "" = none.
+    teacher_logits: str = ""
 
     @classmethod
     def from_config(cls, cfg) -> Stream:
@@ -93,6 +96,13 @@ class Stream:
             format=d.format, loss_on=d.loss_on if d.format == "chat" else "all", chat_template=d.chat_template,
         )  # fmt: skip
 
+    def with_teacher_logits(self, cfg) -> Stream:
+        """The stream that also reads offline distillation's logits for its training windows, once they are
+        known to be this run's (teacher_logits.check); itself without them."""
+        if not (cfg.distill.teacher and cfg.distill.mode == "offline"):
+            return self
+        return dataclasses.replace(self, teacher_logits=teacher_logits.check(cfg, self.identity()))
+
     def sources(self) -> dict[str, Stream]:
         """Each corpus the stream reads, as a stream of its own: {name: stream} ({"": self} without a mixture)."""
         if not self.mixture:
@@ -105,7 +115,7 @@ class Stream:
         what it was made from and refuses a config that selects anything else (trainer/data/preparation/), so
         a glob spelt otherwise over the same files resumes; the tokenizer's file is held to the run's copy
         (trainer/data/run_tokenizer.py). The mixture's unit only where there is a mixture."""
-        ignored = {"data_dir", "tokenized", "paths", "tokenizer_path", "chat_template"}
+        ignored = {"data_dir", "tokenized", "paths", "tokenizer_path", "chat_template", "teacher_logits"}
         ignored |= {"format", "loss_on"} if self.format == "text" else set()  # runs from before they existed
         ignored |= {"text_key"} if self.source == "text_files" else set()
         ignored |= set() if self.mixture else {"mixture_unit"}
@@ -180,6 +190,9 @@ def _stack(rows) -> dict[str, np.ndarray]:
     for key in ("source", "loss_mask"):
         if key in rows[0]:
             batch[key] = np.stack([r[key] for r in rows]).astype(np.int32)
+    for key in teacher_logits.BATCH_KEYS:  # offline distillation's: (seq_len, top_k) a row
+        if key in rows[0]:
+            batch[key] = np.stack([r[key] for r in rows])
     return batch
 
 
@@ -221,7 +234,10 @@ def batches(stream: Stream, split: str, rows: Sequence[int], *, shuffle: bool) -
         else:
             row_docs = lambda r: grain.MapDataset.mix([docs[i][r :: stream.rows] for i, _ in drawn],
                                                       weights).to_iter_dataset(read)  # fmt: skip
-    return _RowBatches({r: ConcatThenSplitIterDataset(row_docs(r), length_struct=length) for r in rows})
+    windows = {r: ConcatThenSplitIterDataset(row_docs(r), length_struct=length) for r in rows}
+    if stream.teacher_logits and split == stream.train_split:
+        windows = {r: teacher_logits.RowWithLogits(w, stream.teacher_logits, r) for r, w in windows.items()}
+    return _RowBatches(windows)
 
 
 class _TokenMix(grain.IterDataset):

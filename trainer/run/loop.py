@@ -120,7 +120,7 @@ class Run:
         t = cfg.train
         self.batch, self.micro = t.global_batch_size, microbatch_size(cfg)
         self.target = t.steps * t.global_batch_size  # sequences to train on
-        self.stream = streams.Stream.from_config(cfg)
+        self.stream = streams.Stream.from_config(cfg).with_teacher_logits(cfg)
         self.rows = streams.process_rows(setup.batch_sharding, self.batch, cfg.data.seq_len)  # this process's
         self.rl = cfg.data.format == "prompts"  # batches sampled from the policy (trainer/training/rollouts.py)
         self.reference = None

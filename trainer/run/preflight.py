@@ -70,6 +70,7 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
         cfg = with_changes(cfg, {"distill.teacher": taught.checkpoint.init_from})
         if setup.teacher is not None:
             inputs += (resume.load_init_params(taught, setup.teacher)[0],)
+        streams.Stream.from_config(cfg).with_teacher_logits(cfg)  # offline: the logits are this run's
     # The run's identity: its workdir's, or a new one (a new run, or its workdir deleted and made again),
     # which no local checkpoint of an earlier run carries; the same on every process (process 0's).
     run = first_process_says(bytes.fromhex(wd.run_id(workdir) or uuid.uuid4().hex)).hex()

@@ -138,7 +138,8 @@ class Setup:
     def abstract_batch(self, size: int | None = None) -> dict:
         """A batch of `size` (default train.global_batch_size) sequences, as shapes and shardings."""
         size = size or self.cfg.train.global_batch_size
-        return abstract_batch(size, self.cfg.data.seq_len, self.batch_sharding, batch_keys(self.cfg))
+        return abstract_batch(size, self.cfg.data.seq_len, self.batch_sharding, batch_keys(self.cfg),
+                              self.cfg.distill.top_k)  # fmt: skip
 
 
 def build(cfg, devices: list[jax.Device] | None = None) -> Setup:

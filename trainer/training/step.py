@@ -43,6 +43,7 @@ from trainer.training.state import TrainState, param_shardings, trained
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions")
 BATCH_NAMES = ("batch", "seq")
+OFFLINE_TEACHER = ("teacher_ids", "teacher_logits")  # trainer/data/teacher_logits.py: (batch, seq, top_k) each
 
 
 def batch_keys(cfg) -> tuple[str, ...]:
@@ -51,6 +52,8 @@ def batch_keys(cfg) -> tuple[str, ...]:
     keys = BATCH_KEYS + ("loss_mask",) * (cfg.data.format != "text")
     if cfg.data.format == "prompts":
         keys += ("old_logps", "advantages", "fresh") + ("ref_logps",) * (cfg.rl.beta > 0)
+    if cfg.distill.teacher and cfg.distill.mode == "offline":
+        keys += OFFLINE_TEACHER
     return keys
 
 
@@ -315,10 +318,12 @@ def jit_eval_step(eval_fn, weight_shardings: dict, shard: LogicalSharding, keys=
     return jax.jit(eval_fn, in_shardings=(weight_shardings, batch), out_shardings=shard.replicated())
 
 
-def abstract_batch(global_batch: int, seq_len: int, sharding, keys=BATCH_KEYS) -> dict:
-    """The batch's shapes and placement, for compiling ahead of the first real batch."""
-    dtype = lambda k: jnp.float32 if k in grpo.FIELDS else jnp.int32  # noqa: E731
-    return {k: jax.ShapeDtypeStruct((global_batch, seq_len), dtype(k), sharding=sharding) for k in keys}
+def abstract_batch(global_batch: int, seq_len: int, sharding, keys=BATCH_KEYS, top_k: int = 0) -> dict:
+    """The batch's shapes and placement, for compiling ahead of the first real batch (`top_k`: offline
+    distillation's logits a position)."""
+    dtype = lambda k: jnp.float32 if k in grpo.FIELDS or k == "teacher_logits" else jnp.int32  # noqa: E731
+    shape = lambda k: (global_batch, seq_len, top_k) if k in OFFLINE_TEACHER else (global_batch, seq_len)  # noqa: E731
+    return {k: jax.ShapeDtypeStruct(shape(k), dtype(k), sharding=sharding) for k in keys}
 
 
 def memory_per_device(compiled, platform: str, heap: int | None = None) -> dict[str, int]:
