@@ -15,7 +15,7 @@ from absl import flags
 
 from trainer.data import corpora
 from trainer.run import cli
-from trainer.training.teacher import write_logits
+from trainer.training.offline_teacher import write_logits
 
 _CONFIG = cli.define_config_flag()
 _WORKERS = flags.DEFINE_integer("workers", 1, "Processes on this machine (Apache Beam's DirectRunner); 1: this one.")

@@ -80,6 +80,7 @@ def quick(corpus_dir, out):
             "sliding_window",
         ),  # fmt: skip
         ("linear_attention.py", ["--seq_lens=128", "--steps=1", "--target="], "linear_attention"),
+        ("teacher_logits.py", [*data, "--windows=2", "--teacher_config=configs/quickstart.py"], "teacher_logits"),
         (
             "latent_cache.py",
             ["--config", "configs/deepseek_tiny.py", "--prompt=32", "--new=4", "--layers=1"],
@@ -119,7 +120,7 @@ def test_every_benchmark_script_has_a_smoke_run():
 # The smoke runs that took 10-36 s of CPU each on 2026-11-29 (they train, prepare or compile for a TPU several
 # times over): drills, in pytest -m slow. The rest, 1-9 s each, stay in pytest.
 DRILLS = {"quant.py", "prepare.py", "post_training.py", "moe.py", "harness.py", "restart.py", "memory_calibration.py",
-          "gpu_proof.py", "sliding_window.py", "remat.py", "linear_attention.py"}  # fmt: skip
+          "gpu_proof.py", "sliding_window.py", "remat.py", "linear_attention.py", "teacher_logits.py"}  # fmt: skip
 
 
 def smoke_runs() -> list:

@@ -5,13 +5,15 @@ devices equal to one device and resumed exactly; the refusals, before anything c
 import json
 import os
 import shutil
+import subprocess
+import sys
 import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import micro_config
+from conftest import REPO, cli_args, micro_config
 
 from trainer.config.errors import ConfigError
 from trainer.objectives import distill
@@ -180,7 +182,7 @@ def test_offline_logits_of_the_whole_vocabulary_train_as_the_teacher_online_and_
     trains as the online teacher teaches (the same losses and weights), two steps, a restart and two more equal
     four straight, and an interrupted writing is finished by writing again (a row deleted is written anew, the
     others kept). Logits made for another top_k or batch are one sentence naming it."""
-    from trainer.training.teacher import write_logits
+    from trainer.training.offline_teacher import write_logits
 
     def config(steps, mode="offline", **changes):
         cfg = student(teacher_run, train=dict(steps=steps, log_every=1), checkpoint={"every_steps": 2})
@@ -212,3 +214,28 @@ def test_offline_logits_of_the_whole_vocabulary_train_as_the_teacher_online_and_
         with pytest.raises(ConfigError, match=says):
             train(config(4, **change), str(tmp_path / "refused"))
     assert not (tmp_path / "refused").exists()
+
+
+# ~7 s (Beam's worker processes each start JAX and build the teacher): pytest -m slow
+@pytest.mark.slow
+def test_the_script_writes_on_beams_workers_what_one_process_writes(teacher_run, tmp_path):
+    """scripts/teacher_logits.py --workers 2 (Beam's DirectRunner): every row's ids and logits as written in
+    this process, its progress and closing lines, and nothing of Beam's or JAX's logging."""
+    from trainer.training.offline_teacher import write_logits
+
+    cfg = student(teacher_run, train=dict(steps=4), data=dict(data_dir=str(tmp_path / "data")))
+    cfg.distill.update(mode="offline", top_k=16)
+    here = write_logits(cfg, say=lambda _: None)
+    cfg.distill.logits_dir = str(tmp_path / "beam")
+    done = subprocess.run([sys.executable, "scripts/teacher_logits.py", *cli_args(cfg), "--workers=2"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    said = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+    assert done.returncode == 0, said[-20:]
+    assert said[-2:] == ["teacher logits: 8/8 rows, 0.1 MiB",  # 8 rows x 4 windows x 32 x 16 x 8 bytes
+                         f"teacher logits in {tmp_path / 'beam'}: top 16 a token, 128 bytes a token"], said  # fmt: skip
+    assert not [line for line in said if "Traceback" in line or "INFO" in line or "WARNING" in line], said[:20]
+    for row in range(8):
+        ids = (np.load(f"{folder}/rows/{row}.ids.npy") for folder in (tmp_path / "beam", here))
+        np.testing.assert_array_equal(*ids)
+        np.testing.assert_allclose(np.load(f"{tmp_path}/beam/rows/{row}.logits.npy"),
+                                   np.load(f"{here}/rows/{row}.logits.npy"), atol=1e-6)  # fmt: skip

@@ -1,0 +1,26 @@
+"""distill_tiny: the quick start's student (0.9M parameters) taught by configs/tiny.py's model (3.3M) as it
+trains: the teacher in the step, online.
+
+    python scripts/train.py --config configs/tiny.py                # the teacher (runs/tiny), 11-17 minutes
+    python scripts/train.py --config configs/distill_tiny.py        # the student: runs/distill_tiny
+
+quickstart's model, data, batch, schedule and 300 steps, its objective 0.5 x the bytes' cross-entropy +
+0.5 x the forward KL from the teacher's next-byte distribution (distill.beta=0; temperature 1). Both read the
+same byte tokenizer, which a teacher must share. docs/post_training.md has the measured gain over the same
+student trained on the data alone, and how to distil an imported Hugging Face model into a smaller one.
+
+From stored logits instead (the teacher run once, ahead, beside the corpus):
+
+    python scripts/teacher_logits.py --config configs/distill_tiny.py --config.distill.mode=offline
+    python scripts/train.py --config configs/distill_tiny.py --config.distill.mode=offline
+"""
+
+import os
+
+from trainer.config.forms import from_file
+
+
+def get_config():
+    c = from_file(os.path.join(os.path.dirname(__file__), "quickstart.py"))
+    c.distill.update(teacher="runs/tiny", alpha=0.5, beta=0.0, temperature=1.0, top_k=32)
+    return c
