@@ -185,8 +185,8 @@ def test_offline_logits_of_the_whole_vocabulary_train_as_the_teacher_online_and_
     from trainer.training.offline_teacher import write_logits
 
     def config(steps, mode="offline", **changes):
-        cfg = student(teacher_run, train=dict(steps=steps, log_every=1), checkpoint={"every_steps": 2})
-        cfg.data.data_dir = str(tmp_path / "data")
+        cfg = student(teacher_run, train=dict(steps=steps, log_every=1, eval_every=2), checkpoint={"every_steps": 2})
+        cfg.data.data_dir = str(tmp_path / "data")  # the held-out batches are read without logits
         cfg.distill.update({"mode": mode, "top_k": 384, **changes})
         return cfg
 

@@ -46,7 +46,7 @@ def eval_step(setup: Setup):
     """The jitted (params, global batch) -> (loss sum, token count), in the training step's microbatches."""
     step = make_eval_step(setup.inference_model, setup.shard, setup.cfg.train.grad_accum_steps)
     weights = jax.tree.map(lambda a: a.sharding, setup.abstract_params())
-    return jit_eval_step(step, weights, setup.shard, batch_keys(setup.cfg))
+    return jit_eval_step(step, weights, setup.shard, batch_keys(setup.cfg, training=False))
 
 
 def _dpo_step(setup: Setup):
@@ -57,7 +57,7 @@ def _dpo_step(setup: Setup):
         _, (loss, pairs, _, _, sums) = dpo.sums(setup.inference_model, params, reference, batch, setup.cfg.dpo)
         return loss, pairs, sums
 
-    batch = {k: shard.named(BATCH_NAMES) for k in batch_keys(setup.cfg)}
+    batch = {k: shard.named(BATCH_NAMES) for k in batch_keys(setup.cfg, training=False)}
     params = jax.tree.map(lambda a: a.sharding, setup.abstract_params())
     return jax.jit(step, in_shardings=(params, batch, params), out_shardings=shard.replicated())
 
@@ -142,7 +142,8 @@ class Evaluator:
         # Compiled now, with the train step: not in the middle of the run, where a hang watch would wait on it.
         step = _dpo_step(setup) if setup.preference else eval_step(setup)
         weights = setup.abstract_params()
-        self._step = step.lower(weights, setup.abstract_batch(), *((weights,) if setup.preference else ())).compile()
+        self._step = step.lower(weights, setup.abstract_batch(training=False),
+                                *((weights,) if setup.preference else ())).compile()  # fmt: skip
 
     def covers(self, result: dict) -> str:
         """What the loss of a `result` was measured on, and where the whole split's is: the console says it

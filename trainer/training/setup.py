@@ -135,10 +135,11 @@ class Setup:
             return adapters.join(adapters.switched_off(added), base)
         return inputs[0]
 
-    def abstract_batch(self, size: int | None = None) -> dict:
-        """A batch of `size` (default train.global_batch_size) sequences, as shapes and shardings."""
+    def abstract_batch(self, size: int | None = None, training: bool = True) -> dict:
+        """A batch of `size` (default train.global_batch_size) sequences, as shapes and shardings; a training
+        batch, or a held-out one (step.batch_keys)."""
         size = size or self.cfg.train.global_batch_size
-        return abstract_batch(size, self.cfg.data.seq_len, self.batch_sharding, batch_keys(self.cfg),
+        return abstract_batch(size, self.cfg.data.seq_len, self.batch_sharding, batch_keys(self.cfg, training),
                               self.cfg.distill.top_k)  # fmt: skip
 
 

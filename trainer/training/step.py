@@ -46,13 +46,14 @@ BATCH_NAMES = ("batch", "seq")
 OFFLINE_TEACHER = ("teacher_ids", "teacher_logits")  # trainer/data/teacher_logits.py: (batch, seq, top_k) each
 
 
-def batch_keys(cfg) -> tuple[str, ...]:
+def batch_keys(cfg, training: bool = True) -> tuple[str, ...]:
     """What a batch holds: post-training's also say which tokens are trained on (trainer/data/chat.py);
-    reinforcement learning's also its completions' log-probabilities and advantages (trainer/objectives/grpo.py)."""
+    reinforcement learning's also its completions' log-probabilities and advantages (trainer/objectives/grpo.py);
+    a training batch of offline distillation also its teacher's logits (held-out batches have none)."""
     keys = BATCH_KEYS + ("loss_mask",) * (cfg.data.format != "text")
     if cfg.data.format == "prompts":
         keys += ("old_logps", "advantages", "fresh") + ("ref_logps",) * (cfg.rl.beta > 0)
-    if cfg.distill.teacher and cfg.distill.mode == "offline":
+    if training and cfg.distill.teacher and cfg.distill.mode == "offline":
         keys += OFFLINE_TEACHER
     return keys
 
