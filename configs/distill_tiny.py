@@ -6,8 +6,10 @@ trains: the teacher in the step, online.
 
 quickstart's model, data, batch, schedule and 300 steps, its objective 0.5 x the bytes' cross-entropy +
 0.5 x the forward KL from the teacher's next-byte distribution (distill.beta=0; temperature 1). Both read the
-same byte tokenizer, which a teacher must share. docs/post_training.md has the measured gain over the same
-student trained on the data alone, and how to distil an imported Hugging Face model into a smaller one.
+same byte tokenizer, which a teacher must share. Measured on a two-core VM (2026-11-29, eval.py on the whole
+held-out split): 1.5762 and 1.6391 over two seeds against 1.6967 and 1.7527 for the same student trained on
+the data alone (0.117 lower on the mean; the teacher's is 1.5487), 0.38 s a step against 0.28, 2m03s in all.
+docs/post_training.md has the table, and how to distil an imported Hugging Face model into a smaller one.
 
 From stored logits instead (the teacher run once, ahead, beside the corpus):
 

@@ -17,7 +17,10 @@ aside) into a run, then train adapters on it:
     python scripts/train.py --config configs/lora_tiny.py --config.checkpoint.init_from=runs/qwen3_5_base ...
 
 where the config's model.* keys are the ones the import names (it refuses a config that differs and says
-which keys to set).
+which keys to set). The adapters go on every projection by default: full attention's q (its gate's rows
+too), k, v, o, the MLPs' gate, up, down, and the Gated DeltaNet layers' qkv, z and out (in_proj_qkv, in_proj_z,
+out_proj); `--adapter` exports them as a PEFT adapter of the Hub's model, and `import --adapter` reads one.
+Qwen3.5-MoE and Qwen3-Next import the same way.
 """
 
 import os
