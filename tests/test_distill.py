@@ -143,7 +143,7 @@ def test_a_distilling_run_resumes_exactly_with_the_teacher_it_pinned(teacher_run
         ("empty", r"holds no checkpoint; train the teacher there first"),
         ("vocab", r"reads other tokens \(model.vocab_size=384, .*\) than the student \(model.vocab_size=256"),
         ("dpo", r"distill.teacher with data.format=preference \(DPO's own objective\) is not supported"),
-        ("on_policy", r"distill.on_policy=0.5: training on the student's own samples is not built yet"),
+        ("on_policy", r"distill.on_policy=0.5 needs distill.mode=online \(the teacher scores what the student"),
     ],
 )
 def test_a_teacher_that_cannot_teach_is_one_sentence_before_anything_compiles(teacher_run, tmp_path, change, says):
@@ -156,7 +156,7 @@ def test_a_teacher_that_cannot_teach_is_one_sentence_before_anything_compiles(te
         cfg.data.update(format="preference", source="text_files", paths="x.jsonl")
         cfg.checkpoint.init_from = teacher_run
     if change == "on_policy":
-        cfg.distill.on_policy = 0.5
+        cfg.distill.update(on_policy=0.5, mode="offline")
     with pytest.raises(ConfigError, match=says) as info:
         build(cfg)
     assert "\n" not in str(info.value)
@@ -239,3 +239,52 @@ def test_the_script_writes_on_beams_workers_what_one_process_writes(teacher_run,
         np.testing.assert_array_equal(*ids)
         np.testing.assert_allclose(np.load(f"{tmp_path}/beam/rows/{row}.logits.npy"),
                                    np.load(f"{here}/rows/{row}.logits.npy"), atol=1e-6)  # fmt: skip
+
+
+def test_on_policy_steps_train_on_the_students_own_continuations_and_resume_exactly(teacher_run, tmp_path):
+    """distill.on_policy (GKD's lmbda): the steps drawn from (seed, step) train on each row's first half and the
+    student's sampled second half: a step's batch is the data's prefix and what the sampler gives for that
+    step's seed, its logged divergence is the two models' on the sampled tokens (computed apart), with no
+    cross-entropy; with on_policy 0.5 four steps straight equal two, a restart and two more."""
+    from trainer.model.sampling import make_generate
+    from trainer.training.student_samples import StudentSamples
+
+    cfg = student(teacher_run)
+    cfg.distill.on_policy = 1.0
+    setup = build(cfg)
+    teacher_weights = resume.load_init_params(teacher_config(cfg), setup.teacher)[0]
+    rng = np.random.default_rng(5)
+    data = {
+        "tokens": rng.integers(3, 384, (8, 32)).astype(np.int32),
+        "positions": np.tile(np.arange(32, dtype=np.int32), (8, 1)),
+        "segment_ids": np.ones((8, 32), np.int32),
+    }
+    placed = {k: jax.device_put(v, setup.batch_sharding) for k, v in data.items()}
+    state = setup.new_state()
+    samples = StudentSamples(setup)
+    batch = samples(state.params, placed, 0)
+    seed = int(np.random.default_rng([cfg.train.seed, 0, 1]).integers(2**31))
+    sampler = make_generate(setup.spec, setup.shard, max_new_tokens=16, temperature=2.0)
+    new = sampler(state.params, data["tokens"][:, :16], seed)
+    np.testing.assert_array_equal(np.asarray(batch["tokens"]), np.concatenate([data["tokens"][:, :16], new], 1))
+    assert np.asarray(batch["sampled"]).sum(1).tolist() == [16] * 8
+    start = jax.tree.map(np.asarray, state.params)  # the step donates the state
+    _, metrics = setup.train_step()(state, batch, teacher_weights)
+    s = jax.jit(setup.model.apply)(start, batch["tokens"])
+    t = jax.jit(setup.teacher.model.apply)(teacher_weights, batch["tokens"])
+    div = np.asarray(distill.divergence(s, t, 0.5, 2.0))[:, 15:31].mean()  # positions predicting sampled tokens
+    assert float(metrics["distill/divergence"]) == pytest.approx(float(div), rel=1e-4)
+    assert float(metrics["distill/cross_entropy"]) == 0 and float(metrics["distill/on_policy"]) == 1
+
+    def run(steps, name):
+        half = student(teacher_run, train=dict(steps=steps, log_every=1), checkpoint={"every_steps": 2})
+        half.distill.on_policy = 0.5
+        return train(half, str(tmp_path / name))
+
+    straight = run(4, "straight")
+    run(2, "resumed")
+    assert run(4, "resumed")["loss"] == straight["loss"]
+    with open(tmp_path / "straight" / "metrics.jsonl") as f:
+        drawn = [r["distill/on_policy"] for r in map(json.loads, f) if "loss" in r]
+    half = types.SimpleNamespace(seed=0, share=0.5)  # the draw of StudentSamples.chosen at on_policy 0.5
+    assert drawn == [float(StudentSamples.chosen(half, step)) for step in range(4)] and 0 < sum(drawn) < 4

@@ -421,6 +421,8 @@ def test_grpo_with_adapters_pulls_towards_the_base_with_them_off(rows, tmp_path)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+# ~20 s (2026-11-29): pytest -m slow, which CI runs too
+@pytest.mark.slow
 def test_a_hybrid_samples_through_its_recurrent_state_as_training_scores_and_resumes_exactly(rows, tmp_path):
     """A Qwen3.5-style hybrid (a Gated DeltaNet layer, then gated full attention) under GRPO with full remat:
     the sampler decodes through each linear layer's convolution and recurrent state (token by token), the

@@ -38,7 +38,9 @@ def hf(path):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+# Qwen3's case (~20 s, 2026-11-29) in pytest -m slow, which CI runs too: its query/key norms go both ways in
+# Qwen3.5's test below as well.
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_adapters_go_to_peft_and_come_back_with_the_same_logits(tmp_path, family):
     model = dict(qk_norm=True, head_dim=32) if family == "qwen3" else {}
     base = micro_config(model=model, train=dict(steps=2), checkpoint={"every_steps": 2})

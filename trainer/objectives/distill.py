@@ -28,7 +28,10 @@ import jax.numpy as jnp
 
 from trainer.objectives.language_model import _sums, target_weights
 
-METRICS = ("cross_entropy", "divergence")  # logged as distill/<name>: means over the counted positions
+# Logged as distill/<name>: means over the counted positions; on_policy is 1 on a step of the student's own
+# samples (trainer/training/student_samples.py), whose positions are the sampled tokens' and which has no
+# cross-entropy.
+METRICS = ("cross_entropy", "divergence", "on_policy")
 
 
 def divergence(student_logits: jax.Array, teacher_logits: jax.Array, beta: float, temperature: float) -> jax.Array:
@@ -48,10 +51,10 @@ def divergence(student_logits: jax.Array, teacher_logits: jax.Array, beta: float
     return beta * kl(t, m) + (1 - beta) * kl(s, m)
 
 
-def _chunk_sums(student_logits, teacher, targets, weights, settings):
+def _chunk_sums(student_logits, teacher, targets, weights, ce_weights, settings):
     """(cross-entropy sum, log(Z)^2 sum, largest |logit|, divergence sum) of one chunk; `teacher`: its logits
     over the vocabulary, or (top-k ids, their logits)."""
-    ce, log_z_sq, largest = _sums(student_logits, targets, weights)
+    ce, log_z_sq, largest = _sums(student_logits, targets, ce_weights)
     if isinstance(teacher, tuple):
         ids, values = teacher
         student_logits, teacher = jnp.take_along_axis(student_logits, ids, axis=-1), values
@@ -59,20 +62,24 @@ def _chunk_sums(student_logits, teacher, targets, weights, settings):
     return ce, log_z_sq, largest, jnp.sum(div * weights)
 
 
-def chunked_sums(student_fn, features, teacher_fn, teacher_inputs, targets, weights, settings, chunk: int):
-    """(cross-entropy sum, log(Z)^2 sum, largest |logit|, divergence sum) over the positions' `weights`.
+def chunked_sums(student_fn, features, teacher_fn, teacher_inputs, targets, weights, settings, chunk: int,
+                 ce_weights=None):  # fmt: skip
+    """(cross-entropy sum, log(Z)^2 sum, largest |logit|, divergence sum) over the positions' `weights` (the
+    cross-entropy's over `ce_weights` where they differ: none on the student's own samples).
     `student_fn` / `teacher_fn` map features to fp32 logits; `teacher_inputs`: the teacher's features (online:
     teacher_fn their head) or (top-k ids, logits) (offline: teacher_fn None). With 0 < `chunk` < seq the
     sequence goes `chunk` positions at a time, each chunk's logits recomputed in the backward pass (see
     language_model.chunked_loss_sums)."""
 
-    def sums(x, teacher, t, w):
+    ce_weights = weights if ce_weights is None else ce_weights
+
+    def sums(x, teacher, t, w, c):
         teacher = teacher if teacher_fn is None else teacher_fn(teacher)
-        return _chunk_sums(student_fn(x), teacher, t, w, settings)
+        return _chunk_sums(student_fn(x), teacher, t, w, c, settings)
 
     seq = targets.shape[1]
     if not 0 < chunk < seq:
-        return sums(features, teacher_inputs, targets, weights)
+        return sums(features, teacher_inputs, targets, weights, ce_weights)
 
     def split(a):
         return a.reshape(a.shape[0], seq // chunk, chunk, *a.shape[2:]).swapaxes(0, 1)
@@ -82,7 +89,7 @@ def chunked_sums(student_fn, features, teacher_fn, teacher_inputs, targets, weig
         return (carry[0] + ce, carry[1] + log_z_sq, jnp.maximum(carry[2], largest), carry[3] + div), None
 
     zero = jnp.zeros((), jnp.float32)
-    inputs = (split(features), jax.tree.map(split, teacher_inputs), split(targets), split(weights))
+    inputs = (split(features), jax.tree.map(split, teacher_inputs), split(targets), split(weights), split(ce_weights))
     return jax.lax.scan(body, (zero, zero, zero, zero), inputs)[0]
 
 
@@ -94,6 +101,11 @@ def sums(model, params, teacher_model, teacher_params, batch: dict, settings, ch
     seq, top_k). `chunk`: model.loss_chunk; `key`: the student's adapters' dropout key."""
     tokens, positions, segments = batch["tokens"], batch["positions"], batch["segment_ids"]
     targets, weights = target_weights(tokens, segments, batch.get("loss_mask"))
+    ce_weights, sampled = weights, jnp.zeros((tokens.shape[0], 1), jnp.float32)
+    if "sampled" in batch:  # rows of the student's own samples: the divergence on them, no cross-entropy
+        sampled = (jnp.max(batch["sampled"], axis=1, keepdims=True) > 0).astype(jnp.float32)
+        weights = jnp.where(sampled > 0, target_weights(tokens, segments, batch["sampled"])[1], weights)
+        ce_weights = weights * (1 - sampled)
     features, stats = model.apply(params, tokens, positions, segments, key, method="trained_features")
 
     def student_fn(x):
@@ -109,6 +121,8 @@ def sums(model, params, teacher_model, teacher_params, batch: dict, settings, ch
             return teacher_model.apply(frozen, x, method="logits")
 
     ce, log_z_sq, largest, div = chunked_sums(student_fn, features, teacher_fn, teacher_inputs, targets, weights,
-                                              settings, chunk)  # fmt: skip
+                                              settings, chunk, ce_weights)  # fmt: skip
     objective = (1 - settings.alpha) * ce + settings.alpha * div
-    return objective, (jnp.sum(weights), log_z_sq, largest, stats, {"cross_entropy": ce, "divergence": div})
+    on_policy = jnp.sum(sampled * jnp.sum(weights, axis=1, keepdims=True))  # the sampled rows' positions
+    return objective, (jnp.sum(weights), log_z_sq, largest, stats,
+                       {"cross_entropy": ce, "divergence": div, "on_policy": on_policy})  # fmt: skip

@@ -48,6 +48,7 @@ from trainer.training import batch_ramp, clock, resume, rollouts, stability
 from trainer.training.setup import Setup
 from trainer.training.state import state_from_params
 from trainer.training.step import memory_per_device
+from trainer.training.student_samples import StudentSamples
 
 
 def train(cfg, workdir: str) -> dict:
@@ -193,6 +194,8 @@ class Run:
         self.flops_per_token = setup.flops_per_token()
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
         self.samples = samples.Samples(setup, load_tokenizer(cfg.data)) if t.sample_prompts else None
+        on_policy = cfg.distill.teacher and cfg.distill.on_policy
+        self.student_samples = StudentSamples(setup) if on_policy else None
         tokens = load_tokenizer(cfg.data) if t.harness_tasks else None
         self.harness = harness.load().InLoop(setup, tokens, workdir, self.hang) if t.harness_tasks else None
         self.sampled = False
@@ -294,6 +297,8 @@ class Run:
             self.mixture_taken += streams.mixture_counts(local, self.stream.mixture_unit, len(self.stream.mixture),
                                                          self.bos_id)  # fmt: skip
         batch = streams.to_global(local, self.setup.batch_sharding, size)
+        if self.student_samples is not None:  # on-policy distillation: some steps train on the student's own text
+            batch = self.student_samples(self.setup.weights(self.state.params, self.inputs), batch, self.step)
         self.profiler.before(self.step + 1)
         self.state, metrics = self._step_fn(size)(self.state, batch, *self.inputs)
         self.step, self.trained, self.data_read = self.step + 1, self.trained + size, self.data_read + size

@@ -55,6 +55,8 @@ def batch_keys(cfg, training: bool = True) -> tuple[str, ...]:
         keys += ("old_logps", "advantages", "fresh") + ("ref_logps",) * (cfg.rl.beta > 0)
     if training and cfg.distill.teacher and cfg.distill.mode == "offline":
         keys += OFFLINE_TEACHER
+    if training and cfg.distill.teacher and cfg.distill.on_policy:
+        keys += ("sampled",)  # trainer/training/student_samples.py
     return keys
 
 

@@ -266,9 +266,13 @@ def _check_distill(cfg) -> None:
         if on:
             raise ConfigError(f"distill.teacher with {what} is not supported: distil on text or chat data "
                               "(data.format=text or chat), without it.")  # fmt: skip
-    if d.on_policy:
-        raise ConfigError(f"distill.on_policy={d.on_policy}: training on the student's own samples is not built "
-                          "yet; distil on the data (distill.on_policy=0).")  # fmt: skip
+    if d.on_policy and (d.mode != "online" or cfg.data.format != "text"):
+        why = (
+            "distill.mode=online (the teacher scores what the student samples"
+            if d.mode != "online"
+            else (f"text data (the student continues each text row; data.format={cfg.data.format}")
+        )
+        raise ConfigError(f"distill.on_policy={d.on_policy} needs {why}); set it, or distill.on_policy=0.")
     if d.mode == "offline" and d.top_k > cfg.model.vocab_size:
         raise ConfigError(f"distill.top_k={d.top_k} exceeds the vocabulary (model.vocab_size="
                           f"{cfg.model.vocab_size}); keep at most the whole of it.")  # fmt: skip
