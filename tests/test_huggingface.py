@@ -454,65 +454,52 @@ def test_qwen3_5_imports_from_transformers_decodes_as_it_does_and_exports_back(t
     np.testing.assert_array_equal(padded[1:], alone)
 
 
+# Qwen3.5-MoE's and Qwen3-Next's mixture at micro size: 4 experts, 2 a token, a shared expert behind its gate.
+QWEN3_5_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+QWEN3_5_MOE_OURS = {**QWEN3_5_OURS, "d_ff": 32, "moe": dict(num_experts=4, experts_per_token=2, d_ff=32,
+                                                             shared_experts=1, shared_gate=True)}  # fmt: skip
+
+
+def moe_round_trip(model, tmp_path):
+    """round_trip of a hybrid with experts, our logits within 1e-5 of its float64 ones, and the export the
+    saved tensors exactly (the per-expert files save_pretrained writes); returns the config imported with."""
+    from safetensors.numpy import load_file
+
+    model.set_experts_implementation("eager")  # its grouped kernel takes no float64
+    cfg = micro_config(model=QWEN3_5_MOE_OURS)
+    round_trip(model, cfg, tmp_path, prompt=12, new=10)
+    ours, exact = our_logits(cfg, str(tmp_path / "run")), float64_logits(model)
+    assert np.abs(ours - exact).max() <= 1e-5 * np.abs(exact).max()
+    exported, saved = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("out", "hf"))
+    assert sorted(exported) == sorted(saved)
+    for name, tensor in saved.items():
+        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
+    return cfg
+
+
 def test_qwen3_5_moe_imports_from_transformers_decodes_as_it_does_and_exports_back(tmp_path):
     """Qwen3.5-MoE (text): the same hybrid with a mixture in every layer, linear and full alike: four
     softmax-routed experts, two a token, and a shared expert gated per token by a sigmoid. As for Qwen3.5:
     our logits are transformers' (float64) to 1e-5 of their largest, greedy decoding is theirs token for
     token, and the export is their tensors exactly."""
-    from safetensors.numpy import load_file
-
     torch.manual_seed(0)
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     text = {k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}
-    model = qwen3_5(transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig(**text, **moe))
-    model.set_experts_implementation("eager")  # its grouped kernel takes no float64
-    cfg = micro_config(
-        model={
-            **QWEN3_5_OURS,
-            "d_ff": 32,
-            "moe": dict(num_experts=4, experts_per_token=2, d_ff=32, shared_experts=1, shared_gate=True),
-        }
-    )
-    round_trip(model, cfg, tmp_path, prompt=12, new=10)
-    ours, exact = our_logits(cfg, str(tmp_path / "run")), float64_logits(model)
-    assert np.abs(ours - exact).max() <= 1e-5 * np.abs(exact).max()
-    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
-    saved = load_file(str(tmp_path / "hf" / "model.safetensors"))  # the per-expert files save_pretrained writes
-    assert sorted(exported) == sorted(saved)
-    for name, tensor in saved.items():
-        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
+    config = transformers.Qwen3_5MoeTextConfig(**text, **QWEN3_5_MOE)
+    moe_round_trip(qwen3_5(transformers.Qwen3_5MoeForCausalLM, config), tmp_path)
 
 
 def test_qwen3_next_imports_decodes_as_transformers_does_and_exports_back_as_itself(tmp_path):
     """Qwen3-Next: Qwen3.5-MoE's arithmetic with q, k, v, z and b, a in projections grouped by key head. Our
     logits are transformers' (float64) to 1e-5 of their largest, greedy decoding theirs, and the export is
     Qwen3-Next again (the import keeps its form), its tensors the saved ones exactly."""
-    from safetensors.numpy import load_file
-
     torch.manual_seed(0)
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     text = {k: v for k, v in QWEN3_5.items() if k != "rope_parameters"}
-    config = transformers.Qwen3NextConfig(**text, **moe, layer_types=["linear_attention"] * 3 + ["full_attention"],
-                                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
-                                                           "partial_rotary_factor": 0.25})  # fmt: skip
-    model = qwen3_5(transformers.Qwen3NextForCausalLM, config)
-    model.set_experts_implementation("eager")  # its grouped kernel takes no float64
-    cfg = micro_config(
-        model={
-            **QWEN3_5_OURS,
-            "d_ff": 32,
-            "moe": dict(num_experts=4, experts_per_token=2, d_ff=32, shared_experts=1, shared_gate=True),
-        }
-    )
-    round_trip(model, cfg, tmp_path, prompt=12, new=10)
-    ours, exact = our_logits(cfg, str(tmp_path / "run")), float64_logits(model)
-    assert np.abs(ours - exact).max() <= 1e-5 * np.abs(exact).max()
+    config = transformers.Qwen3NextConfig(**text, **QWEN3_5_MOE, layer_types=["linear_attention"] * 3 +
+                                          ["full_attention"], rope_parameters={"rope_type": "default",
+                                          "rope_theta": 10_000.0, "partial_rotary_factor": 0.25})  # fmt: skip
+    cfg = moe_round_trip(qwen3_5(transformers.Qwen3NextForCausalLM, config), tmp_path)
     with open(tmp_path / "out" / "config.json") as f:
         assert json.load(f)["architectures"] == ["Qwen3NextForCausalLM"]
-    exported, saved = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("out", "hf"))
-    assert sorted(exported) == sorted(saved)
-    for name, tensor in saved.items():
-        np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
     # Adapters on q, k, v (one A) and z have no PEFT form on its fused in_proj_qkvz: one sentence before anything
     # is read, nothing written.
     lora = micro_config(model=cfg.model.to_dict(), checkpoint={"init_from": str(tmp_path / "run")})
@@ -536,15 +523,8 @@ def test_the_hubs_qwen3_5_imports_its_text_model_and_exports_back_whole(tmp_path
                   num_position_embeddings=16)  # fmt: skip
     text, ours, kind = QWEN3_5, QWEN3_5_OURS, "Qwen3_5"
     if moe:  # Qwen3.5-MoE's Hub form: the same, with experts and a gated shared expert in every layer
-        text = {
-            **{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"},
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "shared_expert_intermediate_size": 32,
-        }
-        ours, kind = {**ours, "d_ff": 32, "moe": dict(num_experts=4, experts_per_token=2, d_ff=32, shared_experts=1,
-                                                      shared_gate=True)}, "Qwen3_5Moe"  # fmt: skip
+        text = {**{k: v for k, v in QWEN3_5.items() if k != "intermediate_size"}, **QWEN3_5_MOE}
+        ours, kind = QWEN3_5_MOE_OURS, "Qwen3_5Moe"
     cls = getattr(transformers, f"{kind}ForConditionalGeneration")
     model = qwen3_5(cls, getattr(transformers, f"{kind}Config")(text_config=text, vision_config=vision))
     if moe:
