@@ -118,9 +118,11 @@ def test_every_benchmark_script_has_a_smoke_run():
 
 
 # The smoke runs that took 10-36 s of CPU each on 2026-11-29 (they train, prepare or compile for a TPU several
-# times over): drills, in pytest -m slow. The rest, 1-9 s each, stay in pytest.
+# times over), and those that took 11-16 s in the suite later that day (vs_pytorch, pipeline_bubble,
+# input_pipeline, overhead, grpo): drills, in pytest -m slow, which CI runs too. The rest, 1-9 s each, stay.
 DRILLS = {"quant.py", "prepare.py", "post_training.py", "moe.py", "harness.py", "restart.py", "memory_calibration.py",
-          "gpu_proof.py", "sliding_window.py", "remat.py", "linear_attention.py", "teacher_logits.py"}  # fmt: skip
+          "gpu_proof.py", "sliding_window.py", "remat.py", "linear_attention.py", "teacher_logits.py", "vs_pytorch.py",
+          "pipeline_bubble.py", "overhead.py", "grpo.py", "input_pipeline.py"}  # fmt: skip
 
 
 def smoke_runs() -> list:
