@@ -30,13 +30,14 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
     the batch (DPO's reference weights; its config then pins init_from to DIR@STEP), and the run's identity
     (written to the workdir with its config, once a checkpoint is accepted: trainer/run/loop.py).
     """
-    cfg = teacher.pinned(cfg, workdir)  # a resumed run learns from the teacher it started with
     setup = build(cfg)
     primary = jax.process_index() == 0
     say = print if primary else _quiet
     for line in unread_settings(cfg):
         say(f"warning: {line}", flush=True)
     wd.wait_for_storage(workdir, cfg.checkpoint.retry_seconds, say)
+    # A resumed run learns from the teacher it started with (the same directory: the model built above).
+    cfg = teacher.pinned(cfg, workdir)
     cfg = run_tokenizer.settle(cfg, workdir)
     if primary:  # the other hosts may not hold the tokenizer yet: they read the run's copy, made below
         corpora.check_vocab(cfg)

@@ -65,9 +65,11 @@ def teacher_config(cfg):
 def pinned(cfg, workdir: str):
     """`cfg` with the teacher a resumed run pinned at its start (its config.json's DIR@STEP); a run that
     started with another teacher is refused, as another teacher would change what it learns mid-run."""
+    if not cfg.distill.teacher:
+        return cfg
     saved = wd.saved_config(workdir)
     kept = from_dict(saved).distill.teacher if saved is not None and wd.saved_steps(workdir) else ""
-    if not kept or not cfg.distill.teacher:
+    if not kept:
         return cfg
     path, step = parse(cfg.distill.teacher)
     if path != parse(kept)[0] or step not in (None, parse(kept)[1]):
