@@ -236,6 +236,7 @@ def test_offline_logits_of_the_whole_vocabulary_train_as_the_teacher_online_and_
 def test_the_script_writes_on_beams_workers_what_one_process_writes(teacher_run, tmp_path):
     """scripts/teacher_logits.py --workers 2 (Beam's DirectRunner): every row's ids and logits as written in
     this process, its progress and closing lines, and nothing of Beam's or JAX's logging."""
+    pytest.importorskip("apache_beam", reason="the beam extra is not installed: pip install -e '.[beam]'")
     from trainer.training.offline_teacher import write_logits
 
     cfg = student(teacher_run, train=dict(steps=4), data=dict(data_dir=str(tmp_path / "data")))
