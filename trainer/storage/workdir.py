@@ -51,6 +51,15 @@ def wait_for_storage(location: str, seconds: float, say, setting: str = "--workd
         raise ConfigError(f"the bucket {bucket} does not exist; create it, or choose another {setting}.") from e
 
 
+def at_step(text: str, key: str) -> tuple[str, int | None]:
+    """A config value naming a run's checkpoint, 'DIR' or 'DIR@STEP', as (DIR, STEP or None); `key` is the
+    config key it came from, for the sentence that refuses another form."""
+    path, _, step = text.rpartition("@") if "@" in text else (text, "", "")
+    if step and not step.isdigit():
+        raise ConfigError(f"{key}={text!r} must be DIR or DIR@STEP with STEP a number.")
+    return path, int(step) if step else None
+
+
 def checkpoint_dir(workdir: str) -> str:
     return str(path(workdir) / CHECKPOINT_DIR)
 

@@ -243,10 +243,7 @@ def _counters(meta: dict, cfg, saved) -> dict:
 
 def parse_init_from(text: str) -> tuple[str, int | None]:
     """'DIR' or 'DIR@STEP' -> (DIR, STEP or None)."""
-    path, _, step = text.rpartition("@") if "@" in text else (text, "", "")
-    if step and not step.isdigit():
-        raise ConfigError(f"checkpoint.init_from={text!r} must be DIR or DIR@STEP with STEP a number.")
-    return path, int(step) if step else None
+    return wd.at_step(text, "checkpoint.init_from")
 
 
 def load_init_params(cfg, setup) -> tuple[dict, str, int]:

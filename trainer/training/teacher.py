@@ -19,11 +19,8 @@ from trainer.storage import workdir as wd
 
 
 def parse(text: str) -> tuple[str, int | None]:
-    """'DIR' or 'DIR@STEP' -> (DIR, STEP or None)."""
-    path, _, step = text.rpartition("@") if "@" in text else (text, "", "")
-    if step and not step.isdigit():
-        raise ConfigError(f"distill.teacher={text!r} must be DIR or DIR@STEP with STEP a number.")
-    return path, int(step) if step else None
+    """distill.teacher's 'DIR' or 'DIR@STEP' -> (DIR, STEP or None)."""
+    return wd.at_step(text, "distill.teacher")
 
 
 def teacher_config(cfg):
