@@ -115,12 +115,25 @@ def parse(hlo_text: str) -> dict[str, dict[str, float]]:
     return {k: v for k, v in totals.items() if v["count"]}
 
 
-def textbook(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_model: int, seq_len: int,
-             micro_rows: int, microbatches: int, act_bytes: int, kv_width: int = 0,
-             context_attention: str = "ring", expert_params: int = 0, moe_layers: int = 0,
-             experts_per_token: int = 0, exchanged: float = 1.0,
-             recomputed: bool = False) -> dict[str, float]:  # fmt: skip
-    """Bytes each device sends per step in the standard schemes, at `act_bytes` per value.
+def textbook(*args, **kwargs) -> dict[str, float]:
+    """Bytes each device sends per step in the standard schemes (textbook_parts, its two parts added up by
+    collective)."""
+    out: dict[str, float] = {}
+    for part in textbook_parts(*args, **kwargs).values():
+        for kind, sent in part.items():
+            out[kind] = out.get(kind, 0.0) + sent
+    return out
+
+
+def textbook_parts(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_model: int, seq_len: int,
+                   micro_rows: int, microbatches: int, act_bytes: int, kv_width: int = 0,
+                   context_attention: str = "ring", expert_params: int = 0, moe_layers: int = 0,
+                   experts_per_token: int = 0, exchanged: float = 1.0,
+                   recomputed: bool = False) -> dict[str, dict[str, float]]:  # fmt: skip
+    """Bytes each device sends per step in the standard schemes, as {"weights": {kind: bytes},
+    "activations": {kind: bytes}}: the weights' and gradients' collectives (FSDP, data), which a compiler can
+    overlap with the layers' compute, apart from the activations' (tensor, context, expert), which the next
+    matmul waits for.
 
     Weights travel in the compute dtype: XLA casts them before it gathers, and
     the gradient of a cast weight is in the compute dtype until it has been
@@ -146,6 +159,7 @@ def textbook(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_mode
     d, t, c, e = mesh_shape["data"], mesh_shape["tensor"], mesh_shape.get("context", 1), mesh_shape.get("expert", 1)
     f = mesh_shape["fsdp"] * c  # weights are sharded over context too (parallelism/rules.py)
     out = {"all-gather": 0.0, "reduce-scatter": 0.0, "all-reduce": 0.0}
+    act: dict[str, float] = {"all-reduce": 0.0, "all-gather": 0.0, "reduce-scatter": 0.0}
     for params, ways in ((n_params - expert_params, f * e), (expert_params, f)):
         weights = act_bytes * params / t  # what one tensor shard's fsdp group holds
         if ways > 1:
@@ -155,15 +169,15 @@ def textbook(n_params: int, mesh_shape: dict[str, int], *, n_layers: int, d_mode
             out["all-reduce"] += microbatches * 2 * (d - 1) / d * weights / (f * e)
     rows = micro_rows / (d * f / c * e)  # each device's share of a microbatch's rows
     if t > 1:
-        out["all-reduce"] += microbatches * 4 * n_layers * 2 * (t - 1) / t * rows * seq_len / c * d_model * act_bytes
+        act["all-reduce"] += microbatches * 4 * n_layers * 2 * (t - 1) / t * rows * seq_len / c * d_model * act_bytes
     if e > 1 and moe_layers:
         copies = rows * seq_len / c * experts_per_token * d_model * act_bytes
-        out["all-to-all"] = microbatches * moe_layers * (6 if recomputed else 4) * (e - 1) / e * copies * exchanged
+        act["all-to-all"] = microbatches * moe_layers * (6 if recomputed else 4) * (e - 1) / e * copies * exchanged
     if c > 1:
         kv = rows * seq_len * 2 * kv_width / t * act_bytes
         if context_attention == "all_gather":
-            out["all-gather"] += microbatches * n_layers * (c - 1) / c * kv
-            out["reduce-scatter"] += microbatches * n_layers * (c - 1) / c * kv
+            act["all-gather"] += microbatches * n_layers * (c - 1) / c * kv
+            act["reduce-scatter"] += microbatches * n_layers * (c - 1) / c * kv
         else:
-            out["collective-permute"] = microbatches * n_layers * kv / c * (2 * (c - 1) + c * 4 / act_bytes)
-    return {k: v for k, v in out.items() if v}
+            act["collective-permute"] = microbatches * n_layers * kv / c * (2 * (c - 1) + c * 4 / act_bytes)
+    return {"weights": {k: v for k, v in out.items() if v}, "activations": {k: v for k, v in act.items() if v}}

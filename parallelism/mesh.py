@@ -71,7 +71,8 @@ def device_array(mesh_cfg, devices: Sequence) -> np.ndarray:
     dcn = dcn_shape(mesh_cfg)
     ici_sizes = {a: int(mesh_cfg[a]) for a in AXES}
     if math.prod(dcn) == 1:
-        return mesh_utils.create_device_mesh(resolve_shape(ici_sizes, len(devices)), devices)
+        shape = resolve_shape(ici_sizes, len(devices))
+        return _on_torus(lambda split: mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=split))
     slices = {getattr(d, "slice_index", 0) for d in devices}
     by_slice = len(slices) > 1
     groups = len(slices) if by_slice else len({d.process_index for d in devices})
@@ -82,7 +83,21 @@ def device_array(mesh_cfg, devices: Sequence) -> np.ndarray:
             f"{unit}; make them multiply to {groups}."
         )
     ici = resolve_shape(ici_sizes, len(devices) // groups)
-    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=not by_slice)
+    return _on_torus(
+        lambda split: mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=not by_slice, allow_split_physical_axes=split
+        )
+    )
+
+
+def _on_torus(create) -> np.ndarray:
+    """A TPU slice's devices for the mesh, each axis along whole physical axes of the torus where it can be;
+    where it cannot (tensor=2 on v5p-128's 4x4x4), an axis split along one physical axis, as MaxText's
+    allow_split_physical_axes does: still neighbours, fewer links."""
+    try:
+        return create(False)
+    except NotImplementedError:
+        return create(True)
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:

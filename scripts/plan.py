@@ -17,6 +17,15 @@ most promising and prints the fastest that fits as the train.py command to run;
 --slices N plans N such slices joined by the data-centre network
 (the mesh's dcn_data / dcn_fsdp axes). --target h100-8 (h100-N, h200-N; 8 GPUs a
 host) does the same with XLA's GPU compiler, no GPU needed (pip install -e ".[gpu]").
+
+--search finds the fastest layout of the config on the target that fits, over every axis
+(trainer/planning/search.py): the mesh (stage, data, fsdp, expert, context, tensor and the
+slices' split), pipeline microbatches, context attention, remat, accumulation, loss chunk,
+moments and the attention kernel, predicted by a cost model you can read
+(trainer/planning/cost.py), then the best --search_compiles compiled for the target (your
+own layout among them) and ranked by the compiled program. --fix KEY=VALUE holds a key;
+--trial K runs each finalist K steps on this machine's devices (no --target) and picks by
+measured time. It prints the winner as a train.py command and as config lines.
 """
 
 import json
@@ -42,6 +51,11 @@ _TARGET = flags.DEFINE_string("target", "", "TPU slice or GPU hosts to compile f
 _SLICES = flags.DEFINE_integer("slices", 1, "With --target: how many such slices (multi-slice, over DCN).")
 _FIT = flags.DEFINE_bool("fit", False, "With --target: if the config does not fit, find the fastest variant that does.")
 _FIT_COMPILES = flags.DEFINE_integer("fit_compiles", 3, "With --fit: how many screened variants to compile.")
+_SEARCH = flags.DEFINE_bool("search", False, "Find the fastest layout that fits, over every axis (see above).")
+_SEARCH_COMPILES = flags.DEFINE_integer("search_compiles", 8, "With --search: layouts compiled, yours included.")
+_FIX = flags.DEFINE_multi_string("fix", [], "With --search: hold a layout key, e.g. --fix mesh.tensor=4.")
+_TRIAL = flags.DEFINE_integer("trial", 0, "With --search: time each finalist this many steps here, pick by that.")
+_TOP = flags.DEFINE_integer("top", 10, "With --search: rows of the predicted table.")
 _SHARDING = flags.DEFINE_bool(
     "sharding", False, "Also print where each parameter lives and the step's collectives (from its HLO)."
 )
@@ -174,6 +188,71 @@ def print_rollout(r: dict) -> None:
               f"{refused}")  # fmt: skip
 
 
+def print_search(r: dict) -> None:
+    gib = 2**30
+    print(f"search            {r['where']} ({r['devices']} x {r['device_kind']}, judged as {r['chip']}): "
+          f"{r['considered']:,} layouts over {r['meshes']} meshes, {r['fit_arithmetic']:,} fit by arithmetic "
+          f"(screened in {r['screen_seconds']:.1f} s)")  # fmt: skip
+    for axis, why in r["not_searched"].items():
+        print(f"not searched      {axis}: {why}")
+    if r["fixed"]:
+        print("fixed             " + " ".join(f"{k}={v}" for k, v in r["fixed"].items()))
+    print("assumed           " + "\n                  ".join(r["assumptions"]))
+    columns = f"{'':>3} {'layout':<64} {'GiB':>6} {'compute':>8} {'memory':>7} {'collect.':>8} {'step s':>7} {'MFU':>5}"
+    print(f"\npredicted by arithmetic, fastest first (seconds a step; collectives: exposed + overlapped):\n"
+          f"{columns}  bottleneck")  # fmt: skip
+    for i, row in enumerate(r["top"][: _TOP.value], 1):
+        p = row["predicted"]
+        sent = p["weight_collective_seconds"] + p["activation_collective_seconds"]
+        print(f"{i:>3} {row['describe'][:64]:<64} {row['memory_bytes'] / gib:>6.2f} {p['compute_seconds']:>8.3g} "
+              f"{p['memory_seconds']:>7.3g} {sent:>8.3g} {p['step_seconds']:>7.3g} {p['mfu']:>5.0%}  "
+              f"{p['bottleneck']}")  # fmt: skip
+    measured = any(row["measured_seconds"] for row in r["compiled"])
+    print(f"\ncompiled ({'XLA' if not r['target'] else r['target']}), as the program runs:\n"
+          f"{columns} {'predicted':>9}{' measured' if measured else ''}")  # fmt: skip
+    own = r["own"]
+    for i, row in enumerate(r["compiled"], 1):
+        c, mark = row["compiled"], " (yours)" if row["layout"] == own.get("layout") else ""
+        if "step_seconds" not in c:
+            print(f"{i:>3} {row['describe'][:64]:<64} does NOT fit: {c.get('out_of_memory') or 'over the HBM'}{mark}")
+            continue
+        fits = "" if c["fits"] else " does NOT fit"
+        sent = c["weight_collective_seconds"] + c["activation_collective_seconds"]
+        trial = f" {row['measured_seconds']:>8.3g}" if row["measured_seconds"] else ""
+        print(f"{i:>3} {row['describe'][:64]:<64} {c['compiled_bytes_per_device'] / gib:>6.2f} "
+              f"{c['compute_seconds']:>8.3g} {c['memory_seconds']:>7.3g} {sent:>8.3g} {c['step_seconds']:>7.3g} "
+              f"{c['mfu']:>5.0%} {row['predicted']['step_seconds']:>9.3g}{trial}{fits}{mark}")  # fmt: skip
+    if "refused" in own:
+        print(f"\nyour layout cannot run here: {own['refused']}")
+    best = r["best"]
+    if best is None:
+        print("\nnone of the compiled layouts fits; raise --search_compiles, or plan a larger target.")
+        return
+    uncounted = best["compiled"].get("uncounted_kernels")
+    if uncounted:
+        print(f"\nnot counted in the compiled figures: the FLOPs inside {', '.join(uncounted)}")
+    gain = r.get("gain", {})
+    if not best["changes"]:
+        print("\nyour layout is the fastest that fits; nothing to change.")
+        return
+    how = "by the trial's measured steps" if best["measured_seconds"] else "on the compiled program"
+    if gain.get("own_fits"):
+        moved = ", ".join(f"{k} {a / gib:.2f} -> {b / gib:.2f} GiB" for k, (a, b) in gain["collectives_sent"].items()
+                          if abs(a - b) > 0.01 * max(a, b))  # fmt: skip
+        print(f"\nfastest that fits: {best['describe']}, {gain['speedup']:.2f}x your layout {how}"
+              + (f"; sent a device a step: {moved}" if moved else ""))  # fmt: skip
+    else:
+        print(f"\nfastest that fits: {best['describe']} ({how}; your layout does not fit)")
+    print(f"run:\n  {r['command']}\nor put in the config:")
+    for line in r["config_lines"]:
+        print(f"  {line}")
+
+
+def config_lines(changes: dict) -> list[str]:
+    """A layout's changes as lines of a configs/*.py get_config(), where the config is `c`."""
+    return [f"c.{key} = {value!r}" for key, value in changes.items()]
+
+
 def main():
     # Before JAX starts a backend: a target's devices are libtpu's or the CUDA plugin's descriptions and
     # simulated ones the CPU's, so this machine's own TPU or GPU is never started. JAX has already read the
@@ -185,6 +264,8 @@ def main():
     if _SIMULATE.value:
         accelerators.simulate_devices(_SIMULATE.value)
     accelerators.start()  # the backends this plan may use, started without the others' noise
+    if _SEARCH.value:
+        return search()
     from trainer.planning.plan import plan
 
     result = plan(_CONFIG.value, compile_step=not _NO_COMPILE.value, sharding=_SHARDING.value, tokens=_TOKENS.value,
@@ -254,6 +335,32 @@ def main():
         print_collectives(result)
     if "fit" in result:
         print_fit(result["fit"])
+
+
+def search():
+    from trainer.planning import layout
+    from trainer.planning.search import parse_fixed
+
+    cfg = _CONFIG.value
+    progress = (lambda line: print(line, file=sys.stderr, flush=True)) if _JSON.value else (
+        lambda line: print(line, flush=True))  # fmt: skip
+    report = layout.run(cfg, target=_TARGET.value, slices=_SLICES.value, fixed=parse_fixed(_FIX.value, cfg),
+                        compiles=_SEARCH_COMPILES.value, trial=_TRIAL.value, chip=_CHIP.value,
+                        devices=None if _TARGET.value else jax_devices(), progress=progress)  # fmt: skip
+    if report["best"] is not None:
+        changes = report["best"]["changes"]
+        report["command"] = "python scripts/train.py " + " ".join(command_args(changes))
+        report["config_lines"] = config_lines(changes)
+    if _JSON.value:
+        print(json.dumps(report))
+        return
+    print_search(report)
+
+
+def jax_devices():
+    import jax
+
+    return jax.devices()
 
 
 if __name__ == "__main__":

@@ -59,14 +59,16 @@ KEPT_READS = "2"
 
 def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False, tokens: float = 0,
          budget: float = 0, chip: str = "h100", chips: int = 0, mfu: float = 0.4, target: str = "",
-         slices: int = 1, fit: bool = False, fit_compiles: int = 3) -> dict:  # fmt: skip
+         slices: int = 1, fit: bool = False, fit_compiles: int = 3, on_chip: bool = False) -> dict:  # fmt: skip
     """Counts, FLOPs, memory per device from arithmetic and, with `compile_step`, from XLA; the
     Chinchilla-optimal tokens and the time to train `tokens` (default: those) on `chips` x `chip`
     at `mfu`; with `budget` (FLOPs), the compute-optimal model for it; with `sharding`, where
     every parameter lives and what the compiled step communicates, beside the textbook volumes.
     With `target` (a Cloud TPU type, e.g. 'v5e-4', or GPU hosts, 'h100-8') and `slices`, the step is
     compiled by that hardware's compiler for its devices: memory against the chip's HBM, cost and roofline
-    too; with `fit`, when it does not fit, the fastest variant that does (trainer/planning/fit.py)."""
+    too; with `fit`, when it does not fit, the fastest variant that does (trainer/planning/fit.py). With
+    `on_chip` and no target, the step compiled for the given devices is judged as if they were `chip`s: its
+    fit against that chip's HBM and its cost at its rates (plan.py --search on this machine's devices)."""
     compile_cache.use(compile_cache.place(cfg.train.compile_cache, None))
     hardware = parse_target(target) if target else None
     if hardware is not None:
@@ -160,6 +162,8 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         breakdown = dict(compiled["breakdown"])
         result["compiled_bytes_per_device"] = breakdown.pop("total")
         result["compiled_breakdown"] = breakdown
+        if hardware is None and on_chip:
+            result.update(judged(CHIPS[chip], compiled["hlo"], result))
         if hardware is not None:
             result.update(on_target(hardware, slices, compiled["hlo"], result))
             if cfg.model.quant.matmul:  # the same step unquantised, compiled too: the cost beside its own
@@ -180,7 +184,7 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         return result
     if sharding:
         result["sharding"] = sharding_table(setup)
-    if sharding or hardware is not None:
+    if sharding or hardware is not None or on_chip:
         result["state_bytes_per_device"] = memory.state_bytes(setup)
         result["collectives"] = {
             "measured": collectives.parse(compiled["hlo"]),
@@ -248,11 +252,16 @@ def on_target(hardware: Target, slices: int, compiled_hlo: str, result: dict) ->
     peak and bytes / bandwidth: no step can be faster; the MFU ceiling is the
     model FLOPs per device over what the chip can do in that time.
     """
-    used, cost = result["compiled_bytes_per_device"], hlo_cost(hlo.read(compiled_hlo), hardware.chip)
+    return {**target_fields(hardware, slices), **judged(hardware.chip, compiled_hlo, result)}
+
+
+def judged(chip, compiled_hlo: str, result: dict) -> dict:
+    """on_target's verdict and cost, on any chip of parallelism/chips.py."""
+    used, cost = result["compiled_bytes_per_device"], hlo_cost(hlo.read(compiled_hlo), chip)
     roofline = cost["roofline_seconds"]
     model_flops = result["flops_per_step"] / result["devices"]
-    cost["mfu_ceiling"] = model_flops / (hardware.chip.peak_flops * roofline) if roofline else 0.0
-    return {**target_fields(hardware, slices), "fits": used <= hardware.chip.usable_hbm_bytes, "cost": cost}
+    cost["mfu_ceiling"] = model_flops / (chip.peak_flops * roofline) if roofline else 0.0
+    return {"fits": used <= chip.usable_hbm_bytes, "cost": cost}
 
 
 def hlo_cost(module: hlo.Module, chip) -> dict:
@@ -272,6 +281,8 @@ def hlo_cost(module: hlo.Module, chip) -> dict:
         "matmuls": {kind: {"flops": f, "dots": n} for kind, (f, n) in sorted(matmuls.items())},
         "bytes_accessed": traffic,
         "kernels": kernels,
+        "compute_seconds": compute_seconds,
+        "memory_seconds": memory_seconds,
         "roofline_seconds": max(compute_seconds, memory_seconds),
         "bound": "compute" if compute_seconds >= memory_seconds else "memory",
     }
