@@ -68,7 +68,11 @@ def test_the_command_lines_list_forms_read_as_documented(tmp_path):
             ("--config.train.sample_prompts=", ()),
             ("--config.data.mixture=python_stdlib:3, notes:1", ("python_stdlib:3", "notes:1")),
             ("--config.mesh.rules.batch=data,fsdp", ("data", "fsdp")),
+            ("--config.model.lora.targets=q,v", ("q", "v")),
         ):
-            cfg = parsed(["prog", f"--config={os.path.join(REPO, config)}", flag])
-            key = flag.removeprefix("--config.").split("=")[0]
-            assert flatten(cfg)[key] == want, (config, flag)
+            key, _, value = flag.removeprefix("--config.").partition("=")
+            for form in ([flag], [f"--config.{key}", value]):  # absl reads `--flag value` as `--flag=value`
+                if form[-1].startswith("-"):
+                    continue  # a value that looks like a flag takes the `=` form, in absl as here
+                cfg = parsed(["prog", f"--config={os.path.join(REPO, config)}", *form])
+                assert flatten(cfg)[key] == want, (config, form)

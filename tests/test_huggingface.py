@@ -56,6 +56,12 @@ def round_trip(model, cfg, tmp_path, prompt: int = 6, new: int = 8):
     return setup, params
 
 
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def our_logits(cfg, workdir):
     setup, _, params = load_params(cfg, workdir)
     return np.asarray(jax.jit(setup.model.apply)(params, TOKENS))
@@ -74,6 +80,8 @@ def test_exported_checkpoint_gives_transformers_our_logits(tmp_path, model):
     train(cfg, workdir)  # trained a little, so the weights are not just their initialisation
     out = str(tmp_path / "hf")
     assert export_checkpoint(cfg, workdir, None, out) == 3
+    modes = {name: oct(os.stat(os.path.join(out, name)).st_mode & 0o777) for name in os.listdir(out)}
+    assert set(modes.values()) == {oct(0o666 & ~umask())}, modes  # the weights as readable as the rest
     np.testing.assert_allclose(hf_logits(out), our_logits(cfg, workdir), rtol=1e-4, atol=1e-5)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     text = "def f(x):\n\treturn  x  # ünïcode ✓"

@@ -364,4 +364,8 @@ def test_a_relative_data_dir_not_made_yet_is_prepared_into(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code, REPO], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert (tmp_path / "tfds" / "text_files" / "notes" / "1.0.0" / "dataset_info.json").exists()
+    made = tmp_path / "tfds" / "text_files" / "notes" / "1.0.0"
+    assert (made / "dataset_info.json").exists()
+    # every file as readable as the user's umask makes any other (a team's shared corpus), shards too
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in made.iterdir()}
+    assert set(modes.values()) == {oct((made / "dataset_info.json").stat().st_mode & 0o777)}, modes

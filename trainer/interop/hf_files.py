@@ -12,14 +12,22 @@ import os
 import numpy as np
 
 from trainer.config.errors import ConfigError
+from trainer.storage.workdir import shared_mode
 
 WEIGHTS_FILE = "model.safetensors"
 
 
 def write_weights(tensors: dict[str, np.ndarray], out_dir: str) -> None:
+    write_safetensors(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def write_safetensors(tensors: dict[str, np.ndarray], path: str, metadata: dict | None = None) -> None:
+    """safetensors' file, readable as every other file written here: save_file creates it 0600 (through a
+    private temporary file), which a shared model directory's readers cannot open."""
     from safetensors.numpy import save_file
 
-    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(tensors, path, metadata=metadata)
+    shared_mode(path)
 
 
 def read_weights(hf_dir: str) -> dict[str, np.ndarray]:

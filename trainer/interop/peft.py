@@ -19,6 +19,7 @@ import re
 import numpy as np
 
 from trainer.config.errors import ConfigError
+from trainer.interop import hf_files
 from trainer.interop.families.core import layers_by_stack
 from trainer.model.spec import Architecture
 
@@ -166,10 +167,8 @@ def check_config(saved: dict, lora, where: str, spec: Architecture, modules: str
 
 def write(tensors: dict[str, np.ndarray], lora, spec: Architecture, out_dir: str, base: str = "") -> None:
     """An adapter directory PEFT loads: `to_peft`'s tensors and their adapter_config.json."""
-    from safetensors.numpy import save_file
-
     os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, WEIGHTS_FILE))
+    hf_files.write_safetensors(tensors, os.path.join(out_dir, WEIGHTS_FILE))
     with open(os.path.join(out_dir, CONFIG_FILE), "w") as f:
         json.dump(peft_config(lora, spec, base), f, indent=2)
 

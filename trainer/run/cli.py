@@ -76,7 +76,7 @@ def at_least(flag: flags.FlagHolder, low: float, says: str) -> None:
 
 def config_args(argv: list[str]) -> list[str]:
     """The --config flags of a command line, to hand on to another script (scaling.py's --list)."""
-    return [f"--config={config_path()}"] + [a for a in argv if a.startswith("--config.")]
+    return [f"--config={config_path()}"] + [a for a in command_line_form(argv) if a.startswith("--config.")]
 
 
 def say_next(result: dict, cfg, workdir_flag: str | None, argv: list[str]) -> None:
@@ -179,9 +179,13 @@ def command_line_form(args: list[str]) -> list[str]:
     words alone (a ':' or a space in an element stops it). A value already in brackets or quotes is left as
     it is (a sample prompt with a comma in it: `--config.train.sample_prompts="('f(a, b',)"`)."""
     lists = {k for k, v in forms.flatten(config.defaults()).items() if isinstance(v, tuple) and k not in NUMBER_LISTS}
-    out = []
-    for arg in args:
+    out, args = [], list(args)
+    while args:
+        arg = args.pop(0)
         key, eq, value = arg.removeprefix("--config.").partition("=")
+        if arg.startswith("--config.") and not eq and key in lists and args and not args[0].startswith("-"):
+            # absl's `--flag value` form, read as `--flag=value` so that it splits the same way
+            arg, eq, value = f"{arg}={args[0]}", "=", args.pop(0)
         if arg.startswith("--config.") and eq and key in lists and not value.startswith(("(", "[", "'", '"')):
             parts = value.split(",") if key == "train.sample_prompts" else [p.strip() for p in value.split(",")]
             arg = f"--config.{key}={tuple(p for p in parts if p)!r}"  # a prompt's spaces are the prompt's

@@ -30,6 +30,14 @@ def is_remote(location) -> bool:
     return str(location).startswith(BUCKET)
 
 
+def shared_mode(local_file: str) -> None:
+    """Give a file that a library made private (a temporary file's or safetensors' 0600) the mode that the
+    user's umask gives every other file: a team's shared corpus or model directory must be readable."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(local_file, 0o666 & ~mask)
+
+
 def path(location) -> epath.Path:
     """A location as a path: a bucket's as given, a local one made absolute (Orbax wants it so)."""
     location = str(location)

@@ -26,7 +26,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
-from trainer.storage.workdir import is_remote
+from trainer.storage.workdir import is_remote, shared_mode
 
 TOKENS_SUFFIX = "-tokens"  # the tokenised store of corpus <name> is dataset <name>-tokens
 SPLITS = ("train", "validation")
@@ -121,6 +121,7 @@ class ShardWriter:
         if self._flat is not None:
             self._flat.close()
         for local, target in self._places:
+            shared_mode(local)  # made by NamedTemporaryFile (0600); moved or copied with its mode
             if is_remote(target):
                 import fsspec
 
