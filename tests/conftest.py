@@ -144,6 +144,7 @@ def pytest_collection_modifyitems(items):
         for item in items:
             if item.get_closest_marker("xla_defaults"):
                 item.add_marker(skip)
+
     def rank(item):
         name = item.path.stem
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
