@@ -24,5 +24,5 @@ from trainer.config.forms import from_file
 
 def get_config():
     c = from_file(os.path.join(os.path.dirname(__file__), "quickstart.py"))
-    c.distill.update(teacher="runs/tiny", alpha=0.5, beta=0.0, temperature=1.0, top_k=32)
+    c.distill.update(teacher="runs/tiny", alpha=0.5, beta=0.0, divergence_temperature=1.0, top_k=32)
     return c

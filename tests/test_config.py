@@ -2,13 +2,14 @@
 every key and type, on every recipe; the command line's list forms read as documented."""
 
 import glob
+import json
 import os
 
 import pytest
 from absl import flags
 from conftest import REPO
 
-from trainer.config.forms import flatten, from_file
+from trainer.config.forms import flatten, from_dict, from_file
 from trainer.run import cli
 from trainer.storage import workdir as wd
 
@@ -76,3 +77,17 @@ def test_the_command_lines_list_forms_read_as_documented(tmp_path):
                     continue  # a value that looks like a flag takes the `=` form, in absl as here
                 cfg = parsed(["prog", f"--config={os.path.join(REPO, config)}", *form])
                 assert flatten(cfg)[key] == want, (config, form)
+
+
+def test_an_older_runs_renamed_keys_read_under_their_new_names(tmp_path):
+    """train.microbatches became train.pipeline_microbatches; distill.temperature, which both divided the
+    divergence's logits and sampled, became two keys, and an older run's value is read into both."""
+    cfg = from_file(os.path.join(REPO, "configs", "distill_tiny.py"))
+    wd.write_config(str(tmp_path), cfg)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["distill"]["divergence_temperature"], saved["distill"]["sample_temperature"]
+    saved["distill"]["temperature"], saved["train"]["microbatches"] = 2.0, 4
+    del saved["train"]["pipeline_microbatches"]
+    back = from_dict(saved)
+    assert (back.distill.divergence_temperature, back.distill.sample_temperature) == (2.0, 2.0)
+    assert back.train.pipeline_microbatches == 4

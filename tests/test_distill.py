@@ -26,7 +26,44 @@ from trainer.training.teacher import teacher_config
 
 
 def settings(beta, temperature, alpha=0.5):
-    return types.SimpleNamespace(beta=beta, temperature=temperature, alpha=alpha)
+    return types.SimpleNamespace(beta=beta, divergence_temperature=temperature, alpha=alpha)
+
+
+def test_trls_gkd_settings_give_gkd_trainers_own_loss():
+    """A GKD recipe ported by docs/post_training.md's table (TRL's GKDConfig defaults: temperature 0.9, which
+    samples; beta 0.5; lmbda 0.5; no cross-entropy) gives TRL 1.16's GKDTrainer.compute_loss on the same two
+    models' logits: TRL's divergence is at temperature 1, whatever GKDConfig.temperature says."""
+    torch = pytest.importorskip("torch", reason="the hf extra is not installed: pip install -e '.[hf]'")
+    gkd = pytest.importorskip(
+        "trl.experimental.gkd", reason="the post extra is not installed: pip install -e '.[post]'"
+    )
+    args = gkd.GKDConfig(output_dir="unused", report_to=[], use_cpu=True, bf16=False)
+    cfg = micro_config()
+    cfg.distill.update(alpha=1.0, beta=args.beta, on_policy=args.lmbda, sample_temperature=args.temperature)
+    assert (cfg.distill.divergence_temperature, cfg.distill.sample_temperature) == (1.0, 0.9)
+    rng = np.random.default_rng(1)
+    student, teacher = (rng.normal(0, 2, (2, 9, 40)).astype(np.float32) for _ in range(2))
+    labels = np.where(rng.random((2, 9)) < 0.7, rng.integers(0, 40, (2, 9)), -100)
+
+    class Fixed(torch.nn.Module):  # a model whose logits are given: compute_loss runs as TRL wrote it
+        def __init__(self, logits):
+            super().__init__()
+            self.logits = torch.tensor(logits)
+
+        def forward(self, input_ids, attention_mask):
+            return types.SimpleNamespace(logits=self.logits)
+
+    trainer = types.SimpleNamespace(teacher_model=Fixed(teacher), beta=args.beta, temperature=args.temperature,
+                                    generalized_jsd_loss=gkd.GKDTrainer.generalized_jsd_loss)  # fmt: skip
+    inputs = {"input_ids": torch.zeros((2, 9), dtype=torch.long), "attention_mask": torch.ones((2, 9)),
+              "labels": torch.tensor(labels)}  # fmt: skip
+    theirs = float(gkd.GKDTrainer.compute_loss(trainer, Fixed(student), inputs))
+    weights = (labels[:, 1:] != -100).astype(np.float32)
+    identity = lambda x: x  # noqa: E731
+    sums = distill.chunked_sums(identity, student[:, :-1], identity, teacher[:, :-1], np.maximum(labels[:, 1:], 0),
+                                weights, cfg.distill, 0)  # fmt: skip
+    ours = cfg.distill.alpha * float(sums[3]) / weights.sum()  # alpha 1: no cross-entropy, as GKD's loss
+    assert ours == pytest.approx(theirs, rel=1e-5)
 
 
 def test_the_divergence_is_trls_generalized_jsd_for_every_beta_and_temperature():
@@ -73,7 +110,7 @@ def teacher_run(tmp_path_factory):
 
 def student(teacher: str, **sections):
     cfg = micro_config(**sections)
-    cfg.distill.update(teacher=teacher, alpha=0.3, beta=0.5, temperature=2.0)
+    cfg.distill.update(teacher=teacher, alpha=0.3, beta=0.5, divergence_temperature=2.0, sample_temperature=2.0)
     return cfg
 
 

@@ -260,7 +260,10 @@ def test_resuming_with_another_data_stream_names_the_keys(tmp_path):
             "error: --config=configs is a folder; give a configs/*.py recipe or a run's "
             "config.json (it holds no run's config.json).",
         ),
-        (["--config", "configs/tiny.py", "--config.train.microbatches=2"], "now --config.train.pipeline_microbatches"),
+        (
+            ["--config", "configs/distill_tiny.py", "--config.distill.temperature=2"],
+            "is now --config.distill.divergence_temperature and --config.distill.sample_temperature; use the new name",
+        ),
         (["--config", "configs/tiny.py", "--multihost"], "--multihost found no cluster to join"),
     ],
     ids=["misspelt key", "missing config file", "missing saved config", "a folder", "renamed key", "no cluster"],

@@ -278,7 +278,10 @@ def _declared() -> dict[str, dict]:
     c.distill = dict(
         teacher="",
         mode="online",  # one of DISTILL_MODES: the teacher in the step, or its top_k logits stored beforehand
-        temperature=Num(1.0, "(0, inf)"),  # divides both models' logits before their softmax, as TRL's GKD
+        # Divides both models' logits in the divergence (Hinton's KD; TRL's DistillationTrainer). TRL's GKD
+        # computes its divergence at 1 whatever its temperature, which samples: sample_temperature below.
+        divergence_temperature=Num(1.0, "(0, inf)"),
+        sample_temperature=Num(1.0, "(0, inf)"),  # on_policy's sampler (GKDConfig.temperature, 0.9 there)
         alpha=Num(0.5, "[0, 1]"),  # the divergence's weight against the data's cross-entropy
         beta=Num(0.5, "[0, 1]"),  # 0: forward KL(teacher | student), 1: reverse KL, between: GKD's generalized JSD
         top_k=Num(64, "[1, inf)"),  # offline: the teacher logits stored per token (scripts/teacher_logits.py)
@@ -437,11 +440,21 @@ READ_ONLY_WITH |= {f"model.moe.{k}": "model.moe.num_experts" for k in ("router",
                                                                       "groups_per_token")}  # fmt: skip
 READ_ONLY_WITH |= {f"model.mla.{k}": "model.mla.kv_rank" for k in ("q_rank", "nope_dim", "rope_dim", "v_dim")}
 READ_ONLY_WITH |= {"model.mtp.weight": "model.mtp.depth", "model.moe.shared_gate": "model.moe.num_experts"}
-READ_ONLY_WITH |= {f"distill.{k}": "distill.teacher" for k in ("mode", "temperature", "alpha", "beta", "top_k",
-                                                               "logits_dir", "on_policy")}  # fmt: skip
+READ_ONLY_WITH |= {f"distill.{k}": "distill.teacher"
+                   for k in ("mode", "divergence_temperature", "sample_temperature", "alpha", "beta", "top_k",
+                             "logits_dir", "on_policy")}  # fmt: skip
 
-# Keys that were renamed: refused with their new name, and read from an older run's config.json.
-RENAMED = {"train.microbatches": "train.pipeline_microbatches"}
+# Keys that were renamed: refused with their new names, and read from an older run's config.json (a key that
+# did two things, into both).
+RENAMED = {"train.microbatches": ("train.pipeline_microbatches",),
+           "distill.temperature": ("distill.divergence_temperature", "distill.sample_temperature")}  # fmt: skip
+
+
+def renamed_words(key: str, flag: bool = False) -> str:
+    """'is now X' or 'is now X and Y', as flags (--config.X) or as keys."""
+    return "is now " + " and ".join(f"--config.{k}" if flag else k for k in RENAMED[key])
+
+
 # Keys added with a default that differs from what runs did before them: an older run's config.json, which
 # lacks the key, is read with the value that run had in effect.
 BEFORE = {"data.mixture_unit": "documents"}

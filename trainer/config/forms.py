@@ -61,7 +61,7 @@ def from_dict(saved: Mapping) -> ml_collections.ConfigDict:
     tuples they were.
     """
     known = flatten(defaults())
-    values = {**BEFORE, **{RENAMED.get(k, k): v for k, v in _walk(saved)}}
+    values = {**BEFORE, **{new: v for k, v in _walk(saved) for new in RENAMED.get(k, (k,))}}
     values = {k: _as_tuple(v) if isinstance(known[k], tuple) else v for k, v in values.items() if k in known}
     # A flag that became a label (checkpoint.reset_optimizer): true is the label "true".
     values = {k: ("true" if v else "") if isinstance(known[k], str) and isinstance(v, bool) else v

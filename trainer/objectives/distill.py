@@ -3,8 +3,9 @@ cross-entropy (distill.*; Hinton et al. 2015, and GKD's generalized Jensen-Shann
 2024, as TRL's GKDTrainer.generalized_jsd_loss computes it).
 
 At each position that has a next-token target (the positions the cross-entropy counts: inside a document,
-and under post-training on the trained tokens), both models' logits are divided by distill.temperature and
-normalised; with beta the divergence is
+and under post-training on the trained tokens), both models' logits are divided by
+distill.divergence_temperature (1 in TRL's GKD, whose own temperature only samples) and normalised; with beta
+the divergence is
 
     0           KL(teacher || student)                           forward KL
     1           KL(student || teacher)                           reverse KL
@@ -58,7 +59,7 @@ def _chunk_sums(student_logits, teacher, targets, weights, ce_weights, settings)
     if isinstance(teacher, tuple):
         ids, values = teacher
         student_logits, teacher = jnp.take_along_axis(student_logits, ids, axis=-1), values
-    div = divergence(student_logits, teacher, settings.beta, settings.temperature)
+    div = divergence(student_logits, teacher, settings.beta, settings.divergence_temperature)
     return ce, log_z_sq, largest, jnp.sum(div * weights)
 
 

@@ -205,7 +205,7 @@ def _parse(argv):
     for arg in argv[1:]:
         key = arg.removeprefix("--config.").split("=")[0]
         if arg.startswith("--config.") and key in config.RENAMED:
-            sys.exit(f"error: --config.{key} is now --config.{config.RENAMED[key]}; use the new name.")
+            sys.exit(f"error: --config.{key} {config.renamed_words(key, flag=True)}; use the new name.")
     try:
         rest = apply_flags(argv)
         if "config" in flags.FLAGS:

@@ -3,7 +3,7 @@ the student's own text instead of the batch's.
 
 Whether step s is one is drawn from (train.seed, s) alone, so a resumed run draws the same steps. On such a
 step every row keeps the first half of its window as a prompt and the student (the weights it applies now,
-adapters joined) samples the second half, at distill.temperature as TRL's GKD samples; the row is then read
+adapters joined) samples the second half, at distill.sample_temperature as TRL's GKD samples; the row is then read
 as one sequence (positions from 0, one segment), as the sampler read it. The step takes the divergence from
 the teacher on the sampled tokens alone and no cross-entropy (there is no data to be faithful to there);
 the batch carries which tokens were sampled (`sampled`, (batch, seq), 1 on them), and the log
@@ -30,7 +30,7 @@ class StudentSamples:
         seq = cfg.data.seq_len
         self.prompt = seq // 2
         self.generate = make_generate(setup.spec, setup.shard, max_new_tokens=seq - self.prompt,
-                                      temperature=cfg.distill.temperature, split_batch=True)  # fmt: skip
+                                      temperature=cfg.distill.sample_temperature, split_batch=True)  # fmt: skip
         self.assemble = jax.jit(self._assembled, static_argnums=2, out_shardings=setup.batch_sharding)
 
     def chosen(self, step: int) -> bool:

@@ -42,6 +42,7 @@ from trainer.config import (
     TRACKERS,
     defaults,
     microbatch_size,
+    renamed_words,
 )
 from trainer.config.errors import ConfigError
 from trainer.config.forms import flatten
@@ -59,7 +60,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     known = flatten(defaults())
     for path, value in flatten(cfg).items():
         if path in RENAMED:
-            raise ConfigError(f"config key '{path}' is now '{RENAMED[path]}'; use the new name.")
+            raise ConfigError(f"config key '{path}' {renamed_words(path)}; use the new name.")
         if path not in known:
             raise ConfigError(f"unknown config key '{path}'; check its spelling against trainer/config/__init__.py.")
         default = known[path]
