@@ -43,9 +43,8 @@ def logged_lines(workdir):
 
 
 def start(workdir, corpus_dir):
-    return subprocess.Popen(
-        command(workdir, corpus_dir), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    return subprocess.Popen(command(workdir, corpus_dir), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # its own group, as a terminal's job  # fmt: skip
 
 
 def wait_for_progress(proc, workdir, lines, timeout=120):
@@ -93,12 +92,15 @@ def test_sigkill_at_random_moments_and_a_sigterm_lose_nothing(tmp_path, corpus_d
         kills += 1
     assert kills == 2
 
+    # Ctrl-C at the terminal (SIGINT to the whole process group) stops as SIGTERM does, in one line.
     proc = start(workdir, corpus_dir)
     wait_for_progress(proc, workdir, logged_lines(workdir) + 3)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
-    assert "stopping on signal 15: checkpoint saved at step" in out
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-3000:]
+    assert "stopping on Ctrl-C (SIGINT): checkpoint saved at step" in out
+    assert "rerun the same command to resume" in out
     stopped_at = int(out.split("checkpoint saved at step ")[1].split(";")[0])
     assert stopped_at < STEPS
     assert Checkpointer(os.path.join(workdir, "checkpoints"), keep=3).latest_step() == stopped_at

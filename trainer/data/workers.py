@@ -115,6 +115,7 @@ def _serve_rows(pipe, stream: Stream, split: str, rows: list[int], state: dict, 
     """A data worker: reads the windows of the rows it is asked for, replying with them and its state; on
     SIGUSR1 it writes every thread's stack into `stacks` (faulthandler's, which runs wherever it is stuck)."""
     faulthandler.register(signal.SIGUSR1, file=stacks.fileno(), all_threads=True)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the group: the trainer decides
     iterator = iter(batches(stream, split, rows, shuffle=shuffle))
     iterator.set_state(state)
     while (asked := pipe.recv()) is not None:

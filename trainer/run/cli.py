@@ -298,6 +298,11 @@ def run(main: Callable[..., None], *, takes_args: bool = False, uses_devices: bo
             main(argv[1:]) if takes_args else main()
         except (ConfigError, TrainingError) as e:
             _stop(str(e), distributed)
+        except KeyboardInterrupt:  # Ctrl-C outside the training loop, or a second one inside it
+            last_words.from_now_on()
+            print("stopped by Ctrl-C, without saving; rerun the same command to resume from the last checkpoint",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            sys.exit(130)  # the shell's status for a command ended by SIGINT
         except Exception as e:
             if distributed is not None and distributed.runtime_started():
                 distributed.wait_if_a_process_died(e)  # a lost or stopped peer: the watchdog names it, ending this

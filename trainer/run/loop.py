@@ -35,7 +35,7 @@ from trainer.interop import harness
 from trainer.model.flops import peak_flops
 from trainer.run import preflight, startup
 from trainer.run.hang import HangWatch
-from trainer.run.preemption import watch_for_sigterm
+from trainer.run.preemption import NAMES, watch_for_sigterm
 from trainer.run.profiling import StepProfiler
 from trainer.run.rollback import roll_back, rollback_event
 from trainer.storage import compile_cache
@@ -82,8 +82,9 @@ def train(cfg, workdir: str) -> dict:
             if stop.requested:
                 run.save_now()
                 # Every process says it: on a pod each host's log is read on its own.
-                who = f"signal {stop.signal}" if not stop.together else f"a preemption notice (process {run.process})"
-                print(f"stopping on {who}: checkpoint saved at step {run.step}; rerun to resume", flush=True)
+                who = NAMES[stop.signal] if not stop.together else f"a preemption notice (process {run.process})"
+                print(f"stopping on {who}: checkpoint saved at step {run.step}; rerun the same command to resume",
+                      flush=True)  # fmt: skip
                 run.last["preempted"] = True
     except Exception as e:
         wait_if_a_process_died(e)  # with a process gone, closing would wait on it (the last save's commit)
