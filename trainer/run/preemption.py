@@ -21,7 +21,6 @@ import threading
 
 from parallelism.distributed import runtime_started
 
-
 NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C (SIGINT)"}
 
 
