@@ -115,8 +115,12 @@ def test_a_finished_run_rerun_does_nothing(tmp_path):
     workdir = str(tmp_path / "run")
     train(cfg, workdir)
     before = records(workdir)
+    files = {p: open(p, "rb").read() for p in glob.glob(f"{workdir}/**", recursive=True) if os.path.isfile(p)}
     assert train(cfg, workdir) == {"step": 4}
     assert records(workdir) == before
+    # Not a launch of the run: its time account (goodput.json) and every other file as they were.
+    after = {p: open(p, "rb").read() for p in glob.glob(f"{workdir}/**", recursive=True) if os.path.isfile(p)}
+    assert after.keys() == files.keys() and [p for p in files if after[p] != files[p]] == []
 
 
 def test_records_logged_after_the_restored_checkpoint_are_moved_aside_not_dropped(tmp_path):

@@ -171,11 +171,14 @@ class Run:
                      "schedule and data start afresh")  # fmt: skip
         else:
             self.state, data = setup.new_state(), self._new_data()
+        self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()  # waits for the state
+        if self.trained >= self.target:  # a finished run run again is no launch of it: its workdir stays as it is
+            self.row_batches = data
+            return
         if self.primary:  # once the checkpoint is accepted: a refusal leaves the workdir as it was
             wd.write_config(workdir, cfg)
             if self.identity and wd.run_id(workdir) != self.identity:
                 wd.write_run_id(workdir, self.identity)
-        self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()  # waits for the state
         begun = "from checkpoint.init_from" if init is not None else "initialised"
         startup.mark("state", f"restored step {self.step}" if found else begun)
         if cfg.data.workers:  # the rows' reading and tokenising in processes of their own, from this state
