@@ -1,7 +1,8 @@
 """moe_1b: configs/llm_1b.py with a mixture of experts: about 1.4B parameters active per token of 7.3B.
 
     python scripts/plan.py --config configs/moe_1b.py --target v5p-32   # compiled by XLA:TPU for 16 chips
-    python scripts/plan.py --config configs/moe_1b.py --target h100-8    # and by XLA:GPU for one host
+    python scripts/plan.py --config configs/moe_1b.py --target h100-8 --config.model.attention=xla
+                                        # and by XLA:GPU for one host (cuDNN's attention compiles on a GPU host)
     python scripts/train.py --config configs/moe_1b.py
 
 llm_1b's attention and shape (16 layers, d_model 2048, GQA 32/8, 32k vocabulary, 2048-token sequences),

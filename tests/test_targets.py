@@ -17,7 +17,7 @@ from trainer.config.errors import ConfigError
 from trainer.config.forms import flatten, from_file, with_changes
 from trainer.model.flops import attention_forward_flops
 from trainer.planning.plan import plan
-from trainer.planning.targets import GENERATIONS, installed, parse_target, target_devices
+from trainer.planning.targets import GENERATIONS, cudnn_missing, installed, parse_target, target_devices
 from trainer.training.setup import build
 from trainer.training.step import abstract_batch
 
@@ -245,6 +245,16 @@ def test_h100_hosts_compile_without_a_gpu(monkeypatch):
     measured, textbook = result["collectives"]["measured"], result["collectives"]["textbook"]
     for kind in ("all-gather", "reduce-scatter"):
         assert measured[kind]["sent"] == pytest.approx(textbook[kind], rel=0.1), kind
+    # cuDNN's attention compiles only where cuDNN's library is: elsewhere one sentence, before any compile.
+    fused = with_changes(bf16_model(), {"model.attention": "auto"})
+    if cudnn_missing():
+        with pytest.raises(
+            ConfigError,
+            match=r"h100-8 with cuDNN's fused attention \(model.attention=auto\) needs "
+            r"cuDNN's library, which this machine lacks: plan with --config.model.attention=xla",
+        ):
+            plan(fused, target="h100-8")
+        assert plan(fused, target="h100-8", compile_step=False)["devices"] == 8  # the arithmetic needs none
 
 
 @pytest.mark.slow  # two TPU compiles, ~60 s and ~150 s here

@@ -30,7 +30,7 @@ from trainer.model.sampling import make_generate
 from trainer.model.splash import hlo_call_cost
 from trainer.planning import fit as fitting
 from trainer.planning import memory, scaling
-from trainer.planning.targets import Target, parse_target, target_devices
+from trainer.planning.targets import Target, check_kernel_compiles, parse_target, target_devices
 from trainer.storage import compile_cache
 from trainer.training import rollouts
 from trainer.training.setup import build
@@ -81,8 +81,10 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
         raise ConfigError("--fit searches for what fits a target's memory; name the hardware with --target.")
     if fit:
         fitting.check(cfg, fit_compiles)
-    if hardware is not None and devices is None:
-        devices = target_devices(hardware, slices)
+    if hardware is not None:
+        if compile_step:
+            check_kernel_compiles(cfg, hardware)
+        devices = target_devices(hardware, slices) if devices is None else devices
     setup = build(cfg, devices)
     t, seq = cfg.train, cfg.data.seq_len
     counts = count_params(setup.model.abstract_params)

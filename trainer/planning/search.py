@@ -36,6 +36,7 @@ from trainer.model.flops import count_params, matmul_params
 from trainer.planning import cost, memory
 from trainer.planning.fit import ACCUMULATION, _loss_chunks, recompute_fraction
 from trainer.planning.plan import moe_volumes
+from trainer.planning.targets import cudnn_missing
 from trainer.training.setup import build
 from trainer.training.validation import check_mesh_fit, validate
 
@@ -100,7 +101,10 @@ def divisors(n: int, limit: int | None = None) -> list[int]:
 
 
 def kernels(cfg, platform: str) -> tuple[str, ...]:
-    """The attention kernels searched: the target's fused one and XLA's; on a CPU the config's own."""
+    """The attention kernels searched: the target's fused one and XLA's (XLA's alone for a GPU where cuDNN cannot
+    be compiled here); on a CPU the config's own."""
+    if platform in KERNELS and "cudnn" in KERNELS[platform] and cudnn_missing():
+        return ("xla",)
     return KERNELS.get(platform, (resolve(cfg.model.attention, platform),))
 
 
@@ -129,6 +133,9 @@ def axis_sizes(cfg, per_slice: int, slices: int, platform: str, fixed: dict) -> 
     if platform not in KERNELS:
         kernel = kernels(cfg, platform)[0]
         reasons["attention kernel"] = f"this machine's {platform} devices run {kernel} attention only"
+    elif kernels(cfg, platform) == ("xla",):
+        reasons["attention kernel"] = ("cuDNN's fused attention needs cuDNN's library to compile, which this machine "
+                                       "lacks: xla attention alone (search on a GPU host for cudnn)")  # fmt: skip
     for key, value in fixed.items():
         axis = key.removeprefix("mesh.")
         if axis in sizes:
@@ -287,11 +294,15 @@ def _moments_state(state: dict, configured: str, moments: str) -> dict:
 
 def own_layout(cfg, devices, chip) -> Candidate | str:
     """The user's layout as configured, predicted as the search's are; or why it cannot run on `devices`."""
+    platform = devices[0].platform
+    if resolve(cfg.model.attention, platform) == "cudnn" and kernels(cfg, platform) == ("xla",):
+        return (f"its cuDNN attention (model.attention={cfg.model.attention}) cannot be compiled on this machine, "
+                "which lacks cuDNN's library")  # fmt: skip
     try:
         setup = build(cfg, devices)
     except (ConfigError, NotImplementedError) as e:
         return str(e)
-    basis, platform = Basis.of(cfg, setup), devices[0].platform
+    basis = Basis.of(cfg, setup)
     return basis.candidate(layout_of(cfg, setup), cfg, chip, platform, basis.memory(cfg, platform))
 
 

@@ -155,6 +155,28 @@ def _gpu_devices(target: Target, slices: int) -> list:
     return list(found.devices)
 
 
+def cudnn_missing() -> bool:
+    """Whether cuDNN's library is absent from this machine: XLA:GPU then cannot compile cuDNN's fused attention
+    (a CPU planning machine with the gpu extra, whose CUDA is the host's own, has none)."""
+    from jax._src.cudnn.fused_attention_stablehlo import check_cudnn_version
+
+    try:
+        check_cudnn_version()
+    except RuntimeError:
+        return True
+    return False
+
+
+def check_kernel_compiles(cfg, target: Target) -> None:
+    """A GPU target's cuDNN attention refused in one sentence where it cannot be compiled, before any compile."""
+    from trainer.model.attention import resolve
+
+    if target.is_gpu and resolve(cfg.model.attention, "cuda") == "cudnn" and cudnn_missing():
+        raise ConfigError(f"compiling for {target.name} with cuDNN's fused attention (model.attention="
+                          f"{cfg.model.attention}) needs cuDNN's library, which this machine lacks: plan with "
+                          "--config.model.attention=xla here, or on a GPU host.")  # fmt: skip
+
+
 def target_devices(target: Target, slices: int = 1) -> list:
     """The devices of `slices` such slices, for ahead-of-time compilation (no TPU or GPU needed)."""
     if slices < 1:
