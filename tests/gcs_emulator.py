@@ -30,7 +30,7 @@ from urllib.parse import parse_qs, unquote, urlencode, urlparse
 
 from gcp_storage_emulator.exceptions import NotFound
 from gcp_storage_emulator.handlers import objects
-from gcp_storage_emulator.server import APIThread, Response, Router
+from gcp_storage_emulator.server import HANDLERS, APIThread, Response, Router
 
 
 def environment(port: int) -> dict[str, str]:
@@ -104,14 +104,23 @@ def _writing(handler, object_name):
 
 
 def _upload_name(request):
+    """The object an upload writes: named in the query (a media or resumable upload), or in a multipart
+    upload's metadata part (gcsfs's small files: its pipe_file(mode="create") precondition is held there)."""
     name = request.query.get("name")
-    return name[0] if name else None
+    if name:
+        return name[0]
+    data = request.data
+    return data["meta"].get("name") if isinstance(data, dict) and "meta" in data else None
 
 
 objects.download = _reading(objects.download)
 objects.get = _reading(objects.get)
-objects.insert = _writing(objects.insert, _upload_name)
-objects.delete = _writing(objects.delete, lambda request: request.params.get("object_id"))
+_WRITES = {objects.insert: _writing(objects.insert, _upload_name),
+           objects.delete: _writing(objects.delete, lambda request: request.params.get("object_id"))}  # fmt: skip
+objects.insert, objects.delete = _WRITES.values()
+# The server's routing table was made when it was imported (above) and holds the handlers it had then.
+for _, _methods in HANDLERS:
+    _methods.update({method: _WRITES[h] for method, h in _methods.items() if h in _WRITES})
 
 
 def fault(port: int, status: int, after: int = 0, only: str = "") -> None:

@@ -212,6 +212,23 @@ def test_init_from_refuses_bad_sources_and_changes_nothing(saved, tmp_path):
     wider.checkpoint.init_from = saved
     with pytest.raises(ConfigError, match=r"layers.mlp.w_down has shape \(2, 128, 64\) in .* and \(2, 256, 64\)"):
         train(wider, str(tmp_path / "new"))
+    # Another tokenizer of a size the model holds: its ids would mean other tokens (refused by its file's hash).
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator(["def f(x): return x"] * 4, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))  # fmt: skip
+    bpe.save(str(tmp_path / "tokenizer.json"))
+    retokenised = config(data=dict(tokenizer="hf", tokenizer_path=str(tmp_path / "tokenizer.json")))
+    retokenised.checkpoint.init_from = saved
+    with pytest.raises(
+        ConfigError,
+        match=rf"checkpoint.init_from={saved!r} reads other tokens \(model.vocab_size="
+        r"384, data.tokenizer=byte ''\) than this run \(.*data.tokenizer=hf .*give weights trained "
+        "with this run's tokenizer",
+    ):
+        train(retokenised, str(tmp_path / "new"))
     both = config()
     both.checkpoint.update(init_from=saved, reset_optimizer="true")
     with pytest.raises(ConfigError, match="not both"):

@@ -43,6 +43,19 @@ def recorded_digest(workdir: str) -> str | None:
     return None if record is None else record["sha256"]
 
 
+def check_same_tokens(cfg, source: str, theirs, given: str, whom: str, why: str) -> None:
+    """Refuse what `given` names (the directory `source`, whose config is `theirs`: a teacher, or weights to
+    start from) when it reads other tokens than `cfg`: another vocabulary size, kind of tokenizer or tokenizer
+    file (by its sha256, as the run recorded it). Its ids would mean other tokens, without a word."""
+    recorded = recorded_digest(source)
+    mine = (cfg.model.vocab_size, cfg.data.tokenizer, digest(cfg.data))
+    other = (theirs.model.vocab_size, theirs.data.tokenizer, digest(theirs.data) if recorded is None else recorded)
+    if mine != other:
+        said = lambda c, v: f"model.vocab_size={v}, data.tokenizer={c.data.tokenizer} {c.data.tokenizer_path!r}"  # noqa: E731
+        raise ConfigError(f"{given} reads other tokens ({said(theirs, other[0])}) than {whom} ({said(cfg, mine[0])}); "
+                          f"{why}.")  # fmt: skip
+
+
 def _with_path(cfg, location: str):
     out = cfg.copy_and_resolve_references()
     out.data.tokenizer_path = location

@@ -56,7 +56,16 @@ def train(cfg, workdir: str) -> dict:
     account = Goodput()  # the launch's clock starts here: its checks and start-up are timed too
     startup.launch_begins()
     compile_cache.use(compile_cache.place(cfg.train.compile_cache, workdir))
-    setup, init, inputs, identity = preflight.prepare_run(cfg, workdir)
+    setup, init, inputs, identity, lease = preflight.prepare_run(cfg, workdir)
+    try:
+        return _train(setup, workdir, init, account, inputs, identity)
+    finally:
+        if lease is not None:
+            lease.release()
+
+
+def _train(setup, workdir: str, init, account: Goodput, inputs: tuple, identity: str) -> dict:
+    cfg = setup.cfg
     startup.mark("checks")
     run = Run(setup.cfg, workdir, setup, init, account, inputs, identity)
     try:

@@ -16,19 +16,21 @@ from trainer.evaluation import samples
 from trainer.interop import harness
 from trainer.storage import local_tier
 from trainer.storage import workdir as wd
+from trainer.storage.lease import Lease
 from trainer.storage.metrics import check_fresh_start
 from trainer.training import resume, teacher
 from trainer.training.setup import Setup, build
 from trainer.training.validation import unread_settings
 
 
-def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
+def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str, Lease | None]:
     """Every check that can fail, before anything is compiled; the workdir is created last.
 
     Returns the setup (whose config reads the run's copy of its tokenizer, trainer/data/run_tokenizer.py),
     for a new run with `checkpoint.init_from` the weights to start from, and the train step's inputs after
     the batch (DPO's reference weights; its config then pins init_from to DIR@STEP), and the run's identity
-    (written to the workdir with its config, once a checkpoint is accepted: trainer/run/loop.py).
+    (written to the workdir with its config, once a checkpoint is accepted: trainer/run/loop.py), and the
+    workdir's lease (process 0's; trainer/storage/lease.py), which the caller releases.
     """
     setup = build(cfg)
     primary = jax.process_index() == 0
@@ -78,13 +80,24 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str]:
     if cfg.checkpoint.local_dir:  # before the workdir is made: a refusal leaves it as it was
         local_tier.check_writable(cfg.checkpoint.local_dir, workdir, run)
     wd.check_writable(workdir)
+    lease = Lease.take(workdir) if primary else None  # a second launch of this run is refused here
+    try:
+        return _stored(cfg, workdir, setup, primary, say), init, inputs, run, lease
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+
+
+def _stored(cfg, workdir: str, setup, primary: bool, say):
+    """The run's copy of its tokenizer, made once the workdir's lease is held; the setup that reads it."""
     devices = setup.mesh.devices.size
     if setup.mesh.devices.flat[0].platform == "cpu":  # said once: the plugins' own words are held back
         say(f"running on the CPU ({devices} device{'s' * (devices > 1)}): no GPU or TPU is in use")
     if primary:
         run_tokenizer.store(cfg, workdir)
     barrier("tokenizer stored")
-    return dataclasses.replace(setup, cfg=run_tokenizer.use_copy(cfg, workdir)), init, inputs, run
+    return dataclasses.replace(setup, cfg=run_tokenizer.use_copy(cfg, workdir))
 
 
 def _quiet(*_args, **_kwargs) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 
 from trainer.config.errors import ConfigError, StorageError
 from trainer.config.forms import flatten, from_dict, with_changes
+from trainer.data import run_tokenizer
 from trainer.data.streams import Stream
 from trainer.model import adapters, quantised
 from trainer.model.spec import Architecture
@@ -252,6 +253,11 @@ def load_init_params(cfg, setup) -> tuple[dict, str, int]:
     if not wd.path(path).exists():
         raise ConfigError(f"checkpoint.init_from={cfg.checkpoint.init_from!r}: {path} does not exist.")
     source = saved_config(path)
+    if source is not None:
+        run_tokenizer.check_same_tokens(cfg, path, source, f"checkpoint.init_from={cfg.checkpoint.init_from!r}",
+                                        "this run", "its embedding rows would mean other tokens: give weights "
+                                        "trained with this run's tokenizer, or this run theirs (data.tokenizer, "
+                                        "data.tokenizer_path)")  # fmt: skip
     if source is not None and source.model.lora.rank:
         return _merged(source, path, step, setup), path, step if step is not None else wd.saved_steps(path)[-1]
     directory = wd.checkpoint_dir(path) if wd.path(wd.checkpoint_dir(path)).is_dir() else path

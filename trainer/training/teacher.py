@@ -14,7 +14,6 @@ from __future__ import annotations
 from trainer.config.errors import ConfigError
 from trainer.config.forms import flatten, from_dict, with_changes
 from trainer.data import run_tokenizer
-from trainer.data.tokenizers import digest
 from trainer.storage import workdir as wd
 
 
@@ -45,14 +44,9 @@ def teacher_config(cfg):
     if step is not None and step not in steps:
         raise ConfigError(f"distill.teacher={given!r}: {path} has no checkpoint at step {step}; it has {steps}.")
     theirs = from_dict(saved)
-    recorded = run_tokenizer.recorded_digest(path)
-    mine = (cfg.model.vocab_size, cfg.data.tokenizer, digest(cfg.data))
-    other = (theirs.model.vocab_size, theirs.data.tokenizer, digest(theirs.data) if recorded is None else recorded)
-    if mine != other:
-        said = lambda c, v: f"model.vocab_size={v}, data.tokenizer={c.data.tokenizer} {c.data.tokenizer_path!r}"  # noqa: E731
-        raise ConfigError(f"distill.teacher={given!r} reads other tokens ({said(theirs, other[0])}) than the "
-                          f"student ({said(cfg, mine[0])}); distillation compares their distributions token by "
-                          "token: give a teacher with the student's tokenizer.")  # fmt: skip
+    run_tokenizer.check_same_tokens(cfg, path, theirs, f"distill.teacher={given!r}", "the student",
+                                    "distillation compares their distributions token by token: give a teacher with "
+                                    "the student's tokenizer")  # fmt: skip
     model = {k: v for k, v in flatten(theirs).items() if k.startswith("model.")}
     return with_changes(cfg, {**model, "model.lora.rank": 0, "model.lora.base": "", "model.max_seq_len":
                               cfg.model.max_seq_len, "checkpoint.init_from": f"{path}@{step or steps[-1]}",
