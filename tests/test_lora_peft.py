@@ -122,12 +122,15 @@ def test_adapters_go_to_peft_and_come_back_with_the_same_logits(tmp_path, family
         ),
         (dict(bias="all"), r"bias='all'"),
         (dict(layers_to_transform=[0]), r"layers_to_transform=\[0\]"),
+        # Inits whose load rewrites the base (PEFT subtracts the initial B0 A0 from it when it loads them).
+        (dict(init_lora_weights="pissa"), r"init_lora_weights='pissa': PEFT's load rewrites the base weights"),
+        (dict(init_lora_weights="olora"), r"init_lora_weights='olora': PEFT's load rewrites the base weights"),
     ]
     for i, (change, says) in enumerate(refusals):
         every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         change = {"target_modules": every, **change}
         other = peft.get_peft_model(hf(str(tmp_path / "hf_base")), peft.LoraConfig(
-            r=4, lora_alpha=8, init_lora_weights=False, **change))  # fmt: skip
+            **{"r": 4, "lora_alpha": 8, "init_lora_weights": False, **change}))  # fmt: skip
         other.save_pretrained(str(tmp_path / f"other{i}"))
         with pytest.raises(ConfigError, match=says):
             import_checkpoint(str(tmp_path / "hf_base"), fresh, str(tmp_path / "refused"), str(tmp_path / f"other{i}"))

@@ -31,6 +31,10 @@ PROJECTIONS = {"q": ("attn", "self_attn.q_proj"), "k": ("attn", "self_attn.k_pro
                "z": ("attn", "linear_attn.in_proj_z"), "out": ("attn", "linear_attn.out_proj")}  # fmt: skip
 LINEAR = ("qkv", "z", "out")  # a Gated DeltaNet layer's targets; the others' attention's are q, k, v and o
 MODULES = "model.layers"  # the projections' module names in the base model: model.layers.N.self_attn.q_proj
+# init_lora_weights whose initialisation PEFT runs again on load, rewriting the base layer's weight (PEFT 0.21's
+# tuners/lora/layer.py: pissa*, corda*, olora, loftq and lora_ga assign base_layer.weight); True, False,
+# "gaussian", "eva", "orthogonal" and "mica" only set the adapters, which the saved tensors then replace.
+BASE_REWRITING = ("pissa", "corda", "olora", "loftq", "lora_ga")
 # adapter_config.json fields that leave the adapted model's arithmetic alone (metadata, how the adapters were
 # initialised or trained); r, lora_alpha, target_modules, alpha_pattern and rank_pattern are read.
 NEUTRAL = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
@@ -134,6 +138,12 @@ def check_config(saved: dict, lora, where: str, spec: Architecture, modules: str
             "adapters cannot hold; merge it into its base with peft (merge_and_unload, then "
             "save_pretrained) and import the merged model with scripts/convert_hf.py import."
         )
+    init = saved.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower().startswith(BASE_REWRITING):
+        raise ConfigError(f"the adapter in {where} was made with init_lora_weights={init!r}: PEFT's load rewrites the "
+                          "base weights (it subtracts the adapter's initial product from them), which adapters on an "
+                          "unchanged base cannot give; save it as plain LoRA with PEFT (save_pretrained with "
+                          "path_initial_model_for_weight_conversion) and import that.")  # fmt: skip
     for field, value in saved.items():
         if field not in NEUTRAL and value not in (None, False, "none", {}, [], "") and field != "modules_to_save":
             raise ConfigError(f"the adapter in {where} was made with {field}={value!r}, which changes what the "
