@@ -16,7 +16,7 @@ trl = pytest.importorskip("trl", reason="the post extra (TRL's real chat templat
 from trainer.config.errors import ConfigError  # noqa: E402
 from trainer.data import chat, corpora  # noqa: E402
 from trainer.data.tokenizers import ByteTokenizer, load_tokenizer, train_sentencepiece  # noqa: E402
-from trainer.interop.huggingface import write_tokenizer  # noqa: E402
+from trainer.interop.huggingface import write_generation_config, write_tokenizer  # noqa: E402
 
 TEMPLATES = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
 # Two families: ChatML (Qwen 2.5: a default system turn, <|im_end|> after every turn) and Llama 3 (headers,
@@ -78,6 +78,12 @@ def test_a_real_template_renders_token_for_token_as_transformers_and_marks_the_r
         assert theirs.decode(ids[turns == chat.LAST_REPLY].tolist()) == replies[-1]
         assert ids[: len(prompt)].tolist() == prompt.tolist()
     assert chat.end_of_turn_ids(ours, template) == {ours.eos_id, theirs.convert_tokens_to_ids(end.strip())}
+    # An export's generate stops at the end of a turn in transformers too (its generation_config.json).
+    os.makedirs(tmp_path / "export")
+    write_generation_config(data, str(tmp_path / "export"))
+    stops = transformers.GenerationConfig.from_pretrained(str(tmp_path / "export")).eos_token_id
+    want = {ours.eos_id, theirs.convert_tokens_to_ids(end.strip())}
+    assert set(stops if isinstance(stops, list) else [stops]) == want
 
 
 @pytest.mark.parametrize("kind", ["byte", "sentencepiece"])

@@ -18,7 +18,7 @@ from etils import epath
 from trainer.config.errors import ConfigError
 from trainer.config.forms import flatten
 from trainer.data import run_tokenizer
-from trainer.data.chat import template_for
+from trainer.data.chat import end_of_turn_ids, template_for
 from trainer.data.tokenizers import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer, load_tokenizer, tokenizer_file
 from trainer.interop import beside, peft
 from trainer.interop.families import from_hf_tensors, hf_config, model_keys_from_hf, to_hf_tensors
@@ -32,6 +32,19 @@ from trainer.model.spec import Adapters, Architecture
 def write_tokenizer(data_cfg, out_dir: str) -> None:
     """tokenizer.json + tokenizer_config.json that AutoTokenizer loads and that encode exactly as ours do."""
     hf_tokenizer(data_cfg).save_pretrained(out_dir)
+
+
+def write_generation_config(data_cfg, out_dir: str) -> None:
+    """generation_config.json: transformers' generate stops where ours does, at the end of a document and, for
+    a chat model, at its template's end of turn (ChatML's <|im_end|>), which is not the tokenizer's eos."""
+    tok = load_tokenizer(data_cfg)
+    stops = [tok.eos_id]
+    if getattr(data_cfg, "format", "text") != "text":
+        stops += sorted(end_of_turn_ids(tok, template_for(data_cfg, tok)) - {tok.eos_id})
+    config = {"bos_token_id": tok.bos_id, "eos_token_id": stops if len(stops) > 1 else stops[0],
+              "pad_token_id": tok.pad_id}  # fmt: skip
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
 
 
 def hf_tokenizer(data_cfg):
@@ -166,6 +179,7 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     tokenizer.save_pretrained(out_dir)
+    write_generation_config(cfg.data, out_dir)
     return step
 
 
