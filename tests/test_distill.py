@@ -231,7 +231,8 @@ def test_offline_logits_of_the_whole_vocabulary_train_as_the_teacher_online_and_
     """scripts/teacher_logits.py's logits with top_k = the vocabulary: a run reading them beside its tokens
     trains as the online teacher teaches (the same losses and weights), two steps, a restart and two more equal
     four straight, and an interrupted writing is finished by writing again (a row deleted is written anew, the
-    others kept). Logits made for another top_k or batch are one sentence naming it."""
+    others kept). Logits made for another top_k or batch are one sentence naming it, and so is the online run's workdir
+    resumed offline."""
     from trainer.training.offline_teacher import write_logits
 
     def config(steps, mode="offline", **changes):
@@ -266,6 +267,10 @@ def test_offline_logits_of_the_whole_vocabulary_train_as_the_teacher_online_and_
         with pytest.raises(ConfigError, match=says):
             train(with_changes(config(4, **change), other), str(tmp_path / "refused"))
     assert not (tmp_path / "refused").exists()
+    # The online run's workdir resumed offline (the docs' two modes in one workdir): one sentence naming the mode.
+    with pytest.raises(ConfigError, match=r"/online was distilled online \(its config.json's distill.mode\); "
+                       r"resume it with --config.distill.mode=online, or give this offline run another --workdir\.$"):
+        train(config(4), str(tmp_path / "online"))
 
 
 # ~7 s (Beam's worker processes each start JAX and build the teacher): pytest -m slow

@@ -4,6 +4,7 @@ writes nothing; a killed launch leaves nothing held, on a local disk and in a bu
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -59,3 +60,16 @@ def test_a_buckets_lease_refuses_a_second_launch_lapses_when_its_holder_is_kille
     taken = Lease.take(workdir)
     assert json.loads(fs.cat_file(f"{workdir}/lease.json"))["pid"] == os.getpid()
     taken.release()
+    # A fresh lease whose holder ran on this host and has ended (a job killed and relaunched on its VM) is taken
+    # over at once; a fresh one of a live process on another host is not.
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    for host, pid, taken_over in [(socket.gethostname(), ended.pid, True), ("elsewhere", ended.pid, False)]:
+        fs.invalidate_cache()
+        fresh = {"host": host, "pid": pid, "since": time.time(), "renewed": time.time()}
+        fs.pipe_file(f"{workdir}/lease.json", json.dumps(fresh).encode())
+        if taken_over:
+            Lease.take(workdir).release()
+        else:
+            with pytest.raises(ConfigError, match="is in use by another launch"):
+                Lease.take(workdir)

@@ -6,7 +6,8 @@ A local workdir is locked with flock(2) on the directory itself (no file is adde
 when the process ends, however it ends, so a killed run never leaves it held. A bucket has no locks: the
 lease is the object `lease.json`, created only where none exists (GCS's ifGenerationMatch=0), renewed every
 RENEW_S seconds by a thread, and deleted at the end. A killed run's lease lapses LAPSE_S seconds after its
-last renewal; a launch that finds a lapsed lease takes it over. Process 0 holds it for every process of a
+last renewal; a launch that finds a lapsed lease takes it over, and so does one on the holder's own host where
+the holder's process is gone (a job killed and relaunched on the same VM need not wait). Process 0 holds it for every process of a
 multi-process run.
 """
 
@@ -28,6 +29,19 @@ RENEW_S, LAPSE_S = 30.0, 120.0
 
 def _holder() -> dict:
     return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.time(), "renewed": time.time()}
+
+
+def _gone(holder: dict) -> bool:
+    """The holder ran on this host and its process has ended."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
 
 
 def _said(holder: dict) -> str:
@@ -82,7 +96,7 @@ class Lease:
                 except (FileNotFoundError, ValueError):
                     holder = {}  # ended meanwhile, or unreadable: tried once more, then taken over
                 left = LAPSE_S - (time.time() - holder.get("renewed", 0))
-                if left > 0:
+                if left > 0 and not _gone(holder):
                     raise _refusal(self.workdir, f"{_said(holder)}; its lease renewed {LAPSE_S - left:.0f} s ago, "
                                    f"and a killed launch's lapses after {LAPSE_S:.0f} s") from None  # fmt: skip
                 fs.rm_file(name)  # lapsed: its launch is gone

@@ -80,6 +80,11 @@ def check_resume(workdir: str, cfg, setup, saved=None) -> None:
         return
     check_architecture(workdir, cfg, saved)
     check_start(workdir, cfg, saved)
+    if saved.distill.teacher and cfg.distill.teacher and saved.distill.mode != cfg.distill.mode:
+        raise ConfigError(
+            f"{workdir} was distilled {saved.distill.mode} (its config.json's distill.mode); resume it with "
+            f"--config.distill.mode={saved.distill.mode}, or give this {cfg.distill.mode} run another --workdir."
+        )
     differ = changed_keys(saved, cfg, lambda c: Stream.from_config(c).identity())
     if differ:
         raise ConfigError(
