@@ -7,8 +7,8 @@ when the process ends, however it ends, so a killed run never leaves it held. A 
 lease is the object `lease.json`, created only where none exists (GCS's ifGenerationMatch=0), renewed every
 RENEW_S seconds by a thread, and deleted at the end. A killed run's lease lapses LAPSE_S seconds after its
 last renewal; a launch that finds a lapsed lease takes it over, and so does one on the holder's own host where
-the holder's process is gone (a job killed and relaunched on the same VM need not wait). Process 0 holds it for every process of a
-multi-process run.
+the holder's process is gone (a job killed and relaunched on the same VM need not wait). Process 0 holds it
+for every process of a multi-process run.
 """
 
 from __future__ import annotations
