@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, micro_config
 
 from trainer.config.errors import ConfigError
-from trainer.data import corpora, readers, streams
+from trainer.data import corpora, readers, row_iterators, streams
 from trainer.data.preparation import split as split_rule
 from trainer.data.readers.store import FlatTokens, Tokens
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece
@@ -246,7 +246,7 @@ def test_each_document_is_counted_once_whatever_its_marks(bos, eos):
     docs = [np.concatenate([[bos], rng.integers(3, 50, n), [eos]]).astype(np.int32) for n in rng.integers(0, 9, 300)]
     windows = ConcatThenSplitIterDataset(grain.MapDataset.source([{"tokens": d} for d in docs]).to_iter_dataset(),
                                          length_struct={"tokens": 5})  # fmt: skip
-    batches = [streams._stack([w]) for w in windows]
+    batches = [row_iterators.stack_windows([w]) for w in windows]
     lone_end = sum(int(b["positions"][0, 0] == 0 and b["segment_ids"][0, 1] != b["segment_ids"][0, 0]
                        and b["tokens"][0, 0] == eos) for b in batches)  # fmt: skip
     assert lone_end > 0  # the hard case occurs

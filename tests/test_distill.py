@@ -333,3 +333,33 @@ def test_an_on_policy_step_trains_on_the_students_own_continuation_of_its_batch(
     div = np.asarray(distill.divergence(s, t, 0.5, 2.0))[:, 15:31].mean()  # positions predicting sampled tokens
     assert float(metrics["distill/divergence"]) == pytest.approx(float(div), rel=1e-4)
     assert float(metrics["distill/cross_entropy"]) == 0 and float(metrics["distill/on_policy"]) == 1
+
+
+def test_a_distilled_runs_loss_is_its_cross_entropy_beside_its_teacher_and_the_student_trained_alone(teacher_run,
+                                                                                                    tmp_path):
+    """A distilled run shows its cross-entropy as the loss one compares and its objective apart (console line,
+    report), and its done: line puts its held-out loss beside its teacher's on the same batches (eval.py's
+    score of the teacher's checkpoint) and beside the same student trained alone in a sibling workdir."""
+    from trainer.evaluation.loss import evaluate_checkpoint
+    from trainer.evaluation.report import read
+    from trainer.run.cli import reached_words
+    from trainer.storage.metrics import console_line
+
+    alone_cfg = micro_config(train=dict(steps=2, eval_every=2))
+    alone = train(alone_cfg, str(tmp_path / "alone"))
+    taught_cfg = student(teacher_run, train=dict(steps=2, eval_every=2))
+    taught = train(taught_cfg, str(tmp_path / "taught"))
+    teacher = evaluate_checkpoint(teacher_config(taught_cfg), teacher_run, max_batches=2, say=lambda _: None)
+    assert taught["eval_loss_teacher"] == pytest.approx(teacher["loss"], rel=1e-6)
+    assert taught["eval_loss_alone"] == alone["eval_loss"] and taught["alone"] == str(tmp_path / "alone")
+    gain = alone["eval_loss"] - taught["eval_loss"]
+    words = reached_words(taught)
+    assert words.startswith(f"validation loss {taught['eval_loss']:.4f} (the teacher's {teacher['loss']:.4f}; "
+                            f"trained alone {alone['eval_loss']:.4f} at {tmp_path / 'alone'}: taught, "
+                            f"{abs(gain):.4f} {'lower' if gain > 0 else 'higher: the teacher did not help'}; ")
+    assert words.endswith(f"loss {taught['distill/cross_entropy']:.4f} (cross-entropy; objective "
+                          f"{taught['loss']:.4f})")  # fmt: skip
+    line = console_line(2, 2, 2, {**taught, "mfu": None, "loss_scale": 1.0, "tokens_per_sec": 1.0, "step_time": 1.0})
+    assert f"loss {taught['distill/cross_entropy']:.4f} (cross-entropy; objective {taught['loss']:.4f})" in line
+    plotted = read(str(tmp_path / "taught"))["train"][-1]
+    assert (plotted["loss"], plotted["objective"]) == (taught["distill/cross_entropy"], taught["loss"])

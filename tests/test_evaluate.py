@@ -14,7 +14,7 @@ import pytest
 from conftest import cli_args, micro_config
 
 from trainer.config.errors import ConfigError
-from trainer.data import corpora, held_out, streams
+from trainer.data import corpora, held_out, row_iterators, streams
 from trainer.data.tokenizers import BOS_ID, EOS_ID, ByteTokenizer
 from trainer.evaluation.loss import evaluate_checkpoint
 from trainer.run.loop import train
@@ -108,7 +108,7 @@ def todays_batches(stream, split, rows):
         batch = [next(windows[r], None) for r in rows]
         if all(row is None for row in batch):
             return
-        yield streams._stack([padding if row is None else row for row in batch])
+        yield row_iterators.stack_windows([padding if row is None else row for row in batch])
 
 
 def test_a_whole_split_fills_its_batches_and_scores_as_its_rows_did(tmp_path):

@@ -136,3 +136,15 @@ def test_the_layer_rule_finds_an_import_from_above_and_from_a_sibling():
         "trainer.data.streams imports trainer.training.step (trainer.training is not below trainer.data)",
         "trainer.interop.scoring imports trainer.evaluation.loss (trainer.evaluation is not below trainer.interop)",
     ]
+
+
+# A module is read at a sitting: past this many lines it holds more than one idea, and is split by what it holds.
+MOST_LINES = 450
+
+
+def test_every_module_and_script_reads_at_a_sitting():
+    files = list(modules().values())
+    for folder in ("scripts", "benchmarks"):
+        files += [os.path.join(REPO, folder, n) for n in os.listdir(os.path.join(REPO, folder)) if n.endswith(".py")]
+    long = {os.path.relpath(f, REPO): n for f in files if (n := sum(1 for _ in open(f))) > MOST_LINES}
+    assert not long, f"over {MOST_LINES} lines: {long}; split each by what it holds"

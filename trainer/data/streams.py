@@ -22,7 +22,7 @@ row's documents from them by weight, deterministically: the same documents in
 the same order whatever the processes, and the same checkpointable row state.
 With `data.mixture_unit=tokens` (the default) the weights are shares of tokens:
 each row counts the tokens it has taken from each corpus and takes its next
-document from the one furthest below its share (`_TokenMix`, whose counts are
+document from the one furthest below its share (`row_iterators.TokenMix`, whose counts are
 part of the row's state), so a corpus of long documents gets its weight's
 share, not more. With `documents` (runs from before the unit existed) they
 are shares of documents, drawn with Grain's `MapDataset.mix`. Each window then
@@ -44,6 +44,7 @@ from jax.sharding import NamedSharding
 from trainer.data import chat, readers, teacher_logits
 from trainer.data.corpora import text_feature
 from trainer.data.mixture import parse_mixture
+from trainer.data.row_iterators import PairWindows, RowBatches, TokenMix
 from trainer.data.tokenizers import load_tokenizer
 from trainer.storage.workdir import is_remote
 
@@ -76,7 +77,8 @@ class Stream:
     token_dtype: str = "uint16"
     eos_id: int = -1
     # Post-training (trainer/data/chat.py): conversations rendered through `chat_template` ("" = the
-    # tokenizer's own), trained on the tokens `loss_on` picks; preference pairs packed whole (_PairWindows).
+    # tokenizer's own), trained on the tokens `loss_on` picks; preference pairs packed whole
+    # (row_iterators.PairWindows).
     format: str = "text"
     loss_on: str = "all"
     chat_template: str = ""
@@ -181,21 +183,6 @@ def _tagged(tokens: np.ndarray, tag: int | None) -> dict[str, np.ndarray]:
     return {"tokens": tokens} if tag is None else {"tokens": tokens, "source": np.full_like(tokens, tag)}
 
 
-def _stack(rows) -> dict[str, np.ndarray]:
-    batch = {
-        "tokens": np.stack([r["tokens"] for r in rows]),
-        "segment_ids": np.stack([r["tokens_segment_ids"] for r in rows]).astype(np.int32),
-        "positions": np.stack([r["tokens_positions"] for r in rows]).astype(np.int32),
-    }
-    for key in ("source", "loss_mask"):
-        if key in rows[0]:
-            batch[key] = np.stack([r[key] for r in rows]).astype(np.int32)
-    for key in teacher_logits.BATCH_KEYS:  # offline distillation's: (seq_len, top_k) a row
-        if key in rows[0]:
-            batch[key] = np.stack([r[key] for r in rows])
-    return batch
-
-
 def _read_options(stream: Stream) -> grain.ReadOptions:
     """How each row reads its documents. From local files, in the reading thread: Grain's default read-ahead
     (16 threads and 500 documents for every row) made the quick start's first 4 held-out batches take 8 s, not
@@ -216,7 +203,7 @@ def batches(stream: Stream, split: str, rows: Sequence[int], *, shuffle: bool) -
     length = {"tokens": stream.seq_len}
     if stream.format == "preference":
         docs = documents(stream, split, shuffle)
-        return _RowBatches({r: _PairWindows(docs[r :: stream.rows], stream.seq_len) for r in rows})
+        return RowBatches({r: PairWindows(docs[r :: stream.rows], stream.seq_len) for r in rows})
     if stream.format == "chat":
         length["loss_mask"] = stream.seq_len
     read = _read_options(stream)
@@ -230,51 +217,14 @@ def batches(stream: Stream, split: str, rows: Sequence[int], *, shuffle: bool) -
         docs = {i: documents(sources[i], split, shuffle, tag=i) for i, _ in drawn}
         weights = [weight for _, weight in drawn]
         if stream.mixture_unit == "tokens":
-            row_docs = lambda r: _TokenMix([docs[i][r :: stream.rows] for i, _ in drawn], weights)
+            row_docs = lambda r: TokenMix([docs[i][r :: stream.rows] for i, _ in drawn], weights)
         else:
             row_docs = lambda r: grain.MapDataset.mix([docs[i][r :: stream.rows] for i, _ in drawn],
                                                       weights).to_iter_dataset(read)  # fmt: skip
     windows = {r: ConcatThenSplitIterDataset(row_docs(r), length_struct=length) for r in rows}
     if stream.teacher_logits and split == stream.train_split:
         windows = {r: teacher_logits.RowWithLogits(w, stream.teacher_logits, r) for r, w in windows.items()}
-    return _RowBatches(windows)
-
-
-class _TokenMix(grain.IterDataset):
-    """A row's documents drawn from several corpora (endless MapDatasets) so that each corpus's share of the
-    tokens taken follows its weight: the next document comes from the corpus furthest below its share of the
-    tokens taken so far (the first in data.mixture on a tie). The state is where each corpus's stream stands
-    and the tokens taken from each, so a resume continues the same draw."""
-
-    def __init__(self, parents: list[grain.MapDataset], weights: list[float]):
-        super().__init__(parents)
-        self._parents = parents
-        self._shares = np.asarray(weights, np.float64) / sum(weights)
-
-    def __iter__(self) -> _TokenMixIterator:
-        return _TokenMixIterator(self._parents, self._shares)
-
-
-class _TokenMixIterator(grain.DatasetIterator):
-    def __init__(self, parents: list[grain.MapDataset], shares: np.ndarray):
-        super().__init__()  # no parent iterators: `_parents` is Grain's name for those, which close() closes
-        self._corpora, self._shares = parents, shares
-        self._next = [0] * len(parents)
-        self._taken = [0] * len(parents)
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        behind = self._shares * sum(self._taken) - np.asarray(self._taken, np.float64)
-        i = int(np.argmax(behind))
-        doc = self._corpora[i][self._next[i]]
-        self._next[i] += 1
-        self._taken[i] += len(doc["tokens"])
-        return doc
-
-    def get_state(self) -> dict:
-        return {"next": list(self._next), "taken": list(self._taken)}
-
-    def set_state(self, state: dict) -> None:
-        self._next, self._taken = [int(n) for n in state["next"]], [int(n) for n in state["taken"]]
+    return RowBatches(windows)
 
 
 def mixture_counts(local: dict[str, np.ndarray], unit: str, corpora: int, bos_id: int) -> np.ndarray:
@@ -299,105 +249,6 @@ def document_starts(local: dict[str, np.ndarray], bos_id: int | None) -> np.ndar
     if begins.shape[1] > 1:
         first &= local["segment_ids"][:, 1] == local["segment_ids"][:, 0]
     return np.concatenate([first[:, None], begins[:, 1:]], axis=1)
-
-
-class _PairWindows(grain.IterDataset):
-    """A row's preference pairs, whole, in windows of `seq_len`: each pair's prompt with the chosen reply is
-    segment 2k+1 and with the rejected one 2k+2, as many pairs as fit, in order; the rest is padding. A pair
-    longer than a window alone is cut to fit (each sequence keeps its start, the shorter whole if it fits
-    in half). The state is the next pair's index."""
-
-    def __init__(self, pairs: grain.MapDataset, seq_len: int):
-        super().__init__()
-        self._pairs, self._len = pairs, seq_len
-
-    def __iter__(self) -> _PairWindowsIterator:
-        return _PairWindowsIterator(self._pairs, self._len)
-
-
-class _PairWindowsIterator(grain.DatasetIterator):
-    def __init__(self, pairs: grain.MapDataset, seq_len: int):
-        super().__init__()
-        self._pairs, self._len, self._next = pairs, seq_len, 0
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        n = self._len
-        out = {k: np.zeros(n, np.int32) for k in ("tokens", "tokens_segment_ids", "tokens_positions", "loss_mask")}
-        at = segment = 0
-        while True:
-            pair = self._pairs[self._next]
-            sides = [(pair["tokens"], pair["loss_mask"]), (pair["rejected"], pair["rejected_mask"])]
-            lengths = [len(t) for t, _ in sides]
-            if sum(lengths) > n:  # alone in its window, cut
-                if segment:
-                    break
-                first = min(lengths[0], max(n // 2, n - lengths[1]))
-                lengths = [first, min(lengths[1], n - first)]
-            elif at + sum(lengths) > n:
-                break
-            for (tokens, mask), size in zip(sides, lengths, strict=True):
-                segment += 1
-                place = slice(at, at + size)
-                out["tokens"][place], out["loss_mask"][place] = tokens[:size], mask[:size]
-                out["tokens_segment_ids"][place], out["tokens_positions"][place] = segment, np.arange(size)
-                at += size
-            self._next += 1
-            if at == n:
-                break
-        return out
-
-    def get_state(self) -> dict:
-        return {"next": self._next}
-
-    def set_state(self, state: dict) -> None:
-        self._next = int(state["next"])
-
-
-class _RowBatches(grain.IterDataset):
-    """Row streams read side by side into batches; the state is keyed by global row index,
-    so a checkpoint written by one process layout restores under another."""
-
-    def __init__(self, streams: dict[int, grain.IterDataset]):
-        super().__init__(list(streams.values()))
-        self._streams = streams
-
-    def __iter__(self) -> _RowBatchesIterator:
-        return _RowBatchesIterator({r: s.__iter__() for r, s in self._streams.items()})
-
-
-class _RowBatchesIterator(grain.DatasetIterator):
-    def __init__(self, streams: dict[int, grain.DatasetIterator]):
-        super().__init__(list(streams.values()))
-        self._streams = streams
-
-    def __next__(self) -> dict[str, np.ndarray]:
-        return self.read(self._streams)
-
-    def read(self, rows: Sequence[int]) -> dict[str, np.ndarray]:
-        """The next window of each of `rows` (rows this iterator holds), stacked in that order."""
-        return _stack([next(self._streams[r]) for r in rows])
-
-    def get_state(self) -> dict:
-        return {"rows": {str(r): s.get_state() for r, s in self._streams.items()}}
-
-    def set_state(self, state: dict) -> None:
-        saved = state["rows"]
-        for r, stream in self._streams.items():
-            stream.set_state(_slices_as_tuples(saved[str(r)]))
-
-
-def _slices_as_tuples(state):
-    """Grain 0.2.18's ConcatThenSplit tests `slice != (-1, -1)` to see if a document is
-    half-read; a checkpoint's JSON turns the tuple into a list, the test then always
-    says yes, and every restored row silently skips one document. Undo the JSON."""
-    if isinstance(state, dict):
-        return {
-            k: {f: tuple(v) for f, v in val.items()} if k == "remainder_slices" else _slices_as_tuples(val)
-            for k, val in state.items()
-        }
-    if isinstance(state, list):
-        return [_slices_as_tuples(v) for v in state]
-    return state
 
 
 def process_rows(sharding: NamedSharding, global_batch: int, seq_len: int) -> list[int]:

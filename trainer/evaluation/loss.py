@@ -144,6 +144,11 @@ class Evaluator:
         weights = setup.abstract_params()
         self._step = step.lower(weights, setup.abstract_batch(training=False),
                                 *((weights,) if setup.preference else ())).compile()  # fmt: skip
+        # An online teacher is scored once on the same batches: the loss its student is measured against.
+        teacher = setup.teacher
+        self._teacher_step = (None if teacher is None else eval_step(teacher).lower(
+            teacher.abstract_params(), setup.abstract_batch(training=False)).compile())  # fmt: skip
+        self._teacher_loss: float | None = None
 
     def covers(self, result: dict) -> str:
         """What the loss of a `result` was measured on, and where the whole split's is: the console says it
@@ -166,6 +171,14 @@ class Evaluator:
             out["eval_tokens"] += sums["count"]
             if name:
                 out[f"eval_loss/{name}"], out[f"unigram_loss/{name}"] = loss, unigram
+        if self._teacher_step is not None:
+            if self._teacher_loss is None:
+                teacher = 0.0
+                for name, (batches, _) in self._sources.items():
+                    sums = evaluate(self._setup, self._teacher_step, self._inputs[-1], batches)
+                    teacher += self._weights[name] * sums["total"] / max(sums["count"], 1.0)
+                self._teacher_loss = teacher
+            out["eval_loss_teacher"] = self._teacher_loss
         return out
 
     def _preference(self, params, progress) -> dict[str, float]:
@@ -276,7 +289,9 @@ def eval_line(step: int, result: dict, covers: str = "") -> str:
     """The loop's console line for an evaluation: held-out loss (`covers`: what it read), DPO's pairs, or
     GRPO's rewarded prompts."""
     if "unigram_loss" in result:
-        return f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  (unigram {result['unigram_loss']:.4f}; {covers})"
+        teacher = f"the teacher's {result['eval_loss_teacher']:.4f}, " if "eval_loss_teacher" in result else ""
+        return (f"step {step:>6}  eval_loss {result['eval_loss']:.4f}  ({teacher}unigram "
+                f"{result['unigram_loss']:.4f}; {covers})")  # fmt: skip
     if "eval_reward" in result:
         return f"step {step:>6}  eval {rewarded(result)} ({int(result['eval_prompts'])} held-out prompts)"
     return (f"step {step:>6}  eval DPO loss {result['eval_loss']:.4f}  reward accuracy "

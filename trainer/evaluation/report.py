@@ -23,6 +23,8 @@ from trainer.storage.workdir import path
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("grad_norm", "gradient norm"),
           ("update_ratio", "update ratio"), ("tokens_per_sec", "tokens/s"), ("mfu", "MFU"))  # fmt: skip
 REWARD = ("rl/reward", "reward (GRPO): rollouts', smoothed, held-out greedy")
+# A distilled run's loss panel shows its cross-entropy (comparable with any run's loss), its objective here.
+OBJECTIVE = ("objective", "distillation's objective: (1 - alpha) x cross-entropy + alpha x divergence")
 
 
 def read(workdir: str) -> dict:
@@ -42,8 +44,17 @@ def read(workdir: str) -> dict:
         elif "eval_loss" in record or "eval_reward" in record:
             run["eval"].append(record)
         elif "loss" in record:
-            run["train"].append(record)
+            run["train"].append(_comparable(record))
     return run
+
+
+def _comparable(record: dict) -> dict:
+    """A distilled step's record with its cross-entropy as the loss that is plotted beside other runs' losses,
+    and its objective apart (none on a step of the student's own samples, which has no cross-entropy)."""
+    if "distill/cross_entropy" not in record:
+        return record
+    loss = None if record.get("distill/on_policy") else record["distill/cross_entropy"]
+    return {**record, "loss": loss, "objective": record["loss"]}
 
 
 def figure(workdirs: list[str]):
@@ -57,7 +68,8 @@ def figure(workdirs: list[str]):
     import matplotlib.pyplot as plt
 
     runs = [read(workdir) for workdir in workdirs]
-    panels = PANELS + ((REWARD,) if any(r.get("rl/reward") is not None for run in runs for r in run["train"]) else ())
+    given = lambda key: any(r.get(key) is not None for run in runs for r in run["train"])  # noqa: E731
+    panels = PANELS + ((REWARD,) if given("rl/reward") else ()) + ((OBJECTIVE,) if given("objective") else ())
     rows = (len(panels) + 1) // 2
     fig = plt.figure(figsize=(12, 3 * rows + 3))
     grid = fig.add_gridspec(rows + 1, 2, height_ratios=(1,) * rows + (0.7,))
@@ -73,7 +85,8 @@ def figure(workdirs: list[str]):
             steps = [r["step"] for r in run["train"] if r.get(key) is not None]
             ax.plot(steps, [r[key] for r in run["train"] if r.get(key) is not None], color=color, label=label,
                     alpha=0.35 if key == REWARD[0] else 1.0)  # fmt: skip
-            ax.set_title(title)
+            ax.set_title(f"{title} (a distilled run's: its cross-entropy)" if key == "loss" and OBJECTIVE in panels
+                         else title)  # fmt: skip
             for event in run["rollbacks"]:
                 ax.axvline(event["from_step"], color=color, linestyle=":", alpha=0.8)
         loss = axes[0]
@@ -81,8 +94,8 @@ def figure(workdirs: list[str]):
         if scored:
             loss.plot([r["step"] for r in scored], [r["eval_loss"] for r in scored], color=color, linestyle="--",
                       marker="o", label=f"{label} (eval)")  # fmt: skip
-        if len(panels) > len(PANELS):
-            _rewards(axes[len(PANELS)], run, color, label)
+        if REWARD in panels:
+            _rewards(axes[panels.index(REWARD)], run, color, label)
         # At the foot of the panel: a skipped step's loss is often not a number.
         loss.plot(run["skipped"], [0.02] * len(run["skipped"]), "x", color="red", transform=loss.get_xaxis_transform(),
                   label="skipped steps" if n == 0 else None)  # fmt: skip

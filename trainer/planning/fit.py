@@ -22,8 +22,9 @@ from trainer.config.errors import ConfigError
 from trainer.config.forms import flatten, with_changes
 from trainer.model.flops import attention_forward_flops
 from trainer.planning import memory
+from trainer.training.mesh_fit import check_mesh_fit
 from trainer.training.setup import build
-from trainer.training.validation import check_mesh_fit, validate
+from trainer.training.validation import validate
 
 ACCUMULATION = (1, 2, 4, 8, 16, 32)
 TENSOR = (1, 2, 4, 8)

@@ -37,8 +37,9 @@ from trainer.planning import cost, memory
 from trainer.planning.fit import ACCUMULATION, _loss_chunks, recompute_fraction
 from trainer.planning.plan import moe_volumes
 from trainer.planning.targets import cudnn_missing
+from trainer.training.mesh_fit import check_mesh_fit
 from trainer.training.setup import build
-from trainer.training.validation import check_mesh_fit, validate
+from trainer.training.validation import validate
 
 MESH_AXES = ("stage", "data", "fsdp", "expert", "context", "tensor")
 LAYOUT_KEYS = (*(f"mesh.{a}" for a in MESH_AXES), "mesh.dcn_data", "mesh.dcn_fsdp", "mesh.sequence_parallel",

@@ -22,6 +22,7 @@ from trainer.config import forms, last_words
 from trainer.config.errors import ConfigError, TrainingError
 from trainer.run import startup
 from trainer.storage import faults
+from trainer.storage.metrics import loss_words
 
 _COORDINATOR = flags.DEFINE_string("coordinator", None, "Multi-process runs: host:port of process 0.")
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Multi-process runs: how many processes.")
@@ -118,10 +119,15 @@ def _next_commands(result: dict, cfg, workdir_flag: str | None, argv: list[str])
 def reached_words(result: dict) -> str:
     """What a run reached, for its `done:` line: the held-out figures (GRPO's beside where they started), then
     the last logged loss."""
-    reached = f"loss {result['loss']:.4f}" if "loss" in result else "nothing logged"
+    reached = loss_words(result) if "loss" in result else "nothing logged"
     if "unigram_loss" in result:
-        return (f"validation loss {result['eval_loss']:.4f} (the unigram's {result['unigram_loss']:.4f}; "
-                f"{result['eval_covers']}), " + reached)  # fmt: skip
+        beside = [f"the teacher's {result['eval_loss_teacher']:.4f}"] if "eval_loss_teacher" in result else []
+        if "eval_loss_alone" in result:  # the same student trained without the teacher (Run's untaught run)
+            gain = result["eval_loss_alone"] - result["eval_loss"]
+            beside.append(f"trained alone {result['eval_loss_alone']:.4f} at {result['alone']}: taught, "
+                          f"{abs(gain):.4f} {'lower' if gain > 0 else 'higher: the teacher did not help'}")  # fmt: skip
+        return (f"validation loss {result['eval_loss']:.4f} ({''.join(b + '; ' for b in beside)}the unigram's "
+                f"{result['unigram_loss']:.4f}; {result['eval_covers']}), " + reached)  # fmt: skip
     if "eval_loss" in result:
         return (f"held-out DPO loss {result['eval_loss']:.4f}, reward accuracy {result['eval_dpo/accuracy']:.3f}, "
                 + reached)  # fmt: skip

@@ -44,9 +44,8 @@ from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.goodput import Goodput
 from trainer.storage.local_tier import LocalTier
 from trainer.storage.metrics import MetricsWriter, console_line, floats, read_records
-from trainer.training import batch_ramp, clock, resume, rollouts, stability
+from trainer.training import batch_ramp, clock, resume, rollouts, stability, teacher
 from trainer.training.setup import Setup
-from trainer.training.state import state_from_params
 from trainer.training.step import memory_per_device
 from trainer.training.student_samples import StudentSamples
 
@@ -100,6 +99,8 @@ def _train(setup, workdir: str, init, account: Goodput, inputs: tuple, identity:
         raise
     finally:
         run.close()
+    if cfg.distill.teacher and "eval_loss" in run.last and not run.last.get("preempted"):
+        run.last.update(teacher.untaught(cfg, workdir, run.step))  # done: says whether the student gained
     run.say(account.summary())
     return {"step": run.step, **run.last}
 
@@ -163,23 +164,8 @@ class Run:
         if found is None:
             found = self.ckpt.restore_newest_intact(restore, self.say, cfg.checkpoint.retry_seconds)
         self.resumed = found is not None
-        # A new run takes the asked reset label as done: there is no optimiser state to reset yet.
-        self.reset_optimizer, self.reset_label = False, resume.reset_label(cfg.checkpoint.reset_optimizer)
-        if found:
-            self.state, self.reset_optimizer, self.reset_label, data = found[1]
-            if cfg.checkpoint.init_from and not (setup.preference or setup.adapted):  # their base is pinned
-                self.say(f"checkpoint.init_from ignored: {workdir} holds checkpoints of its own; resuming them")
-        elif init is not None and setup.adapted:  # fresh adapters: B = 0, so the model starts as its base
-            self.state, data = setup.new_state(), self._new_data()
-            self.say(f"adapters start afresh beside the frozen weights of {init[1]} at step {init[2]} (init_from)")
-        elif init is not None:
-            params, source, step = init
-            self.state = state_from_params(params, setup.model, setup.tx, setup.shard, t.seed, setup.counters)
-            data = self._new_data()
-            self.say(f"started from the weights of {source} at step {step} (checkpoint.init_from); optimiser, "
-                     "schedule and data start afresh")  # fmt: skip
-        else:
-            self.state, data = setup.new_state(), self._new_data()
+        self.state, self.reset_optimizer, self.reset_label, data = resume.starting_state(
+            cfg, setup, workdir, found and found[1], init, self._new_data, self.say)  # fmt: skip
         self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()  # waits for the state
         if self.trained >= self.target:  # a finished run run again is no launch of it: its workdir stays as it is
             self.row_batches = data

@@ -168,7 +168,18 @@ def console_line(step: int, batches: float, total: int, m: dict) -> str:
     # Under GRPO: the rollout's mean reward (a few prompts: noisy), then its moving average.
     reward = f"  reward {m['rl/reward']:.3f} (smoothed {m['rl/reward_smoothed']:.3f})" if "rl/reward" in m else ""
     return (
-        f"step {step:>6} ({batches:g}/{total})  loss {m['loss']:.4f}{reward}  lr {m['lr']:.2e}  "
+        f"step {step:>6} ({batches:g}/{total})  {loss_words(m)}{reward}  lr {m['lr']:.2e}  "
         f"grad_norm {m['grad_norm']:.3f}{scale}  tok/s {m['tokens_per_sec']:,.0f}  mfu {mfu}  "
         f"step {m['step_time']:.3f}s  eta {eta}"
     )
+
+
+def loss_words(m: dict) -> str:
+    """A step's loss in words. A distilled run's `loss` is its objective (the mix of the data's cross-entropy and
+    the divergence from the teacher), which no plain run's loss can be compared with: its cross-entropy is
+    shown as the loss, the objective apart (a step on the student's own samples has no cross-entropy)."""
+    if "distill/cross_entropy" not in m:
+        return f"loss {m['loss']:.4f}"
+    if m.get("distill/on_policy"):
+        return f"objective {m['loss']:.4f} (on its own samples)"
+    return f"loss {m['distill/cross_entropy']:.4f} (cross-entropy; objective {m['loss']:.4f})"

@@ -41,7 +41,7 @@ from trainer.storage.checkpoint import OPT_STATE, Checkpointer, Unreadable, arra
 from trainer.training import clock, stability
 from trainer.training.precision import LossScaling
 from trainer.training.setup import Setup, build
-from trainer.training.state import TrainState, abstract_params, frozen, trained
+from trainer.training.state import TrainState, abstract_params, frozen, state_from_params, trained
 
 
 def saved_config(workdir: str):
@@ -369,3 +369,26 @@ def _restored(cfg, workdir: str, step: int | None, devices) -> tuple[Setup, int,
         ckpt.close()
     base, _ = load_reference(cfg, setup, workdir, None)  # the frozen weights the run pinned at its start
     return setup, step, adapters.join(added, base)
+
+
+def starting_state(cfg, setup, workdir: str, restored: tuple | None, init: tuple | None, new_data, say) -> tuple:
+    """(state, reset_optimizer, reset_label, data) a launch starts from: a restored checkpoint's, else fresh
+    adapters beside the frozen base, else checkpoint.init_from's weights, else a new initialisation.
+    `restored`: restore_state's (state, reset_optimizer, reset_label, data); `new_data()`: the data from its
+    start."""
+    if restored:
+        if cfg.checkpoint.init_from and not (setup.preference or setup.adapted):  # their base is pinned
+            say(f"checkpoint.init_from ignored: {workdir} holds checkpoints of its own; resuming them")
+        return restored
+    # A new run takes the asked reset label as done: there is no optimiser state to reset yet.
+    fresh = (False, reset_label(cfg.checkpoint.reset_optimizer))
+    if init is not None and setup.adapted:  # fresh adapters: B = 0, so the model starts as its base
+        say(f"adapters start afresh beside the frozen weights of {init[1]} at step {init[2]} (init_from)")
+        return setup.new_state(), *fresh, new_data()
+    if init is not None:
+        params, source, step = init
+        state = state_from_params(params, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.counters)
+        say(f"started from the weights of {source} at step {step} (checkpoint.init_from); optimiser, schedule "
+            "and data start afresh")  # fmt: skip
+        return state, *fresh, new_data()
+    return setup.new_state(), *fresh, new_data()

@@ -24,6 +24,7 @@ from trainer.model.decoder import ModelDef
 from trainer.model.flops import count_params, flops_per_token, forward_flops, inactive_params
 from trainer.model.spec import ModelSpec, for_inference
 from trainer.optim.optimizer import make_optimizer
+from trainer.training.mesh_fit import check_adapters, check_mesh_fit, check_weights_fit
 from trainer.training.state import (
     TrainState,
     abstract_params,
@@ -36,7 +37,7 @@ from trainer.training.state import (
 )
 from trainer.training.step import BATCH_NAMES, abstract_batch, batch_keys, jit_train_step, make_train_step
 from trainer.training.teacher import teacher_config
-from trainer.training.validation import check_adapters, check_mesh_fit, check_weights_fit, validate
+from trainer.training.validation import validate
 
 
 @dataclasses.dataclass(frozen=True)

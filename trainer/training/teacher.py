@@ -11,10 +11,13 @@ config.json as DIR@STEP, so a resumed run learns from the same teacher.
 
 from __future__ import annotations
 
+import os
+
 from trainer.config.errors import ConfigError
 from trainer.config.forms import flatten, from_dict, with_changes
 from trainer.data import run_tokenizer
 from trainer.storage import workdir as wd
+from trainer.storage.metrics import read_records
 
 
 def parse(text: str) -> tuple[str, int | None]:
@@ -67,3 +70,40 @@ def pinned(cfg, workdir: str):
         raise ConfigError(f"distill.teacher={cfg.distill.teacher!r}: this run distils from {kept}, pinned at its "
                           "start; resume it with that teacher, or start a new run (another --workdir).")  # fmt: skip
     return with_changes(cfg, {"distill.teacher": kept})
+
+
+# What makes two runs the same student: a distilled run and one of these equal but for distill.* (and where
+# they wrote) trained the same model on the same data and schedule.
+STUDENT = (
+    "model.",
+    "data.",
+    "optim.",
+    "precision.",
+    "train.global_batch_size",
+    "train.steps",
+    "train.seed",
+    "train.eval_batches",
+    "checkpoint.init_from",
+)
+
+
+def untaught(cfg, workdir: str, step: int) -> dict:
+    """The same student trained without a teacher, where such a run sits beside `workdir` (a sibling folder on
+    a local disk) with a held-out loss at `step`: {"eval_loss_alone", "alone"}, else {}."""
+    if wd.is_remote(workdir):
+        return {}
+    ours, here = flatten(cfg), os.path.abspath(workdir)
+    parent = os.path.dirname(here)
+    for name in sorted(os.listdir(parent)):
+        other = os.path.join(parent, name)
+        saved = wd.saved_config(other) if other != here and os.path.isdir(other) else None
+        if saved is None:
+            continue
+        theirs = flatten(from_dict(saved))
+        same = all(theirs.get(k) == v for k, v in ours.items() if k.startswith(STUDENT))
+        if not same or theirs.get("distill.teacher"):
+            continue
+        scored = [r for r in read_records(other) or [] if r.get("step") == step and "eval_loss" in r]
+        if scored:
+            return {"eval_loss_alone": scored[-1]["eval_loss"], "alone": other}
+    return {}
