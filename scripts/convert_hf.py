@@ -39,7 +39,7 @@ def main(args):
             raise ConfigError("export needs --out DIR (the model), --adapter DIR (a LoRA run's adapters), or both.")
         for out, adapter in ((_ADAPTER.value, True), (_OUT.value, False)):
             if out:
-                step = export_checkpoint(_CONFIG.value, workdir, _STEP.value, out, adapter=adapter)
+                step = export_checkpoint(_CONFIG.value, workdir, _STEP.value, out, adapter=adapter, say=print)
                 whose = "'s adapters" if adapter else ""
                 print(f"exported step {step} of {workdir}{whose} to {out}")
                 if adapter:

@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra is not i
 from trainer.config.errors import ConfigError  # noqa: E402
 from trainer.data.tokenizers import BOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece  # noqa: E402
 from trainer.evaluation.loss import evaluate_checkpoint  # noqa: E402
+from trainer.interop import beside
 from trainer.interop.huggingface import export_checkpoint, import_checkpoint, write_tokenizer  # noqa: E402
 from trainer.model.sampling import make_generate  # noqa: E402
 from trainer.run.loop import train  # noqa: E402
@@ -51,8 +52,13 @@ def round_trip(model, cfg, tmp_path, prompt: int = 6, new: int = 8):
         theirs = model.generate(torch.tensor(TOKENS[:, :prompt]), max_new_tokens=new, do_sample=False,
                                 eos_token_id=None, pad_token_id=0)[:, prompt:].numpy()  # fmt: skip
     np.testing.assert_array_equal(ours, theirs)
-    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out")) == 0
+    said = []
+    assert export_checkpoint(cfg, workdir, None, str(tmp_path / "out"), say=said.append) == 0
     np.testing.assert_allclose(hf_logits(str(tmp_path / "out")), logits, rtol=1e-4, atol=1e-4)
+    # The export keeps every key of the source's config.json, but those that describe its own files.
+    source, exported = (json.load(open(tmp_path / d / "config.json")) for d in ("hf", "out"))
+    kept = {k: v for k, v in source.items() if k not in beside.FILE_KEYS}
+    assert {k: exported.get(k, "missing") for k in kept} == kept and said == []
     return setup, params
 
 
@@ -505,9 +511,19 @@ def test_qwen3_next_imports_decodes_as_transformers_does_and_exports_back_as_its
     config = transformers.Qwen3NextConfig(**text, **QWEN3_5_MOE, layer_types=["linear_attention"] * 3 +
                                           ["full_attention"], rope_parameters={"rope_type": "default",
                                           "rope_theta": 10_000.0, "partial_rotary_factor": 0.25})  # fmt: skip
+    config.update(dict(max_position_embeddings=512, intermediate_size=336, router_aux_loss_coef=0.01))
     cfg = moe_round_trip(qwen3_5(transformers.Qwen3NextForCausalLM, config), tmp_path)
     with open(tmp_path / "out" / "config.json") as f:
-        assert json.load(f)["architectures"] == ["Qwen3NextForCausalLM"]
+        exported = json.load(f)
+    # round_trip held every key to the source's (512 positions though the run's max_seq_len is 64; the dense MLP's
+    # width 336, which no layer of experts reads, though the import took model.d_ff=32).
+    assert exported["architectures"] == ["Qwen3NextForCausalLM"] and exported["intermediate_size"] == 336
+    # A key that a run trained from the import changed is said with both values.
+    said, eps = [], micro_config(model={**cfg.model.to_dict(), "norm_eps": 1e-5}, train=dict(steps=2),
+                                 checkpoint={"init_from": str(tmp_path / "run")})  # fmt: skip
+    train(eps, str(tmp_path / "eps"))
+    export_checkpoint(eps, str(tmp_path / "eps"), None, str(tmp_path / "eps_out"), say=said.append)
+    assert said == ["config.json: rms_norm_eps 1e-06 -> 1e-05 (the run's model differs from the imported one there)"]
     # Adapters on q, k, v (one A) and z have no PEFT form on its fused in_proj_qkvz: one sentence before anything
     # is read, nothing written.
     lora = micro_config(model=cfg.model.to_dict(), checkpoint={"init_from": str(tmp_path / "run")})

@@ -63,10 +63,11 @@ def described(config: dict, aside: dict) -> str:
 
 
 def keep(workdir: str, config: dict, aside: dict) -> None:
-    """Write what an import set aside into the run."""
+    """Write the source's config.json, and the tensors an import set aside, into the run."""
     folder = os.path.join(workdir, ASIDE)
     os.makedirs(folder, exist_ok=True)
-    write_weights(aside, folder)
+    if aside:
+        write_weights(aside, folder)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
 
@@ -86,11 +87,6 @@ def kept(workdir: str) -> str | None:
     return None
 
 
-def worth_keeping(config: dict, aside: dict) -> bool:
-    """Whether an import of a checkpoint of `config` keeps anything: tensors set aside, or a form to write again."""
-    return bool(aside) or text_part(config)[0].get("model_type") in REMEMBERED
-
-
 def form(folder: str | None) -> str | None:
     """The text form (model_type) an export of a run whose kept folder is `folder` writes, where its family has
     several (REMEMBERED); None: the family's own."""
@@ -98,15 +94,50 @@ def form(folder: str | None) -> str | None:
     return kind if kind in REMEMBERED else None
 
 
-def put_back(folder: str, text_config: dict, tensors: dict) -> tuple[dict, dict]:
-    """(the source's config.json with our text model's, every tensor under the source's names); a text model's
-    own (a REMEMBERED form) as they are."""
+def put_back(folder: str, text_config: dict, tensors: dict) -> tuple[dict, dict, list[str]]:
+    """(the source's config.json with our text model's where it differs (kept_keys), every tensor under the
+    source's names, what changed in words)."""
     source = read_config(folder)
     if source.get("model_type") not in FORMS:
-        return text_config, tensors
+        config, changed = kept_keys(source, text_config)
+        return config, tensors, changed
     key, prefix, _ = FORMS[source["model_type"]]
-    config = {**source, key: {**source[key], **{k: v for k, v in text_config.items()
-                                                if k not in ("architectures", "model_type")}}}  # fmt: skip
+    ours = {k: v for k, v in text_config.items() if k not in ("architectures", "model_type")}
+    text, changed = kept_keys({**source[key], "tie_word_embeddings": source.get("tie_word_embeddings")}, ours)
+    config = {**source, key: {k: v for k, v in text.items() if k != "tie_word_embeddings"}}
     config["tie_word_embeddings"] = text_config["tie_word_embeddings"]
     renamed = {(prefix + k[len("model.") :]) if k.startswith("model.") else k: v for k, v in tensors.items()}
-    return config, {**renamed, **read_weights(folder)}
+    weights = read_weights(folder) if os.path.exists(os.path.join(folder, "model.safetensors")) else {}
+    return config, {**renamed, **weights}, changed
+
+
+# What an export's config.json says of its own files, whatever the source said: the class, the weights' dtype
+# and layout (DeepSeek's RoPE rows are written in halves, whatever pairs they came in; the multi-token prediction
+# layers it writes), and the ids of the tokenizer written beside them.
+FILE_KEYS = ("architectures", "model_type", "dtype", "torch_dtype", "transformers_version", "rope_interleave",
+             "num_nextn_predict_layers", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+
+
+def kept_keys(source: dict, ours: dict) -> tuple[dict, list[str]]:
+    """An export's config.json from the source's (what the import read) and ours (the run's model): every key of
+    the source is kept, and ours replaces one only where the source's value would make another model of it
+    (trainer/interop/families' model_keys_from_hf of the two differ), which is then said, old and new;
+    max_position_embeddings keeps the larger of the two (the run's max_seq_len is how long it trained, not how
+    long the model reads). Keys of ours that the source lacks are added."""
+    from trainer.interop.families import model_keys_from_hf
+
+    out, changed = {**source, **ours}, []
+    model = model_keys_from_hf(out)
+    for key, value in ours.items():
+        if key not in source or source[key] == value or key in FILE_KEYS:
+            continue
+        if key == "max_position_embeddings":
+            out[key] = max(source[key], value)
+            if out[key] != source[key]:
+                changed.append(f"{key} {source[key]!r} -> {value!r}")
+            continue
+        if model_keys_from_hf({**out, key: source[key]}) == model:
+            out[key] = source[key]  # reads as the same model: the source's own value stays
+        else:
+            changed.append(f"{key} {source[key]!r} -> {value!r}")
+    return out, changed

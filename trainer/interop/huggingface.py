@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 
 from etils import epath
 
@@ -131,10 +132,12 @@ def bpe_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
 # ---- whole workdirs ----
 
 
-def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter: bool = False) -> int:
+def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter: bool = False,
+                      say: Callable[[str], None] = lambda _: None) -> int:  # fmt: skip
     """Write a Hugging Face directory (config, safetensors, tokenizer) for a checkpoint; returns its step. A
     LoRA run's (model.lora) is its base with the adapters merged in; with `adapter`, its adapters alone as a
-    PEFT adapter directory (trainer/interop/peft.py), which loads on the export of its base.
+    PEFT adapter directory (trainer/interop/peft.py), which loads on the export of its base. A run imported
+    from Hugging Face writes the source's config.json keys again; `say` hears each that the run changed.
 
     Everything that can refuse (the directory, the model's form, the weights, the tokenizer) is settled before
     the first byte is written, so a refused export leaves nothing behind and the same command can be rerun."""
@@ -172,8 +175,10 @@ def export_checkpoint(cfg, workdir: str, step: int | None, out_dir: str, adapter
     if lora.rank:  # the model the adapters make, as plain weights (a QLoRA base as the run saw it, dequantised)
         params = jax.device_get(adapters.fold(quantised.dequantised(params), lora.alpha / lora.rank))
     tensors = to_hf_tensors(params, arch, beside.form(source))
-    if source is not None:  # imported from a larger model: that model's form again, what was set aside put back
-        config, tensors = beside.put_back(source, config, tensors)
+    if source is not None:  # imported: the source's keys, and a larger model's form and tensors, put back
+        config, tensors, changed = beside.put_back(source, config, tensors)
+        for change in changed:
+            say(f"config.json: {change} (the run's model differs from the imported one there)")
     os.makedirs(out_dir, exist_ok=True)
     write_weights(tensors, out_dir)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -241,8 +246,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = 
 
 
 def _keep(hf_dir: str, workdir: str, aside: dict) -> str:
-    if beside.worth_keeping(read_config(hf_dir), aside):
-        beside.keep(workdir, read_config(hf_dir), aside)
+    beside.keep(workdir, read_config(hf_dir), aside)  # its config.json always: the export keeps its keys
     return beside.described(read_config(hf_dir), aside)
 
 
