@@ -268,8 +268,11 @@ def test_offline_logits_of_the_whole_vocabulary_train_as_the_teacher_online_and_
             train(with_changes(config(4, **change), other), str(tmp_path / "refused"))
     assert not (tmp_path / "refused").exists()
     # The online run's workdir resumed offline (the docs' two modes in one workdir): one sentence naming the mode.
-    with pytest.raises(ConfigError, match=r"/online was distilled online \(its config.json's distill.mode\); "
-                       r"resume it with --config.distill.mode=online, or give this offline run another --workdir\.$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"/online was distilled online \(its config.json's distill.mode\); "
+        r"resume it with --config.distill.mode=online, or give this offline run another --workdir\.$",
+    ):
         train(config(4), str(tmp_path / "online"))
 
 
@@ -335,8 +338,9 @@ def test_an_on_policy_step_trains_on_the_students_own_continuation_of_its_batch(
     assert float(metrics["distill/cross_entropy"]) == 0 and float(metrics["distill/on_policy"]) == 1
 
 
-def test_a_distilled_runs_loss_is_its_cross_entropy_beside_its_teacher_and_the_student_trained_alone(teacher_run,
-                                                                                                    tmp_path):
+def test_a_distilled_runs_loss_is_its_cross_entropy_beside_its_teacher_and_the_student_trained_alone(
+    teacher_run, tmp_path
+):
     """A distilled run shows its cross-entropy as the loss one compares and its objective apart (console line,
     report), and its done: line puts its held-out loss beside its teacher's on the same batches (eval.py's
     score of the teacher's checkpoint) and beside the same student trained alone in a sibling workdir."""
@@ -354,9 +358,11 @@ def test_a_distilled_runs_loss_is_its_cross_entropy_beside_its_teacher_and_the_s
     assert taught["eval_loss_alone"] == alone["eval_loss"] and taught["alone"] == str(tmp_path / "alone")
     gain = alone["eval_loss"] - taught["eval_loss"]
     words = reached_words(taught)
-    assert words.startswith(f"validation loss {taught['eval_loss']:.4f} (the teacher's {teacher['loss']:.4f}; "
-                            f"trained alone {alone['eval_loss']:.4f} at {tmp_path / 'alone'}: taught, "
-                            f"{abs(gain):.4f} {'lower' if gain > 0 else 'higher: the teacher did not help'}; ")
+    assert words.startswith(
+        f"validation loss {taught['eval_loss']:.4f} (the teacher's {teacher['loss']:.4f}; "
+        f"trained alone {alone['eval_loss']:.4f} at {tmp_path / 'alone'}: taught, "
+        f"{abs(gain):.4f} {'lower' if gain > 0 else 'higher: the teacher did not help'}; "
+    )
     assert words.endswith(f"loss {taught['distill/cross_entropy']:.4f} (cross-entropy; objective "
                           f"{taught['loss']:.4f})")  # fmt: skip
     line = console_line(2, 2, 2, {**taught, "mfu": None, "loss_scale": 1.0, "tokens_per_sec": 1.0, "step_time": 1.0})

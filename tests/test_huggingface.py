@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers", reason="the hf extra is not i
 from trainer.config.errors import ConfigError  # noqa: E402
 from trainer.data.tokenizers import BOS_ID, ByteTokenizer, SentencePieceTokenizer, train_sentencepiece  # noqa: E402
 from trainer.evaluation.loss import evaluate_checkpoint  # noqa: E402
-from trainer.interop import beside
+from trainer.interop import beside  # noqa: E402
 from trainer.interop.huggingface import export_checkpoint, import_checkpoint, write_tokenizer  # noqa: E402
 from trainer.model.sampling import make_generate  # noqa: E402
 from trainer.run.loop import train  # noqa: E402
