@@ -9,7 +9,7 @@ prepares the corpus from your Python's standard library (~1 s), evaluates at
 steps 150 and 300 (validation loss beside the unigram baseline's)
 and prints what the model writes after "def ", "import " and "class ". At the
 end it says where the run is and the next commands: train it longer, evaluate
-it, sample from it. configs/tiny.py is the next step up (450 steps, 11-17 minutes).
+it, sample from it. configs/tiny.py is the next step up (450 steps, 8-17 minutes).
 """
 
 from trainer.config import defaults

@@ -12,8 +12,8 @@ untied. The import reads the Hub's Qwen3_5ForConditionalGeneration by its text m
 differ if the checkpoint is another size. bf16 compute, full rematerialisation, FSDP over every device,
 bf16 Adam moments; the loss's logits 1024 positions at a time. Point data.tokenizer_path at the checkpoint's
 tokenizer.json and data.paths at a corpus; for adapters add --config.model.lora.rank=16 and
---config.checkpoint.init_from=runs/qwen3_5_9b (they reach the full-attention layers' q, k, v, o and every
-MLP; the linear layers' projections take none yet).
+--config.checkpoint.init_from=runs/qwen3_5_9b (they reach the full-attention layers' q, k, v, o, every MLP,
+and the Gated DeltaNet layers' qkv, z and out: in_proj_qkv, in_proj_z and out_proj, as PEFT names them).
 """
 
 from trainer.config import defaults

@@ -11,15 +11,18 @@ a validation loss of 1.4719 on the whole held-out split against the quick start'
 step against 0.27-0.33 (docs/model_families.md).
 
 Fine-tuning a real Qwen3.5 with LoRA: import the Hub's checkpoint (its text model; the vision tower is set
-aside) into a run, then train adapters on it:
+aside) into a run with the config of its size (configs/qwen3_5_9b.py for Qwen3.5-9B), then train adapters
+beside its frozen weights, with --config.data.paths at your corpus:
 
-    python scripts/convert_hf.py import --hf DIR --config configs/lora_tiny.py --workdir runs/qwen3_5_base
-    python scripts/train.py --config configs/lora_tiny.py --config.checkpoint.init_from=runs/qwen3_5_base ...
+    python scripts/convert_hf.py import --hf hf/Qwen3.5-9B --config configs/qwen3_5_9b.py --workdir runs/qwen3_5_9b
+    python scripts/train.py --config runs/qwen3_5_9b/config.json --config.model.lora.rank=16 \
+        --config.checkpoint.init_from=runs/qwen3_5_9b --workdir runs/qwen3_5_9b_lora
 
-where the config's model.* keys are the ones the import names (it refuses a config that differs and says
-which keys to set). The adapters go on every projection by default: full attention's q (its gate's rows
-too), k, v, o, the MLPs' gate, up, down, and the Gated DeltaNet layers' qkv, z and out (in_proj_qkv, in_proj_z,
-out_proj); `--adapter` exports them as a PEFT adapter of the Hub's model, and `import --adapter` reads one.
+For another size the import refuses in one sentence that lists each model.* key to set and its value: add
+those flags to the import (which itself takes no adapters: they start at the train command). The adapters go
+on every projection by default: full attention's q (its gate's rows too), k, v, o, the MLPs' gate, up, down,
+and the Gated DeltaNet layers' qkv, z and out (in_proj_qkv, in_proj_z, out_proj); `--adapter` exports them as
+a PEFT adapter of the Hub's model, and `import --adapter` reads one.
 Qwen3.5-MoE and Qwen3-Next import the same way.
 """
 

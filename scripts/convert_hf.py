@@ -1,6 +1,7 @@
 """Move weights between this trainer and Hugging Face's formats, Llama, Mistral, Qwen3, Mixtral, Qwen3-MoE,
-Gemma 3 or DeepSeek-V3 by the model's architecture (needs the hf extra:
-pip install -e ".[hf]"):
+Gemma 3, DeepSeek-V3, Qwen3.5, Qwen3.5-MoE or Qwen3-Next by the model's architecture (Qwen3.5's Hub
+checkpoints with their vision tower: the text model is read, the rest kept and put back on export; needs the
+hf extra: pip install -e ".[hf]"):
 
     python scripts/convert_hf.py export --config configs/tiny.py --workdir runs/tiny [--step N] --out hf/tiny
     python scripts/convert_hf.py import --hf hf/tiny --config configs/tiny.py --workdir runs/tiny-imported

@@ -260,6 +260,7 @@ def test_offline_logits_of_the_whole_vocabulary_train_as_the_teacher_online_and_
 
     refusals = [
         (dict(top_k=8, logits_dir=folder), {}, r"made for another distill.top_k \(384 there, 8 here\)"),
+        (dict(top_k=8), {}, rf"^the teacher logits at {folder} were made for another distill.top_k \(384 there, 8 "),
         (dict(logits_dir=folder), {"train.seed": 1}, r"made for another corpus or batch \(data.\*, train.seed\)"),
         (dict(logits_dir=str(tmp_path / "none")), {}, r"no teacher logits at .*none; write them first"),
     ]

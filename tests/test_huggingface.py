@@ -101,6 +101,16 @@ def test_exported_checkpoint_gives_transformers_our_logits(tmp_path, model):
         with contextlib.redirect_stdout(printed):
             exec(block.replace('out = "hf/tiny"', f"out = {out!r}"), {})
         assert printed.getvalue().startswith("def main(") and len(printed.getvalue()) > len("def main(\n")
+        # scripts/score.py's figures are transformers' log-probabilities on the export, position for position.
+        from trainer.evaluation.logprobs import score_text
+
+        scored = score_text(cfg, workdir, None, text, top=3)
+        with torch.no_grad():
+            theirs = torch.log_softmax(transformers.AutoModelForCausalLM.from_pretrained(out)(
+                torch.tensor([scored["tokens"]])).logits[0].double(), -1).numpy()  # fmt: skip
+        ids = scored["tokens"]
+        np.testing.assert_allclose(scored["logprobs"], theirs[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+        assert [t for t, _ in scored["top"][0]] == np.argsort(-theirs[0])[:3].tolist()
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -260,6 +270,12 @@ def test_a_hugging_face_tokenizer_json_trains_exports_and_marks_documents_with_i
     assert exported(text, add_special_tokens=False)["input_ids"] == ids.tolist()
     config = transformers.AutoConfig.from_pretrained(out)
     assert (config.bos_token_id, config.eos_token_id) == (bos, eos)
+    # The export imported again with its run's own config.json (its tokenizer_path the same tokenizer, which the
+    # export wrote out again in transformers' form): read as the same tokens, not refused as another.
+    from trainer.config.forms import from_dict
+
+    with open(os.path.join(workdir, "config.json")) as f:
+        import_checkpoint(out, from_dict(json.load(f)), str(tmp_path / "again"))
 
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigError, match=r"does not load as a Hugging Face tokenizer.json"):

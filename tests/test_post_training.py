@@ -247,10 +247,11 @@ def test_sft_teaches_a_format_the_base_model_does_not_follow_and_its_export_chat
                             model=dict(max_seq_len=128), train=dict(steps=30, global_batch_size=16),
                             optim=dict(lr=3e-3), checkpoint={"every_steps": 30})  # fmt: skip
     train(pretrain, str(tmp_path / "base"))
-    sft = config(rows, tmp_path, "chat", optim=dict(lr=3e-3, warmup_steps=5),
-                 train=dict(steps=60, global_batch_size=16),
-                 checkpoint={"every_steps": 60, "init_from": str(tmp_path / "base")})  # fmt: skip
     words = [word(np.random.default_rng(100 + i), 5) for i in range(8)]
+    sft = config(rows, tmp_path, "chat", optim=dict(lr=3e-3, warmup_steps=5),
+                 train=dict(steps=60, global_batch_size=16, eval_every=60, sample_prompts=(f"Reverse: {words[0]}",),
+                            sample_tokens=12),
+                 checkpoint={"every_steps": 60, "init_from": str(tmp_path / "base")})  # fmt: skip
     setup, _, params = load_params(sft, str(tmp_path / "base"))
     before, _ = format_rate(setup, params, words)
     train(sft, str(tmp_path / "sft"))
@@ -265,6 +266,10 @@ def test_sft_teaches_a_format_the_base_model_does_not_follow_and_its_export_chat
     first = ours[0].tolist()
     replies = talk.stdout.strip().split("\n")
     assert len(replies) == 2 and replies[0] == ByteTokenizer().decode(first[: first.index(2)] if 2 in first else first)
+    # The run's own samples at its evaluation are replies to the prompt as a user's message: generate.py's reply.
+    with open(tmp_path / "sft" / "metrics.jsonl") as f:
+        (sampled,) = [r["samples"] for r in map(json.loads, f) if "samples" in r]
+    assert sampled[0]["greedy"] == replies[0]
     # The export chats through the same template, to the same greedy reply.
     export_checkpoint(sft, str(tmp_path / "sft"), None, str(tmp_path / "hf"))
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))

@@ -67,22 +67,22 @@ def check(cfg, stream_identity: dict) -> str:
     folder, wanted = location(cfg, stream_identity), manifest(cfg, stream_identity)
     path = os.path.join(folder, MANIFEST)
     if not os.path.exists(path):
-        raise ConfigError(f"distill.mode=offline: no teacher logits at {folder}; write them first with "
-                          "scripts/teacher_logits.py and this config.")  # fmt: skip
-    with open(path) as f:
-        made = json.load(f)
-    what = {
-        "stream": "another corpus or batch (data.*, train.seed)",
-        "rows": "another train.global_batch_size",
-        "seq_len": "another data.seq_len",
-        "top_k": "another distill.top_k",
-        "teacher": "another teacher",
-    }
-    differ = [f"{what[k]} ({made.get(k)!r} there, {wanted[k]!r} here)" if k != "stream" else what[k]
-              for k in what if made.get(k) != wanted[k]]  # fmt: skip
+        # Beside the corpus, each set of logits has a folder of its own: the nearest one made for this corpus
+        # is named, with what it was made for.
+        nearest = None if cfg.distill.logits_dir else _nearest(os.path.dirname(folder), cfg.data.name, wanted)
+        if nearest is None:
+            raise ConfigError(f"distill.mode=offline: no teacher logits at {folder}; write them first with "
+                              "scripts/teacher_logits.py and this config.")  # fmt: skip
+        folder, differ = nearest
+        path = os.path.join(folder, MANIFEST)
+    else:
+        with open(path) as f:
+            differ = _differences(json.load(f), wanted)
     if differ:
         raise ConfigError(f"the teacher logits at {folder} were made for {'; '.join(differ)}; write this run's "
                           "with scripts/teacher_logits.py.")  # fmt: skip
+    with open(path) as f:
+        made = json.load(f)
     if made["windows"] < wanted["windows"]:
         raise ConfigError(f"the teacher logits at {folder} cover {made['windows']} steps, and train.steps is "
                           f"{wanted['windows']}; write them for this many steps.")  # fmt: skip
@@ -91,6 +91,34 @@ def check(cfg, stream_identity: dict) -> str:
         raise ConfigError(f"the teacher logits at {folder} lack {len(unfinished)} of {wanted['rows']} rows (rows "
                           f"{unfinished[:4]}...): run scripts/teacher_logits.py again to finish them.")  # fmt: skip
     return folder
+
+
+# What each field of a manifest differs by, in words.
+MADE_FOR = {
+    "stream": "another corpus or batch (data.*, train.seed)",
+    "rows": "another train.global_batch_size",
+    "seq_len": "another data.seq_len",
+    "top_k": "another distill.top_k",
+    "teacher": "another teacher",
+}
+
+
+def _differences(made: dict, wanted: dict) -> list[str]:
+    return [f"{MADE_FOR[k]} ({made.get(k)!r} there, {wanted[k]!r} here)" if k != "stream" else MADE_FOR[k]
+            for k in MADE_FOR if made.get(k) != wanted[k]]  # fmt: skip
+
+
+def _nearest(root: str, corpus: str, wanted: dict) -> tuple[str, list[str]] | None:
+    """(the folder under `root` of logits made for `corpus` that differ from `wanted` in the fewest fields, those
+    differences), or None where there is none."""
+    found = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        path = os.path.join(root, name, MANIFEST)
+        if name.startswith(f"{corpus}-") and os.path.exists(path):
+            with open(path) as f:
+                differ = _differences(json.load(f), wanted)
+            found.append((len(differ), os.path.join(root, name), differ))
+    return min(found)[1:] if found else None
 
 
 class RowWithLogits(grain.IterDataset):

@@ -2,7 +2,9 @@
 scripts/generate.py.
 
 A prompt is the tokenizer's begin-of-document id followed by the prompt's
-tokens; a completion ends at the end-of-document id. At each evaluation every
+tokens; a completion ends at the end-of-document id. A chat run's (data.format=chat)
+prompt is a user's message through the run's chat template, and its completion, the
+reply, ends at the end of the turn. At each evaluation every
 prompt is completed twice, greedily and sampled (temperature 0.8, nucleus
 0.95: the usual settings for looking at a model's text), with the run's seed,
 so that successive evaluations differ only by what the model has learned.
@@ -16,6 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from parallelism.distributed import fetch
 from trainer.config.errors import ConfigError
+from trainer.data import chat
 from trainer.model.sampling import make_generate
 
 SAMPLED = dict(temperature=0.8, top_p=0.95)
@@ -25,9 +28,10 @@ def prompt_ids(tokenizer, text: str) -> np.ndarray:
     return np.concatenate([[tokenizer.bos_id], tokenizer.encode(text)]).astype(np.int32)
 
 
-def completion(tokenizer, ids) -> str:
-    ids = [int(i) for i in ids]
-    return tokenizer.decode(ids[: ids.index(tokenizer.eos_id)] if tokenizer.eos_id in ids else ids)
+def completion(tokenizer, ids, ends: set[int] | None = None) -> str:
+    """The text of generated `ids` up to the first of `ends` (the end-of-document id by default)."""
+    ids, ends = [int(i) for i in ids], ends or {tokenizer.eos_id}
+    return tokenizer.decode(ids[: next((i for i, t in enumerate(ids) if t in ends), len(ids))])
 
 
 def check_request(cfg, tokenizer, text: str, new_tokens: int, names: dict[str, str], temperature: float = 0.0,
@@ -79,6 +83,10 @@ class Samples:
         cfg = setup.cfg
         n = cfg.train.sample_tokens
         self.tokenizer, self.prompts, self.seed = tokenizer, cfg.train.sample_prompts, cfg.train.seed
+        # A chat run is shown its replies: each prompt a user's message through the run's chat template, each
+        # completion ended at the end of the turn, as generate.py --chat talks.
+        self.template = chat.template_for(cfg.data, tokenizer) if cfg.data.format == "chat" else None
+        self.ends = chat.end_of_turn_ids(tokenizer, self.template) if self.template else {tokenizer.eos_id}
         self.generators = {
             "greedy": make_generate(setup.spec, setup.shard, max_new_tokens=n),
             "sampled": make_generate(setup.spec, setup.shard, max_new_tokens=n, **SAMPLED),
@@ -89,10 +97,12 @@ class Samples:
     def __call__(self, params) -> list[dict[str, str]]:
         rows = []
         for text in self.prompts:
-            ids = prompt_ids(self.tokenizer, text)[None]
+            message = [{"role": "user", "content": text}]
+            ids = (prompt_ids(self.tokenizer, text) if self.template is None
+                   else chat.prompt_ids(self.tokenizer, self.template, message))[None]  # fmt: skip
             prompt = jax.make_array_from_process_local_data(self.replicated, ids, ids.shape)
             row = {"prompt": text}
             for kind, generate in self.generators.items():
-                row[kind] = completion(self.tokenizer, fetch(generate(params, prompt, self.seed))[0])
+                row[kind] = completion(self.tokenizer, fetch(generate(params, prompt, self.seed))[0], self.ends)
             rows.append(row)
         return rows

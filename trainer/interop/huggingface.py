@@ -261,14 +261,27 @@ def _as_imported(cfg, hf_dir: str):
     if os.path.isfile(theirs) and not _ours_exported(cfg.data, theirs):
         d = cfg.data
         if d.tokenizer == "hf" and d.tokenizer_path:
-            mine = tokenizer_file("hf", d.tokenizer_path)
-            with open(mine, "rb") as a, open(theirs, "rb") as b:
-                if a.read() != b.read():
-                    raise ConfigError(f"data.tokenizer_path={d.tokenizer_path!r} is another tokenizer than the "
-                                      f"model's own ({theirs}); leave data.tokenizer_path out to read with the "
-                                      "model's, or import a model trained with that one.")  # fmt: skip
+            if not _same_tokenizer(tokenizer_file("hf", d.tokenizer_path), theirs):
+                raise ConfigError(f"data.tokenizer_path={d.tokenizer_path!r} is another tokenizer than the "
+                                  f"model's own ({theirs}); leave data.tokenizer_path out to read with the "
+                                  "model's, or import a model trained with that one.")  # fmt: skip
         changes.update({"data.tokenizer": "hf", "data.tokenizer_path": os.path.abspath(hf_dir)})
     return with_changes(cfg, changes)
+
+
+def _same_tokenizer(a: str, b: str) -> bool:
+    """Whether two tokenizer.json files read text as the same ids: the same model, vocabulary, added tokens,
+    normalizer and pre-tokenizer, however each file was written (an export writes the run's tokenizer out again
+    through transformers, which reorders and adds keys that do not change an id)."""
+
+    def reads(path: str) -> dict:
+        with open(path) as f:
+            t = json.load(f)
+        added = sorted((x["id"], x["content"], x.get("special")) for x in t.get("added_tokens") or [])
+        return {"model": t.get("model"), "added": added, "normalizer": t.get("normalizer"),
+                "pre_tokenizer": t.get("pre_tokenizer")}  # fmt: skip
+
+    return reads(a) == reads(b)
 
 
 def _ours_exported(data_cfg, file: str) -> bool:
