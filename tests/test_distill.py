@@ -370,3 +370,43 @@ def test_a_distilled_runs_loss_is_its_cross_entropy_beside_its_teacher_and_the_s
     assert f"loss {taught['distill/cross_entropy']:.4f} (cross-entropy; objective {taught['loss']:.4f})" in line
     plotted = read(str(tmp_path / "taught"))["train"][-1]
     assert (plotted["loss"], plotted["objective"]) == (taught["distill/cross_entropy"], taught["loss"])
+
+
+def test_a_rows_logits_stream_to_disk_and_an_interrupted_row_goes_on_from_its_last_whole_batch(tmp_path):
+    """teacher_logits.write_row holds one batch of windows at a time: the files grow on disk, and a writing
+    killed mid-row (here: its scorer fails on the third batch) is finished by writing again, which scores only
+    the batches not yet on disk; the row equals one written straight, the top k of each window's logits."""
+    from trainer.data import teacher_logits
+
+    rng, count, seq, k = np.random.default_rng(0), 21, 8, 3
+    windows = [{"tokens": rng.integers(0, 50, (1, seq)), "positions": np.arange(seq)[None],
+                "segment_ids": np.ones((1, seq), np.int32)} for _ in range(count)]  # fmt: skip
+    table = rng.standard_normal((50, 50)).astype(np.float32)  # a "teacher": logits of the next id, by this id
+    calls = []
+
+    def score(tokens, positions, segment_ids, fail_at=None):
+        calls.append(len(tokens))
+        if len(calls) == fail_at:
+            raise RuntimeError("killed")
+        logits = table[tokens]
+        ids = np.argsort(-logits, axis=-1, kind="stable")[..., :k].astype(np.int32)
+        return ids, np.take_along_axis(logits, ids, -1)
+
+    for name in ("straight", "resumed"):
+        os.makedirs(tmp_path / name / teacher_logits.ROWS)
+    teacher_logits.write_row(0, str(tmp_path / "straight"), iter(windows), count, score, batch=4)
+    calls.clear()
+    with pytest.raises(RuntimeError, match="killed"):
+        teacher_logits.write_row(0, str(tmp_path / "resumed"), iter(windows), count,
+                                 lambda *a: score(*a, fail_at=3), batch=4)  # fmt: skip
+    assert teacher_logits.missing_rows(str(tmp_path / "resumed"), 1) == [0]  # not in place until whole
+    calls.clear()
+    teacher_logits.write_row(0, str(tmp_path / "resumed"), iter(windows), count, score, batch=4)
+    assert calls == [4, 4, 4, 1]  # batches 3-6 of 6: the first two were on disk
+    for kind in ("ids", "logits"):
+        straight, resumed = (np.load(tmp_path / d / teacher_logits.ROWS / f"0.{kind}.npy") for d in
+                             ("straight", "resumed"))  # fmt: skip
+        np.testing.assert_array_equal(resumed, straight)
+    expected = np.sort(table[np.concatenate([w["tokens"] for w in windows])], axis=-1)[..., ::-1][..., :k]
+    np.testing.assert_array_equal(np.load(tmp_path / "straight" / teacher_logits.ROWS / "0.logits.npy"), expected)
+    assert sorted(os.listdir(tmp_path / "resumed" / teacher_logits.ROWS)) == ["0.ids.npy", "0.logits.npy"]

@@ -8,8 +8,9 @@ same whatever the mesh, the processes or a resume. The teacher scores each windo
 documents apart, as packed), and each position keeps the teacher's `top_k` largest logits: their ids (int32)
 and values (float32, as the teacher computed them; the temperature is applied when training), 8 x top_k
 bytes a token. Row r's windows go to rows/<r>.ids.npy and rows/<r>.logits.npy, (windows, seq_len, top_k)
-each, written under a temporary name and renamed when whole, so an interrupted run of the script keeps the
-rows it finished and a second run writes the rest. manifest.json says what they were made for: the stream's
+each, streamed to disk a few windows at a time under a temporary name and renamed when whole, so memory
+stays flat however long the run, an interrupted run of the script keeps the rows it finished and the windows
+of a row it had begun, and a second run writes the rest. manifest.json says what they were made for: the stream's
 identity, the rows, the sequence length, top_k, the teacher (DIR@STEP) and the windows (train.steps);
 training refuses logits made for anything else, in one sentence.
 
@@ -154,17 +155,43 @@ class _RowWithLogitsIterator(grain.DatasetIterator):
         self._next = int(state["logits"])
 
 
-def write_row(row: int, folder: str, windows: dict[str, np.ndarray], score, batch: int = 8) -> None:
-    """Row `row`'s logits from its windows ({tokens, positions, segment_ids}: (windows, seq_len) each):
-    `score(tokens, positions, segment_ids)` gives (ids, values) of the top k, `batch` windows at a time."""
+WINDOW_KEYS = ("tokens", "positions", "segment_ids")  # what the teacher scores of a window
+PART, WRITTEN = ".part.npy", "written"  # a row being written: its files, and how many windows they hold
+
+
+def write_row(row: int, folder: str, windows, count: int, score, batch: int = 8) -> None:
+    """Row `row`'s logits of its first `count` windows, streamed: `windows` (the row's stream: {tokens,
+    positions, segment_ids}, (1, seq_len) each) is read `batch` windows at a time, `score(tokens, positions,
+    segment_ids)` gives their top k (ids, values), and each batch goes into the row's files on disk as it
+    comes, so memory holds one batch whatever the run's length. The files grow under a temporary name beside
+    a count of the windows they hold; a row part-written goes on after its last whole batch (the windows
+    before it read again, not scored), and is renamed into place when whole."""
     ids_file, logits_file = _files(folder, row)
-    count = windows["tokens"].shape[0]
-    parts = [score(*(windows[k][i : i + batch] for k in ("tokens", "positions", "segment_ids")))
-             for i in range(0, count, batch)]  # fmt: skip
-    for file, index in ((ids_file, 0), (logits_file, 1)):
-        temporary = file + ".tmp.npy"
-        np.save(temporary, np.concatenate([np.asarray(p[index]) for p in parts]))
-        os.replace(temporary, file)
+    parts = [ids_file + PART, logits_file + PART]
+    mark = os.path.join(folder, ROWS, f"{row}.{WRITTEN}")
+    done = 0
+    if os.path.exists(mark) and all(os.path.exists(p) for p in parts):
+        with open(mark) as f:
+            done = int(f.read())
+    out = [np.lib.format.open_memmap(p, mode="r+") for p in parts] if done else None
+    for start in range(0, count, batch):
+        chunk = [next(windows) for _ in range(min(batch, count - start))]
+        if start + len(chunk) <= done:
+            continue  # scored by the interrupted writing
+        scored = [np.asarray(x) for x in score(*(np.concatenate([w[k] for w in chunk]) for k in WINDOW_KEYS))]
+        if out is None:
+            out = [np.lib.format.open_memmap(p, mode="w+", dtype=a.dtype, shape=(count, *a.shape[1:]))
+                   for p, a in zip(parts, scored, strict=True)]  # fmt: skip
+        for file, values in zip(out, scored, strict=True):
+            file[start : start + len(chunk)] = values
+            file.flush()
+        with open(mark + ".tmp", "w") as f:  # the count moves only once the windows it counts are on disk
+            f.write(str(start + len(chunk)))
+        os.replace(mark + ".tmp", mark)
+    del out  # closes the maps before the files move
+    for part, file in zip(parts, (ids_file, logits_file), strict=True):
+        os.replace(part, file)
+    os.remove(mark)
 
 
 class Progress(threading.Thread):

@@ -89,7 +89,5 @@ def write_row(row: int, settings: str, folder: str) -> None:
 
         _SCORERS[settings] = (score, params)
     score, params = _SCORERS[settings]
-    iterator = iter(streams.batches(streams.Stream.from_config(cfg), cfg.data.train_split, [row], shuffle=True))
-    windows = [next(iterator) for _ in range(cfg.train.steps)]
-    stacked = {k: np.concatenate([w[k] for w in windows]) for k in ("tokens", "positions", "segment_ids")}
-    teacher_logits.write_row(row, folder, stacked, lambda *batch: score(params, *batch))
+    windows = iter(streams.batches(streams.Stream.from_config(cfg), cfg.data.train_split, [row], shuffle=True))
+    teacher_logits.write_row(row, folder, windows, cfg.train.steps, lambda *batch: score(params, *batch))
