@@ -1,12 +1,13 @@
-"""A Hub checkpoint whose language model sits inside a larger one (Qwen3.5's `Qwen3_5ForConditionalGeneration`:
-a vision tower beside the text model): read by its text model, the rest set aside in the run, and put back
-unchanged on export, so that the export is the same class as the source.
+"""What an import does not read, kept in the run and put back on export: a Hub checkpoint whose language model
+sits inside a larger one (Qwen3.5's `Qwen3_5ForConditionalGeneration`: a vision tower beside the text model)
+is read by its text model, and every tensor our mapping does not read (that tower; the multi-token prediction
+layers, `mtp.*`, of the Hub's Qwen3.5 and Qwen3-Next checkpoints; DeepSeek-V3's MTP layers) is set aside.
 
-An import keeps what it set aside in <workdir>/hf_beside: the source's config.json and the tensors that are
-not the text model's (model.safetensors). A text model whose arithmetic is another family's too (Qwen3-Next's
-is Qwen3.5-MoE's) keeps its config there alone, so that its export is its own class again. An export of that
-run, or of one started from it (checkpoint.init_from, a LoRA run's base), writes the source's class again:
-the text model's tensors under the source's names and the kept tensors beside them, byte for byte.
+An import keeps in <workdir>/hf_beside the source's config.json (whose keys an export writes again,
+kept_keys) and the tensors set aside (model.safetensors). A text model whose arithmetic is another family's
+too (Qwen3-Next's is Qwen3.5-MoE's) is written as its own class again. An export of that run, or of one
+started from it (checkpoint.init_from, a LoRA run's base), writes the source's class again: the text model's
+tensors under the source's names and the kept tensors beside them, as float32.
 """
 
 from __future__ import annotations
@@ -47,19 +48,39 @@ def text_part(config: dict, tensors: dict | None = None) -> tuple[dict, dict | N
     return text, ours, aside
 
 
+def source_name(config: dict, name: str) -> str:
+    """A text model's tensor name as the checkpoint of `config` names it (text_part's renaming undone)."""
+    form = FORMS.get(config.get("model_type"))
+    return form[1] + name[len("model.") :] if form and name.startswith("model.") else name
+
+
 def layers_module(config: dict) -> str:
     """Where a checkpoint's decoder layers sit: the module path a PEFT adapter of it names them by."""
     form = FORMS.get(config.get("model_type"))
     return (form[1] if form else "model.") + "layers"
 
 
-def described(config: dict, aside: dict) -> str:
-    """What an import set aside, in words; "" for nothing."""
+# What a checkpoint's tensors that no text model of ours reads are, by where their names put them.
+PARTS = (("model.visual.", "vision tower"), ("mtp.", "multi-token prediction layers"),
+         ("model.mtp.", "multi-token prediction layers"), ("model.audio", "audio tower"))  # fmt: skip
+
+
+def described(config: dict, aside: dict, text_layers: int) -> str:
+    """What an import set aside, in words ("" for nothing): each part by what it is, its tensors and
+    parameters. DeepSeek-V3 keeps its multi-token prediction modules as decoder layers past the text model's
+    `text_layers`."""
     if not aside:
         return ""
-    count = sum(int(np.prod(v.shape)) for v in aside.values())
-    return (f"{FORMS[config['model_type']][2]}: its text model imported; the rest ({len(aside)} tensors, "
-            f"{count:,} parameters: its vision tower) set aside and put back on export")  # fmt: skip
+    parts: dict[str, list[str]] = {}
+    for name in aside:
+        what = next((w for prefix, w in PARTS if name.startswith(prefix)), None)
+        if what is None and name.startswith("model.layers.") and int(name.split(".")[2]) >= text_layers:
+            what = "multi-token prediction layers"
+        parts.setdefault(what or name.rsplit(".", 1)[0], []).append(name)
+    said = "; ".join(f"its {what}: {len(names)} tensors, {sum(int(np.prod(aside[n].shape)) for n in names):,} "
+                     "parameters" for what, names in parts.items())  # fmt: skip
+    kind = FORMS[config["model_type"]][2] if config.get("model_type") in FORMS else config.get("model_type")
+    return f"{kind}: what this trainer's model does not read set aside and put back on export ({said})"
 
 
 def keep(workdir: str, config: dict, aside: dict) -> None:
@@ -98,24 +119,23 @@ def put_back(folder: str, text_config: dict, tensors: dict) -> tuple[dict, dict,
     """(the source's config.json with our text model's where it differs (kept_keys), every tensor under the
     source's names, what changed in words)."""
     source = read_config(folder)
+    weights = read_weights(folder) if os.path.exists(os.path.join(folder, "model.safetensors")) else {}
     if source.get("model_type") not in FORMS:
         config, changed = kept_keys(source, text_config)
-        return config, tensors, changed
+        return config, {**tensors, **weights}, changed
     key, prefix, _ = FORMS[source["model_type"]]
     ours = {k: v for k, v in text_config.items() if k not in ("architectures", "model_type")}
     text, changed = kept_keys({**source[key], "tie_word_embeddings": source.get("tie_word_embeddings")}, ours)
     config = {**source, key: {k: v for k, v in text.items() if k != "tie_word_embeddings"}}
     config["tie_word_embeddings"] = text_config["tie_word_embeddings"]
-    renamed = {(prefix + k[len("model.") :]) if k.startswith("model.") else k: v for k, v in tensors.items()}
-    weights = read_weights(folder) if os.path.exists(os.path.join(folder, "model.safetensors")) else {}
-    return config, {**renamed, **weights}, changed
+    return config, {source_name(source, k): v for k, v in tensors.items()} | weights, changed
 
 
 # What an export's config.json says of its own files, whatever the source said: the class, the weights' dtype
-# and layout (DeepSeek's RoPE rows are written in halves, whatever pairs they came in; the multi-token prediction
-# layers it writes), and the ids of the tokenizer written beside them.
+# and layout (DeepSeek's RoPE rows are written in halves, whatever pairs they came in), and the ids of the
+# tokenizer written beside them.
 FILE_KEYS = ("architectures", "model_type", "dtype", "torch_dtype", "transformers_version", "rope_interleave",
-             "num_nextn_predict_layers", "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
+             "bos_token_id", "eos_token_id", "pad_token_id")  # fmt: skip
 
 
 def kept_keys(source: dict, ours: dict) -> tuple[dict, list[str]]:

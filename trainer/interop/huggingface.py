@@ -224,7 +224,7 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = 
                               "PEFT adapter), or import the model alone with --config.model.lora.rank=0.")  # fmt: skip
         state, aside = _imported_state(hf_dir, cfg, workdir)
         _write(cfg, workdir, state)
-        return _keep(hf_dir, workdir, aside)
+        return _keep(hf_dir, workdir, aside, cfg.model.n_layers)
     if not lora.rank:
         raise ConfigError("import --adapter: set model.lora.rank, alpha and targets as the adapter was trained.")
     saved, tensors = peft.read(adapter_dir)
@@ -242,12 +242,12 @@ def import_checkpoint(hf_dir: str, cfg, workdir: str, adapter_dir: str | None = 
     state = state_from_params(added, setup.model, setup.tx, setup.shard, cfg.train.seed, setup.counters)
     _write(base_cfg, base_dir, base_state)
     _write(cfg, workdir, state)
-    return _keep(hf_dir, base_dir, aside)
+    return _keep(hf_dir, base_dir, aside, cfg.model.n_layers)
 
 
-def _keep(hf_dir: str, workdir: str, aside: dict) -> str:
+def _keep(hf_dir: str, workdir: str, aside: dict, text_layers: int) -> str:
     beside.keep(workdir, read_config(hf_dir), aside)  # its config.json always: the export keeps its keys
-    return beside.described(read_config(hf_dir), aside)
+    return beside.described(read_config(hf_dir), aside, text_layers)
 
 
 def _as_imported(cfg, hf_dir: str):
@@ -325,8 +325,13 @@ def _imported_state(hf_dir: str, cfg, workdir: str):
     _refuse_checkpoints(workdir)
     setup = build(cfg)
     interleaved = bool(read_config(hf_dir).get("rope_interleave"))  # DeepSeek's RoPE pairs
-    text, tensors, aside = beside.text_part(read_config(hf_dir), read_weights(hf_dir))
+    source = read_config(hf_dir)
+    text, tensors, aside = beside.text_part(source, read_weights(hf_dir))
     params = from_hf_tensors(tensors, setup.spec.arch, interleaved, text.get("model_type"))
+    # What the mapping read is what it writes back; every other tensor (a text model's multi-token prediction
+    # layers, which no family here reads) is set aside with the rest, and put back on export.
+    read = set(to_hf_tensors(params, setup.spec.arch, text.get("model_type")))
+    aside |= {beside.source_name(source, k): v for k, v in tensors.items() if k not in read}
     if setup.spec.arch.mtp.depth:  # no family here holds multi-token prediction modules: they start fresh
         params["mtp"] = jax.device_get(setup.new_state().params["mtp"])
     expected = jax.tree.map(lambda a: a.shape, setup.model.abstract_params)
