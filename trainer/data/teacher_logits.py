@@ -162,10 +162,11 @@ PART, WRITTEN = ".part.npy", "written"  # a row being written: its files, and ho
 def write_row(row: int, folder: str, windows, count: int, score, batch: int = 8) -> None:
     """Row `row`'s logits of its first `count` windows, streamed: `windows` (the row's stream: {tokens,
     positions, segment_ids}, (1, seq_len) each) is read `batch` windows at a time, `score(tokens, positions,
-    segment_ids)` gives their top k (ids, values), and each batch goes into the row's files on disk as it
-    comes, so memory holds one batch whatever the run's length. The files grow under a temporary name beside
-    a count of the windows they hold; a row part-written goes on after its last whole batch (the windows
-    before it read again, not scored), and is renamed into place when whole."""
+    segment_ids)` gives their top k (ids, values), and each batch is written into the row's .npy files at its
+    place as it comes, so memory holds one batch whatever the run's length (written through the file, not a
+    memory map, whose pages would count against the process). The files grow under a temporary name beside a
+    count of the windows they hold; a row part-written goes on after its last whole batch (the windows before
+    it read again, not scored), and is renamed into place when whole."""
     ids_file, logits_file = _files(folder, row)
     parts = [ids_file + PART, logits_file + PART]
     mark = os.path.join(folder, ROWS, f"{row}.{WRITTEN}")
@@ -173,22 +174,33 @@ def write_row(row: int, folder: str, windows, count: int, score, batch: int = 8)
     if os.path.exists(mark) and all(os.path.exists(p) for p in parts):
         with open(mark) as f:
             done = int(f.read())
-    out = [np.lib.format.open_memmap(p, mode="r+") for p in parts] if done else None
-    for start in range(0, count, batch):
-        chunk = [next(windows) for _ in range(min(batch, count - start))]
-        if start + len(chunk) <= done:
-            continue  # scored by the interrupted writing
-        scored = [np.asarray(x) for x in score(*(np.concatenate([w[k] for w in chunk]) for k in WINDOW_KEYS))]
-        if out is None:
-            out = [np.lib.format.open_memmap(p, mode="w+", dtype=a.dtype, shape=(count, *a.shape[1:]))
-                   for p, a in zip(parts, scored, strict=True)]  # fmt: skip
-        for file, values in zip(out, scored, strict=True):
-            file[start : start + len(chunk)] = values
-            file.flush()
-        with open(mark + ".tmp", "w") as f:  # the count moves only once the windows it counts are on disk
-            f.write(str(start + len(chunk)))
-        os.replace(mark + ".tmp", mark)
-    del out  # closes the maps before the files move
+    files = [open(p, "r+b") for p in parts] if done else None
+    try:
+        for start in range(0, count, batch):
+            chunk = [next(windows) for _ in range(min(batch, count - start))]
+            if start + len(chunk) <= done:
+                continue  # scored by the interrupted writing
+            scored = [np.asarray(x) for x in score(*(np.concatenate([w[k] for w in chunk]) for k in WINDOW_KEYS))]
+            if files is None:
+                files = [open(p, "w+b") for p in parts]
+                for f, a in zip(files, scored, strict=True):
+                    header = {"descr": np.lib.format.dtype_to_descr(a.dtype), "fortran_order": False,
+                              "shape": (count, *a.shape[1:])}  # fmt: skip
+                    np.lib.format.write_array_header_1_0(f, header)
+            for f, a in zip(files, scored, strict=True):
+                f.seek(0)
+                np.lib.format.read_magic(f)
+                np.lib.format.read_array_header_1_0(f)  # leaves the file at the first element
+                f.seek(f.tell() + start * a[0].nbytes)
+                f.write(np.ascontiguousarray(a).tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+            with open(mark + ".tmp", "w") as f:  # the count moves only once the windows it counts are on disk
+                f.write(str(start + len(chunk)))
+            os.replace(mark + ".tmp", mark)
+    finally:
+        for f in files or []:
+            f.close()
     for part, file in zip(parts, (ids_file, logits_file), strict=True):
         os.replace(part, file)
     os.remove(mark)
