@@ -45,3 +45,32 @@ def test_the_search_refuses_in_one_sentence_before_it_compiles():
         layout.run(cfg, target="v5e-4", slices=3)
     with pytest.raises(ConfigError, match="--trial times each finalist on this machine's own devices"):
         layout.run(cfg, target="v5e-4", trial=2)
+
+
+@pytest.mark.slow  # two compiles by libtpu's TPU compiler on this CPU, through the script as a user runs it
+def test_the_search_on_the_real_tpu_compiler_answers_a_command_never_slower_than_your_layout(tmp_path):
+    """scripts/plan.py --search for v5e-4, as a user runs it: it compiles the recipe's own layout and the
+    best predicted with XLA:TPU, keeps whichever compiled roofline is faster (never one slower than the
+    recipe's), and answers with a train.py command whose flags are the winner's layout keys."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from test_targets import needs_libtpu
+
+    if needs_libtpu.args[0]:
+        pytest.skip(needs_libtpu.kwargs["reason"])
+    done = subprocess.run([sys.executable, "scripts/plan.py", "--config", "configs/quickstart.py", "--target",
+                           "v5e-4", "--search", "--search_compiles", "2", "--json",
+                           f"--config.train.compile_cache={tmp_path / 'cache'}"], cwd=REPO, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    own, best = r["own"], r["best"]
+    assert r["compiled"][0]["layout"] == own["layout"] and own["compiled"]["fits"]
+    assert best["compiled"]["fits"] and best["compiled"]["step_seconds"] <= own["compiled"]["step_seconds"]
+    assert r["gain"]["speedup"] >= 1.0 and "compiling 2:" in done.stderr
+    flags = {a.split("=")[0].removeprefix("--config.") for a in r["command"].split()[2:] if a.startswith("--config.")}
+    assert flags - {"train.compile_cache"} == set(best["changes"]) <= set(LAYOUT_KEYS)  # and the flag it was given
+    assert len(r["config_lines"]) == len(best["changes"])

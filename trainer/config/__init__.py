@@ -283,7 +283,10 @@ def _declared() -> dict[str, dict]:
         divergence_temperature=Num(1.0, "(0, inf)"),
         sample_temperature=Num(1.0, "(0, inf)"),  # on_policy's sampler (GKDConfig.temperature, 0.9 there)
         alpha=Num(0.5, "[0, 1]"),  # the divergence's weight against the data's cross-entropy
-        beta=Num(0.5, "[0, 1]"),  # 0: forward KL(teacher | student), 1: reverse KL, between: GKD's generalized JSD
+        # 0: forward KL(teacher | student), 1: reverse KL, between: GKD's generalized JSD. 0 by default: it taught
+        # the quick start's student most of the three, and 1 left it worse than training alone
+        # (docs/post_training.md, "Choosing beta").
+        beta=Num(0.0, "[0, 1]"),
         top_k=Num(64, "[1, inf)"),  # offline: the teacher logits stored per token (scripts/teacher_logits.py)
         logits_dir="",  # offline: where scripts/teacher_logits.py wrote them; "" = beside the prepared corpus
         on_policy=Num(0.0, "[0, 1]"),  # the share of batches made of the student's own samples (GKD's lmbda)
