@@ -13,7 +13,9 @@ Three rounds:
    takes the fewest microbatches that fit; bfloat16 moments only where float32 fits nowhere on that mesh.
 2. compile: the user's own layout and the best predicted, up to `compiles` in all, are compiled for the
    target and ranked again by the compiled program (cost.compiled_time). A compile corrects the screen:
-   what is left is judged by the arithmetic times XLA's ratio to it seen so far for the same remat policy.
+   what is left is judged by the arithmetic times XLA's ratio to it seen so far for the same remat policy
+   (memory), and the next finalist is the fastest predicted once each stream's prediction is scaled by what
+   the compiles of its remat policy and kernel showed (corrected_seconds).
 3. trial (optional): each compiled finalist that fits runs `trial` steps on this machine's devices and the
    fastest measured wins.
 
@@ -317,16 +319,23 @@ def search(cfg, devices, chip, compile_layout, *, slices: int = 1, fixed: dict |
     own = own_layout(cfg, devices, chip)
     if not found and isinstance(own, str):
         return {**screened, "own": own}
-    queue = ([own] if isinstance(own, Candidate) else []) + found
     ratio: dict[str, float] = {}  # remat policy -> XLA's bytes over the arithmetic's, the largest seen
-    compiled, seen = [], set()
-    for c in queue:
+    # (remat policy, kernel) -> the compiled program's compute and HBM seconds over the prediction's, the
+    # largest seen: the next finalist is the fastest by the prediction so corrected.
+    slower: dict[tuple, tuple[float, float]] = {}
+    compiled, seen, left = [], set(), list(found)
+    while True:
         if len(compiled) >= compiles and (any(x.compiled["fits"] for x in compiled) or len(compiled) >= 2 * compiles):
             break
-        key = _family(c.layout)
-        if c is not own and (key in seen or c.memory_bytes * ratio.get(c.layout["model.remat"], 1.0) > hbm):
-            continue
-        seen.add(key)
+        if not compiled and isinstance(own, Candidate):
+            c = own
+        else:
+            left = [x for x in left if x is not own and _family(x.layout) not in seen
+                    and x.memory_bytes * ratio.get(x.layout["model.remat"], 1.0) <= hbm]  # fmt: skip
+            if not left:
+                break
+            c = min(left, key=lambda x: corrected_seconds(x, slower))
+        seen.add(_family(c.layout))
         progress(f"compiling {len(compiled) + 1}: {describe(c.layout)} (predicted {c.predicted['step_seconds']:.3g} s, "
                  f"{c.memory_bytes / 2**30:.2f} GiB by arithmetic){' - your layout' if c is own else ''}")  # fmt: skip
         start = time.perf_counter()
@@ -339,6 +348,10 @@ def search(cfg, devices, chip, compile_layout, *, slices: int = 1, fixed: dict |
                       "kept": bool(report.get("compile_kept"))}  # fmt: skip
         if "cost" in report:
             c.compiled.update(cost.compiled_time(c.cfg, chip, report, c.parts, c.model_flops))
+            kind, p = (policy, c.layout["model.attention"]), c.predicted
+            was = slower.get(kind, (0.0, 0.0))
+            slower[kind] = tuple(max(w, c.compiled[s] / max(p[s], 1e-12))
+                                 for w, s in zip(was, ("compute_seconds", "memory_seconds"), strict=True))  # fmt: skip
             c.compiled["uncounted_kernels"] = report["cost"]["kernels"]["uncounted"]
             c.compiled["collectives"] = {k: v["sent"] for k, v in report["collectives"]["measured"].items()}
         compiled.append(c)
@@ -358,6 +371,17 @@ def search(cfg, devices, chip, compile_layout, *, slices: int = 1, fixed: dict |
             progress(f"  {c.measured_seconds:.3g} s a step measured (predicted {c.compiled['step_seconds']:.3g})")
     best = _best(fitting, own, by_trial=bool(trial))
     return {**screened, "own": own, "compiled": compiled, "best": best}
+
+
+def corrected_seconds(c: Candidate, slower: dict) -> float:
+    """A candidate's predicted step with its compute and HBM streams scaled by what the compiles of its remat
+    policy and kernel showed them to be against their prediction (`slower`); its prediction as it is where
+    none of its kind has been compiled yet."""
+    p = c.predicted
+    compute, memory = slower.get((c.layout["model.remat"], c.layout["model.attention"]), (1.0, 1.0))
+    roofline = max(p["compute_seconds"] * compute, p["memory_seconds"] * memory) / (1 - p["bubble"])
+    weights = p["weight_collective_seconds"]
+    return roofline + p["activation_collective_seconds"] + max(0.0, weights - roofline)
 
 
 def _family(layout: dict) -> tuple:
