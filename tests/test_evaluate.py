@@ -268,3 +268,24 @@ def test_training_refuses_held_out_batches_that_score_nothing_before_it_compiles
     cfg = long_prompts(tmp_path, train=dict(steps=2, global_batch_size=8, eval_every=1, eval_batches=1))
     with pytest.raises(ConfigError, match=r"train.eval_batches=1 .* scored nothing"):
         train(cfg, str(tmp_path / "run"))
+
+
+def test_the_mean_of_the_newest_checkpoints_is_what_evaluation_reads_where_asked(trained, corpus_dir):
+    """checkpoint.average_last=2: load_params (eval.py, generate.py, the export) reads the mean of the weights
+    of the run's checkpoints at steps 5 and 6, each read alone and averaged here; its evaluation is recorded
+    apart from step 6's own; more than the run kept is one sentence."""
+    from trainer.config.forms import with_changes
+    from trainer.training.resume import load_params
+
+    cfg = text_cfg(corpus_dir)
+    alone = [jax.tree.map(np.asarray, load_params(cfg, trained, s)[2]) for s in (5, 6)]
+    averaged = with_changes(cfg, {"checkpoint.average_last": 2})
+    _, step, mean = load_params(averaged, trained)
+    assert step == 6
+    for m, a, b in zip(jax.tree.leaves(mean), *map(jax.tree.leaves, alone), strict=True):
+        np.testing.assert_allclose(np.asarray(m), (a + b) / 2, rtol=1e-6, atol=1e-7)
+    plain, mixed = (evaluate_checkpoint(c, trained, max_batches=2, say=lambda _: None) for c in (cfg, averaged))
+    assert plain["file"] != mixed["file"] and plain["loss"] != mixed["loss"]
+    with pytest.raises(ConfigError, match=r"^checkpoint.average_last=3: .* keeps 2 checkpoint\(s\) at or before step 6 "
+                       r"\(\[5, 6\]\); average at most 2"):  # fmt: skip
+        load_params(with_changes(cfg, {"checkpoint.average_last": 3}), trained)

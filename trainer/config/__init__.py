@@ -356,6 +356,9 @@ def _declared() -> dict[str, dict]:
         "every_steps": Num(500, "[1, inf)"),
         "keep": Num(3, "[1, inf)"),
         "keep_every": Num(0, "[0, inf)"),
+        # Evaluation, generation and export read the mean of the weights of the newest N checkpoints at or
+        # before the step they read (0 or 1: that checkpoint's alone): a cheap average of the end of a run.
+        "average_last": Num(0, "[0, inf)"),
         "async": True,
         # A restore (or a bucket at start-up) whose storage answers 429/5xx or times out is retried this long.
         "retry_seconds": Num(300, "[0, inf)"),

@@ -345,6 +345,7 @@ def what_was_evaluated(cfg, workdir: str, step: int, max_batches: int) -> dict:
         **({"processes": jax.process_count()} if max_batches else {}),  # which pieces fill the first K batches
         **({"format": d.format, "loss_on": d.loss_on} if d.format != "text" else {}),  # which tokens are scored
         "step": step, "checkpoint": f"{wd.checkpoint_dir(workdir)}/{step}", "committed_ns": committed,
+        **({"average_last": cfg.checkpoint.average_last} if cfg.checkpoint.average_last > 1 else {}),
     }  # fmt: skip
 
 

@@ -26,6 +26,7 @@ import zlib
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from trainer.config.errors import ConfigError, StorageError
@@ -360,15 +361,33 @@ def _restored(cfg, workdir: str, step: int | None, devices) -> tuple[Setup, int,
         step = steps[-1]
     elif step not in steps:
         raise ConfigError(f"{workdir} has no checkpoint at step {step}; it has steps {steps}.")
+    window = averaged_steps(cfg, workdir, steps, step)
     ckpt, abstract = Checkpointer(wd.checkpoint_dir(workdir), read_only=True), abstract_params(setup.model, setup.shard)
     try:
-        if not setup.adapted:
-            return setup, step, ckpt.restore_params(step, abstract)
-        added = ckpt.restore_params(step, trained(abstract, setup.model))
+        target = trained(abstract, setup.model) if setup.adapted else abstract
+        added = ckpt.restore_params(window[0], target)
+        for s in window[1:]:  # one more tree on the devices at a time
+            added = jax.tree.map(jnp.add, added, ckpt.restore_params(s, target))
+        if len(window) > 1:
+            added = jax.tree.map(lambda x: (x / len(window)).astype(x.dtype), added)
     finally:
         ckpt.close()
+    if not setup.adapted:
+        return setup, step, added
     base, _ = load_reference(cfg, setup, workdir, None)  # the frozen weights the run pinned at its start
     return setup, step, adapters.join(added, base)
+
+
+def averaged_steps(cfg, workdir: str, steps: list[int], step: int) -> list[int]:
+    """The checkpoints whose weights are read for `step`: it alone, or under checkpoint.average_last=N the
+    newest N at or before it; too few kept is one sentence."""
+    n = cfg.checkpoint.average_last
+    window = [s for s in steps if s <= step][-max(n, 1) :]
+    if len(window) < n:
+        raise ConfigError(f"checkpoint.average_last={n}: {workdir} keeps {len(window)} checkpoint(s) at or before "
+                          f"step {step} ({window}); average at most {len(window)}, or keep more while training "
+                          "(checkpoint.keep, checkpoint.keep_every).")  # fmt: skip
+    return window
 
 
 def starting_state(cfg, setup, workdir: str, restored: tuple | None, init: tuple | None, new_data, say) -> tuple:
