@@ -289,3 +289,55 @@ def test_the_mean_of_the_newest_checkpoints_is_what_evaluation_reads_where_asked
     with pytest.raises(ConfigError, match=r"^checkpoint.average_last=3: .* keeps 2 checkpoint\(s\) at or before step 6 "
                        r"\(\[5, 6\]\); average at most 2"):  # fmt: skip
         load_params(with_changes(cfg, {"checkpoint.average_last": 3}), trained)
+
+
+def test_the_moving_average_of_the_weights_is_kept_sharded_and_read_where_asked(tmp_path, trained, corpus_dir):
+    """optim.ema_half_life_tokens: the optimiser state keeps the bias-corrected moving average of the weights, each
+    array placed like its parameter; checkpoint.read_ema makes load_params (eval.py, generate.py, the export)
+    read it, equal to the average computed here from every checkpoint's weights read alone, and the same after a
+    resume. A config that keeps
+    none, both decays set, a decay of 1 and read_ema beside average_last are one sentence each."""
+    from trainer.config.forms import with_changes
+    from trainer.optim import averaging
+    from trainer.planning import memory
+    from trainer.training.resume import load_params
+    from trainer.training.setup import build
+    from trainer.training.validation import validate
+
+    data, ckpt = dict(source="text_files", data_dir=corpus_dir), {"every_steps": 1, "keep": 4}
+    cfg = micro_config(data=data, train=dict(steps=4), optim=dict(ema_half_life_tokens=8 * 32 * 2), checkpoint=ckpt)
+    workdir = str(tmp_path / "run")
+    train(cfg, workdir)
+    decay = 0.5**0.5  # each update trains on 8 x 32 tokens: half the half-life
+    weights = [jax.tree.map(np.asarray, load_params(cfg, workdir, s)[2]) for s in (1, 2, 3, 4)]
+    reading = with_changes(cfg, {"checkpoint.read_ema": True})
+    for n in (3, 4):
+        shares = [(1 - decay) * decay ** (n - 1 - i) / (1 - decay**n) for i in range(n)]
+        expected = jax.tree.map(lambda *w, s=shares: sum(a * x for a, x in zip(s, w, strict=True)), *weights[:n])
+        _, step, ema = load_params(reading, workdir, n)
+        assert step == n
+        for got, want in zip(jax.tree.leaves(ema), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    # A run stopped at step 2 and resumed keeps the same average.
+    again = str(tmp_path / "again")
+    train(with_changes(cfg, {"train.steps": 2}), again)
+    train(cfg, again)
+    for a, b in zip(jax.tree.leaves(load_params(reading, again)[2]), jax.tree.leaves(ema), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    setup = build(cfg)
+    kept = averaging.find(setup.state_shardings.opt_state).ema_sum
+    assert jax.tree.leaves(kept) == jax.tree.leaves(setup.state_shardings.params)
+    state = memory.state_bytes(setup)
+    assert state["average"] == state["params"] + 8 and state["optimizer"] > 3 * state["params"]  # + mass and decay
+    last, averaged = (evaluate_checkpoint(c, workdir, max_batches=2, say=lambda _: None) for c in (cfg, reading))
+    assert last["file"] != averaged["file"] and last["loss"] != averaged["loss"]
+
+    with pytest.raises(ConfigError, match=r"^checkpoint.read_ema reads the moving average .* sets neither"):
+        load_params(with_changes(text_cfg(corpus_dir), {"checkpoint.read_ema": True}), trained)
+    for changes, said in [
+        ({"optim.ema_decay": 0.9}, r"both set the moving average's decay; set one"),
+        ({"optim.ema_half_life_tokens": 0, "optim.ema_decay": 1.0}, r"optim.ema_decay=1.0 must be"),
+        ({"checkpoint.average_last": 2}, r"each choose the weights that are read; set one"),
+    ]:
+        with pytest.raises(ConfigError, match=said):
+            validate(with_changes(reading, changes))

@@ -249,6 +249,10 @@ def _declared() -> dict[str, dict]:
         clip_norm=Num(1.0, "[0, inf)"),  # 0 disables clipping
         momentum=Num(0.9, "[0, 1)"),  # sgd
         z_loss=Num(0.0, "[0, inf)"),  # weight of log(Z)^2, which keeps the logits' normaliser near 1
+        # An exponential moving average of the weights, kept in the optimiser state (trainer/optim/averaging.py):
+        # a decay per update, or a half-life in tokens trained on (0 = none; set one of the two).
+        ema_decay=Num(0.0, "[0, 1)"),
+        ema_half_life_tokens=Num(0, "[0, inf)"),
     )
     # Direct preference optimisation (data.format=preference), against the frozen checkpoint.init_from weights.
     c.dpo = dict(
@@ -359,6 +363,8 @@ def _declared() -> dict[str, dict]:
         # Evaluation, generation and export read the mean of the weights of the newest N checkpoints at or
         # before the step they read (0 or 1: that checkpoint's alone): a cheap average of the end of a run.
         "average_last": Num(0, "[0, inf)"),
+        # ... or the run's moving average of the weights (optim.ema_decay or optim.ema_half_life_tokens).
+        "read_ema": False,
         "async": True,
         # A restore (or a bucket at start-up) whose storage answers 429/5xx or times out is retried this long.
         "retry_seconds": Num(300, "[0, inf)"),

@@ -346,6 +346,7 @@ def what_was_evaluated(cfg, workdir: str, step: int, max_batches: int) -> dict:
         **({"format": d.format, "loss_on": d.loss_on} if d.format != "text" else {}),  # which tokens are scored
         "step": step, "checkpoint": f"{wd.checkpoint_dir(workdir)}/{step}", "committed_ns": committed,
         **({"average_last": cfg.checkpoint.average_last} if cfg.checkpoint.average_last > 1 else {}),
+        **({"read_ema": True} if cfg.checkpoint.read_ema else {}),
     }  # fmt: skip
 
 

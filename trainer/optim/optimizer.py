@@ -25,6 +25,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from trainer.model.spec import is_hidden, is_matrix
+from trainer.optim import averaging
 
 
 def _by_axes(rule, logical_names: dict):
@@ -114,6 +115,8 @@ def make_optimizer(cfg, logical_names: dict) -> optax.GradientTransformation:
         from trainer.optim.mup import scale_updates
 
         chain.append(scale_updates(cfg, logical_names))
+    if averaging.enabled(o):  # last: it averages the weights that the updates above lead to
+        chain.append(averaging.weight_average())
     return optax.chain(*chain)
 
 
@@ -123,7 +126,8 @@ def applied_learning_rate(opt_state) -> jax.Array:
 
 
 def with_hyperparams(opt_state, **values):
-    """The optimiser state with the hyperparameters (learning_rate, weight_decay) the next update uses.
+    """The optimiser state with the hyperparameters (learning_rate, weight_decay; ema_decay where the weights
+    are averaged) the next update uses.
 
     Set before every update, so that the schedule, a rollback's scale and a
     resumed run's config decide them, never what a checkpoint happened to hold.

@@ -41,6 +41,7 @@ from trainer.config import microbatch_size
 from trainer.model import quantised
 from trainer.model.attention import context_kernel
 from trainer.model.sampling import PREFILL_CHUNK
+from trainer.optim import averaging
 
 # How far the total may be from XLA:TPU's heap on compiles it was never fitted to: within 35% in all 32 of
 # benchmarks/memory_calibration.py's held-out set (within 10% in 23), the bound stated before they were compiled.
@@ -248,6 +249,7 @@ def state_bytes(setup) -> dict[str, int]:
     state = setup.abstract_state()
     base = setup.step_inputs()[0] if setup.adapted else {}
     return {"params": shard_bytes(state.params), "optimizer": shard_bytes(state.opt_state),
+            "average": shard_bytes(averaging.find(state.opt_state)),  # the part of it that optim.ema_* keeps
             "frozen": shard_bytes(base), "quantised": shard_bytes(quantised.held(base))}  # fmt: skip
 
 

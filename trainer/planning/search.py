@@ -288,11 +288,13 @@ def _accumulations(cfg, fixed: dict) -> list[int]:
 
 
 def _moments_state(state: dict, configured: str, moments: str) -> dict:
-    """The optimiser state's bytes with `moments`: AdamW's two moments are all of it but a counter."""
+    """The optimiser state's bytes with `moments`: AdamW's two moments are all of it but a counter and the
+    weights' moving average (float32 whatever the moments are)."""
     if configured == moments:
         return state
     scale = 0.5 if moments == "bfloat16" else 2.0
-    return {**state, "optimizer": int(state["optimizer"] * scale)}
+    average = state.get("average", 0)
+    return {**state, "optimizer": int((state["optimizer"] - average) * scale) + average}
 
 
 def own_layout(cfg, devices, chip) -> Candidate | str:

@@ -440,7 +440,7 @@ class Run:
                 tier.close()
         if self.writer is not None:
             self.writer.close()
-        self.goodput.write()  # before the files are closed: a bucket gets the final account
+        self.goodput.close()  # before the files are closed: a bucket gets the final account
         if self.files is not None:
             self.files.close()
         if self.hang is not None:  # last: the final checkpoint's commit and the files' upload are watched too

@@ -270,6 +270,24 @@ class Checkpointer:
         items = ocp.args.Composite(**{PARAMS: Restore(target)})
         return self._read(step, lambda: self._manager.restore(step, args=items))[PARAMS]
 
+    def restore_parts(self, step: int, target, keep: Callable) -> Any:
+        """Some of the optimiser state's arrays, into `target`'s shapes and shardings (its abstract state): those
+        whose key path `keep` accepts; the others are never read (Orbax's placeholders), so a reader of the
+        weights' moving average holds no moments."""
+        wanted = jax.tree_util.tree_map_with_path(lambda p, x: x if keep(p) else ocp.PLACEHOLDER, target)
+        restore_args = jax.tree.map(
+            lambda x: ocp.RestoreArgs() if x is ocp.PLACEHOLDER
+            else ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape, dtype=x.dtype), wanted,
+        )  # fmt: skip
+        folder = path(self.directory) / str(step) / OPT_STATE
+        args = ocp.args.PyTreeRestore(item=wanted, restore_args=restore_args)
+
+        def read():
+            with ocp.PyTreeCheckpointer() as reader:
+                return reader.restore(folder, args=args)
+
+        return self._read(step, read)
+
     def restore_meta(self, step: int, sharding) -> dict:
         """The meta item as saved (its own shapes, whatever config wrote it), as host arrays."""
 

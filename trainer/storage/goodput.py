@@ -50,6 +50,7 @@ class Goodput:
         self.at_save: dict[int, float] = {}  # checkpoint step -> the run's productive seconds when it was saved
         self.launches = 1
         self.file: str | None = None
+        self.closed = False  # after the last write the clock stops: what is printed is what the file holds
 
     def open(self, files, step: int) -> None:
         """Carry on the account kept in the workdir (`files` None: a process that keeps none), for a launch
@@ -130,6 +131,11 @@ class Goodput:
             json.dump(account, f)
         os.replace(self.file + ".tmp", self.file)  # a launch killed mid-write leaves the last whole account
 
+    def close(self) -> None:
+        """The launch's last account: written, and the clock stopped."""
+        self.write()
+        self.closed = True
+
     def summary(self) -> str:
         """One line: the productive share of the run's time so far and where the rest went."""
         t = self.totals()
@@ -142,6 +148,8 @@ class Goodput:
                 + (f"; {duration(between)} between launches, not counted" if between >= 0.05 else ""))  # fmt: skip
 
     def _tick(self) -> None:
+        if self.closed:
+            return
         now = time.perf_counter()
         self.seconds[self.current] += now - self.since
         self.since = now

@@ -35,6 +35,7 @@ from trainer.data import run_tokenizer
 from trainer.data.streams import Stream
 from trainer.model import adapters, quantised
 from trainer.model.spec import Architecture
+from trainer.optim import averaging
 from trainer.optim.optimizer import make_optimizer
 from trainer.storage import compile_cache, faults
 from trainer.storage import workdir as wd
@@ -365,7 +366,8 @@ def _restored(cfg, workdir: str, step: int | None, devices) -> tuple[Setup, int,
     ckpt, abstract = Checkpointer(wd.checkpoint_dir(workdir), read_only=True), abstract_params(setup.model, setup.shard)
     try:
         target = trained(abstract, setup.model) if setup.adapted else abstract
-        added = ckpt.restore_params(window[0], target)
+        added = _moving_average(cfg, setup, ckpt, step, target) if cfg.checkpoint.read_ema else None
+        added = added if added is not None else ckpt.restore_params(window[0], target)
         for s in window[1:]:  # one more tree on the devices at a time
             added = jax.tree.map(jnp.add, added, ckpt.restore_params(s, target))
         if len(window) > 1:
@@ -376,6 +378,23 @@ def _restored(cfg, workdir: str, step: int | None, devices) -> tuple[Setup, int,
         return setup, step, added
     base, _ = load_reference(cfg, setup, workdir, None)  # the frozen weights the run pinned at its start
     return setup, step, adapters.join(added, base)
+
+
+def _moving_average(cfg, setup, ckpt: Checkpointer, step: int, target: dict) -> dict:
+    """checkpoint.read_ema: the moving average of the weights that the checkpoint at `step` keeps in its optimiser
+    state (trainer/optim/averaging.py), its moments never read; one sentence where it keeps none."""
+    if not averaging.enabled(cfg.optim):
+        raise ConfigError("checkpoint.read_ema reads the moving average that optim.ema_decay or "
+                          "optim.ema_half_life_tokens keeps while training; this config sets neither (use the "
+                          "run's own config).")  # fmt: skip
+    ckpt.check_params(step, target)
+    abstract = setup.abstract_state().opt_state
+    if arrays(ckpt.metadata(step)[OPT_STATE]) != arrays(abstract):
+        raise ConfigError(f"the optimiser state in the checkpoint at step {step} in {ckpt.directory} does not hold "
+                          "this config's moving average of the weights; use the optim.* and precision.moments_dtype "
+                          "the run was trained with.")  # fmt: skip
+    keep = lambda p: any(getattr(k, "name", None) in averaging.FIELDS for k in p)  # noqa: E731
+    return averaging.averaged(averaging.find(ckpt.restore_parts(step, abstract, keep)), target)
 
 
 def averaged_steps(cfg, workdir: str, steps: list[int], step: int) -> list[int]:

@@ -35,6 +35,7 @@ from trainer.model import adapters
 from trainer.model.decoder import ModelDef
 from trainer.model.moe import empty_statistics
 from trainer.objectives import distill, dpo, grpo
+from trainer.optim import averaging
 from trainer.optim.optimizer import applied_learning_rate, with_hyperparams
 from trainer.optim.schedules import make_schedule
 from trainer.training import clock, stability
@@ -173,6 +174,11 @@ def make_train_step(
     adapted = bool(model.arch.lora.rank)
     dropout = adapted and cfg.model.lora.dropout > 0
 
+    def ema_decay(tokens: int) -> dict:  # a constant of the trace: the batch's shape says its tokens
+        if not averaging.enabled(cfg.optim):
+            return {}
+        return {"ema_decay": jnp.float32(averaging.step_decay(cfg.optim, tokens))}
+
     def scaled(params, batch, factor, inputs, key):
         teacher_params = None
         if teacher is not None:
@@ -240,7 +246,8 @@ def make_train_step(
         bad = ~ok & ~scaling.overflowed(loss, grad_norm, scale)
 
         lr = schedule(clock.in_batches(counts["sequences"], batch_size)) * stats["lr_scale"] * lr_multiplier
-        opt_state = with_hyperparams(state.opt_state, learning_rate=lr, weight_decay=jnp.float32(weight_decay))
+        opt_state = with_hyperparams(state.opt_state, learning_rate=lr, weight_decay=jnp.float32(weight_decay),
+                                     **ema_decay(positions))  # fmt: skip
         updates, new_opt = tx.update(grads, opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
         if moe_stats and moe.router_bias and not adapted:  # under model.lora the router's bias is frozen too

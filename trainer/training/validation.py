@@ -135,6 +135,12 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             f"exceed{'s' * (not decay_steps)} train.steps={t.steps}; lower --config.optim.warmup_steps"
             f"{' or --config.optim.decay_steps' * bool(decay_steps)}, or raise --config.train.steps."
         )
+    if o.ema_decay and o.ema_half_life_tokens:
+        raise ConfigError(f"optim.ema_decay={o.ema_decay} and optim.ema_half_life_tokens={o.ema_half_life_tokens} "
+                          "both set the moving average's decay; set one, not both.")  # fmt: skip
+    if cfg.checkpoint.read_ema and cfg.checkpoint.average_last > 1:
+        raise ConfigError(f"checkpoint.read_ema and checkpoint.average_last={cfg.checkpoint.average_last} each "
+                          "choose the weights that are read; set one, not both.")  # fmt: skip
     if cfg.checkpoint.reset_optimizer and cfg.checkpoint.init_from:
         raise ConfigError(
             "checkpoint.reset_optimizer resumes this run and checkpoint.init_from starts a new one from another's "
