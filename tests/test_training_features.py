@@ -63,3 +63,56 @@ def test_diagnostic_metrics_are_logged_and_add_up(tmp_path):
 def test_an_unknown_precision_lists_the_valid_ones(tmp_path):
     with pytest.raises(ConfigError, match="precision.compute_dtype='fp8' is not one of float32, bfloat16, float16"):
         train(micro_config(precision=dict(compute_dtype="fp8")), str(tmp_path / "run"))
+
+
+def _data_state(workdir, step):
+    """Every row's stream position in the checkpoint at `step` (each process's file, merged)."""
+    folder, rows = os.path.join(workdir, "checkpoints", str(step), "data"), {}
+    for name in sorted(n for n in os.listdir(folder) if n.startswith("process_")):
+        with open(os.path.join(folder, name)) as f:
+            rows.update(json.load(f)["rows"])
+    return rows
+
+
+def test_another_global_batch_on_resume_reads_what_a_straight_run_reads_and_keeps_the_schedule(
+    tmp_path, corpus_dir, capsys
+):
+    """16 a step for 2 steps, then 32 for 1 step, then 8 for 2 steps: the run's 16 document streams are each read
+    to the very place a straight run of 5 steps of 16 reads them to (so no window is read twice or skipped), and
+    the learning rate follows the schedule in tokens. A batch that cannot read the streams evenly, and one that
+    does not divide what is left to read, are one sentence each, with the workdir left as it was."""
+    from trainer.config.forms import with_changes
+
+    data = dict(source="text_files", data_dir=corpus_dir)
+    cfg = micro_config(data=data, train=dict(steps=5, global_batch_size=16, log_every=1),
+                       checkpoint={"every_steps": 1, "keep": 10})  # fmt: skip
+    straight, changed = str(tmp_path / "straight"), str(tmp_path / "changed")
+    train(cfg, straight)
+    train(with_changes(cfg, {"train.steps": 2}), changed)
+    config_before = open(os.path.join(changed, "config.json")).read()
+    for changes, said in [
+        ({"train.global_batch_size": 24}, r"train.global_batch_size=24 cannot read this run's 16 document streams "
+                                          r"\(data.stream_rows\) evenly: it must divide 16 or be a multiple of it"),
+        ({"train.global_batch_size": 32, "train.steps": 5}, r"has 48 sequences left to read \(train.steps=5 batches "
+                                                            r"of 16\), which train.global_batch_size=32 does not "
+                                                            r"divide; .* e.g. 6\."),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError, match=said):
+            train(with_changes(cfg, changes), changed)
+        assert open(os.path.join(changed, "config.json")).read() == config_before
+    train(with_changes(cfg, {"train.global_batch_size": 32, "train.steps": 4}), changed)
+    train(with_changes(cfg, {"train.global_batch_size": 8}), changed)
+    out = capsys.readouterr().out
+    assert "train.global_batch_size: 16 there, 32 here: the data keeps the run's 16 document streams" in out
+    assert "train.global_batch_size: 32 there, 8 here: the data keeps the run's 16 document streams" in out
+
+    assert _data_state(changed, 5) == _data_state(straight, 5)
+    assert _data_state(changed, 3) == _data_state(straight, 4)
+    halfway = _data_state(changed, 4)  # a step of 8 reads every other stream: half of them one window further
+    ahead = [r for r in halfway if halfway[r] != _data_state(straight, 4)[r]]
+    assert ahead == [str(r) for r in range(0, 16, 2)] and all(halfway[r] == _data_state(straight, 5)[r] for r in ahead)
+    logged = records(changed)
+    assert [r["sequences"] for r in logged] == [16, 32, 64, 72, 80]
+    schedule = make_schedule(cfg.optim, cfg.train.steps)
+    for r, before in zip(logged[3:], (64, 72), strict=True):  # the last launch's steps, on the straight schedule
+        assert r["lr"] == pytest.approx(float(schedule(before / 16)), rel=1e-6)

@@ -226,6 +226,9 @@ def _declared() -> dict[str, dict]:
         workers=Num(
             0, "[0, inf)"
         ),  # processes that read and tokenise the batch rows; 0 = a thread of the training process
+        # The document streams the training batches are read through (0 = train.global_batch_size). A resume that
+        # changes the global batch keeps the run's own and sets this to it (trainer/training/batch_ramp.py).
+        stream_rows=Num(0, "[0, inf)"),
         # Post-training (trainer/data/chat.py): one of FORMATS. `chat` rows hold `messages` (or a prompt and a
         # completion) and train on the tokens `loss_on` picks (one of LOSS_ON); `preference` rows hold a prompt
         # and the chosen and rejected replies, and train by DPO (the `dpo` section).
@@ -428,6 +431,11 @@ def renamed_words(key: str, flag: bool = False) -> str:
 # Keys added with a default that differs from what runs did before them: an older run's config.json, which
 # lacks the key, is read with the value that run had in effect.
 BEFORE = {"data.mixture_unit": "documents"}
+
+
+def stream_rows(cfg) -> int:
+    """The training data's document streams: what train.steps and the schedule count batches of."""
+    return cfg.data.stream_rows or cfg.train.global_batch_size
 
 
 def microbatch_size(cfg) -> int:

@@ -41,6 +41,7 @@ import numpy as np
 from grain.experimental import ConcatThenSplitIterDataset, ThreadPrefetchDatasetIterator
 from jax.sharding import NamedSharding
 
+from trainer.config import stream_rows
 from trainer.data import chat, readers, teacher_logits
 from trainer.data.corpora import text_feature
 from trainer.data.mixture import parse_mixture
@@ -66,7 +67,7 @@ class Stream:
     packing: str
     train_split: str
     seed: int
-    rows: int  # train.global_batch_size: one document stream per row
+    rows: int  # data.stream_rows (train.global_batch_size): one document stream per row
     vocab_size: int  # the synthetic source draws tokens below it
     mixture: tuple[tuple[str, float], ...] = ()  # (corpus, weight); () = `name` alone
     mixture_unit: str = "tokens"  # what the weights are shares of: "tokens" or "documents"
@@ -87,12 +88,13 @@ class Stream:
     teacher_logits: str = ""
 
     @classmethod
-    def from_config(cls, cfg) -> Stream:
+    def from_config(cls, cfg, rows: int = 0) -> Stream:
+        """The training stream, or with `rows` another number of rows (held-out batches: the global batch)."""
         d = cfg.data
         return cls(
             source=d.source, name=d.name, paths=d.paths, text_key=d.text_key, tokenizer=d.tokenizer,
             tokenizer_path=d.tokenizer_path, seq_len=d.seq_len, packing=d.packing, train_split=d.train_split,
-            seed=cfg.train.seed, rows=cfg.train.global_batch_size, vocab_size=cfg.model.vocab_size,
+            seed=cfg.train.seed, rows=rows or stream_rows(cfg), vocab_size=cfg.model.vocab_size,
             mixture=parse_mixture(d.mixture), mixture_unit=d.mixture_unit, tokenized=d.tokenized,
             data_dir=d.data_dir, validation_fraction=d.validation_fraction, token_dtype=d.token_dtype, eos_id=d.eos_id,
             format=d.format, loss_on=d.loss_on if d.format == "chat" else "all", chat_template=d.chat_template,
@@ -263,6 +265,24 @@ def ramp_rows(local_rows: Sequence[int], size: int, global_batch: int) -> list[i
     batch, so these rows belong to the process that reads them in a full step."""
     stride = global_batch // size
     return [a * stride for a in local_rows]
+
+
+def step_rows(positions: Sequence[int], size: int, rows: int, read: int) -> list[int]:
+    """The stream rows that a step of `size` sequences, `read` sequences into a stream of `rows` rows, reads at
+    the batch positions `positions` (this process's), in order. A fraction (rows = s x size) reads every s-th
+    row, from the (read / size mod s)-th on, so that s steps read each row once; a multiple (size = m x rows)
+    reads m consecutive windows of each row side by side. Either way a process reads the rows it held in a
+    batch of `rows` (its devices hold the same contiguous share of any batch)."""
+    if size <= rows:
+        s = rows // size
+        return [a * s + (read // size) % s for a in positions]
+    return [i // (size // rows) for i in positions]
+
+
+def rows_read(positions: Sequence[int], size: int, rows: int) -> list[int]:
+    """Every stream row that steps of `size` sequences read at `positions` (step_rows, over its turns)."""
+    turns = max(rows // size, 1)
+    return sorted({r for t in range(turns) for r in step_rows(positions, size, rows, t * size)})
 
 
 # A mixture's corpus of each token; documents begun in a row, and whether a process's documents had ended

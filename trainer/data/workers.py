@@ -57,10 +57,13 @@ class ProcessRows:
             if kind == "error":
                 raise TrainingError(f"data worker {w} failed: {reply}")
             batch, state = reply
-            windows.update({r: {k: v[i] for k, v in batch.items()} for i, r in enumerate(mine)})
+            for i, r in enumerate(mine):  # a row asked twice (a batch larger than the streams) gives two windows
+                windows.setdefault(r, []).append({k: v[i] for k, v in batch.items()})
             states.update(state["rows"])
         self._state = {"rows": states}
-        return {k: np.stack([windows[r][k] for r in rows]) for k in windows[rows[0]]}
+        taken = {r: iter(w) for r, w in windows.items()}
+        ordered = [next(taken[r]) for r in rows]
+        return {k: np.stack([w[k] for w in ordered]) for k in ordered[0]}
 
     def _gone(self, w: int, rows: list[int], error: Exception):
         process = self._processes[w]

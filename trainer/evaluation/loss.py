@@ -119,7 +119,8 @@ class Evaluator:
         """`inputs`: the train step's after the batch (DPO's reference weights, or the frozen base its
         reference is under model.lora: its held-out pairs are scored by the DPO loss, reward accuracy and
         margins). It is called with the weights the model applies (Setup.weights)."""
-        cfg, stream = setup.cfg, streams.Stream.from_config(setup.cfg)
+        cfg = setup.cfg
+        stream = streams.Stream.from_config(cfg, rows=cfg.train.global_batch_size)
         self._inputs = inputs
         self._sources, begun = {}, 0
         bos = None if cfg.data.source == "synthetic" else load_tokenizer(cfg.data).bos_id
@@ -239,7 +240,8 @@ def evaluate_checkpoint(cfg, workdir: str, step: int | None = None, max_batches:
     elif not max_batches:
         raise ConfigError("a synthetic source has no end; pass a number of batches to evaluate.")
     setup, step, params = load_params(cfg, workdir, step, devices)
-    B, T, stream = cfg.train.global_batch_size, cfg.data.seq_len, streams.Stream.from_config(cfg)
+    B, T = cfg.train.global_batch_size, cfg.data.seq_len
+    stream = streams.Stream.from_config(cfg, rows=B)
     rows = streams.process_rows(setup.batch_sharding, B, T)
     if cfg.data.source == "synthetic":
         local_batches = streams.batches(stream, cfg.data.eval_split, rows, shuffle=False)

@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from parallelism.distributed import fetch, wait_if_a_process_died
-from trainer.config import microbatch_size
+from trainer.config import microbatch_size, stream_rows
+from trainer.config.errors import ConfigError
 from trainer.data import corpora, streams, workers
 from trainer.data.mixture import mixture_shares
 from trainer.data.tokenizers import load_tokenizer
@@ -131,9 +132,11 @@ class Run:
         saved_cfg = resume.saved_config(workdir)
         t = cfg.train
         self.batch, self.micro = t.global_batch_size, microbatch_size(cfg)
-        self.target = t.steps * t.global_batch_size  # sequences to train on
+        self.unit = stream_rows(cfg)  # what train.steps and the schedule count batches of (batch_ramp.py)
+        self.target = t.steps * self.unit  # sequences to train on
         self.stream = streams.Stream.from_config(cfg).with_teacher_logits(cfg)
         self.rows = streams.process_rows(setup.batch_sharding, self.batch, cfg.data.seq_len)  # this process's
+        self.stream_rows = streams.rows_read(self.rows, self.batch, self.unit)  # the document streams it reads
         self.rl = cfg.data.format == "prompts"  # batches sampled from the policy (trainer/training/rollouts.py)
         self.reference = None
         if self.rl and not setup.adapted:  # GRPO's reference scores the rollouts; the step takes no inputs
@@ -170,6 +173,14 @@ class Run:
         if self.trained >= self.target:  # a finished run run again is no launch of it: its workdir stays as it is
             self.row_batches = data
             return
+        if (self.target - self.data_read) % self.batch and not t.ramp_batch_size:
+            data.close()
+            left, m = (self.target - self.data_read) // self.unit, max(self.batch // self.unit, 1)
+            raise ConfigError(
+                f"{workdir} has {self.target - self.data_read} sequences left to read (train.steps={t.steps} batches "
+                f"of {self.unit}), which train.global_batch_size={self.batch} does not divide; resume with a "
+                f"train.steps that leaves a multiple of it, e.g. {t.steps + (-left) % m}."
+            )
         if self.primary:  # once the checkpoint is accepted: a refusal leaves the workdir as it was
             wd.write_config(workdir, cfg)
             if self.identity and wd.run_id(workdir) != self.identity:
@@ -179,7 +190,7 @@ class Run:
         if cfg.data.workers:  # the rows' reading and tokenising in processes of their own, from this state
             state = data.get_state()
             data.close()
-            data = self.workers = workers.ProcessRows(self.stream, cfg.data.train_split, self.rows, state,
+            data = self.workers = workers.ProcessRows(self.stream, cfg.data.train_split, self.stream_rows, state,
                                                       shuffle=True, workers=cfg.data.workers)  # fmt: skip
         self.row_batches = data
         # A rollout samples from the weights of the step before it: nothing can be read ahead.
@@ -208,7 +219,7 @@ class Run:
     def _new_data(self):
         if self.rl:
             return rollouts.Rollouts(self.setup, self.stream, self.rows, self._policy, self.cfg.rl.beta > 0)
-        return iter(streams.batches(self.stream, self.cfg.data.train_split, self.rows, shuffle=True))
+        return iter(streams.batches(self.stream, self.cfg.data.train_split, self.stream_rows, shuffle=True))
 
     def _policy(self) -> tuple:
         """(the weights the model applies now, GRPO's reference weights or None)."""
@@ -221,14 +232,14 @@ class Run:
         """(rows of the step starting `read` sequences into the stream, this process's stream rows)."""
         size = batch_ramp.step_size(self.cfg, read)
         if size == self.batch:
-            return size, self.rows
+            return size, streams.step_rows(self.rows, size, self.unit, read)
         mine = streams.process_rows(self.setup.batch_sharding, size, self.cfg.data.seq_len)  # a ramp's few sizes
         return size, streams.ramp_rows(mine, size, self.batch)
 
     def _clocks(self) -> tuple[int, int, int, int]:
         """(step, sequences trained on, sequences read, skipped steps): a (small) sync with the device."""
         s = fetch({"step": self.state.step, **self.state.clock, "skipped": self.state.stability["skipped"]})
-        trained, read = (clock.value(s[k], self.batch) for k in ("sequences", "data_read"))
+        trained, read = (clock.value(s[k], self.unit) for k in ("sequences", "data_read"))
         return int(s["step"]), trained, read, int(s["skipped"])
 
     def finished(self) -> bool:
@@ -317,7 +328,7 @@ class Run:
         """Write step `step`'s metrics (and any skipped-step event); returns why to roll back, if so."""
         values = fetch(metrics)  # waits for that step only: the next one is already queued
         trained = clock.value({"batches": values.pop("sequences_batches"), "rows": values.pop("sequences_rows")},
-                              self.batch)  # fmt: skip
+                              self.unit)  # fmt: skip
         values = {**floats(values), "sequences": trained}
         elapsed = time.perf_counter() - self.mark_time
         tokens = sum(n for s, n in self.dispatched if s <= step)
@@ -333,7 +344,7 @@ class Run:
             **self.goodput.totals(),
         }
         self.last.update(logged)  # beside the latest evaluation's figures
-        console = console_line(step, values["sequences"] / self.batch, self.cfg.train.steps, logged)
+        console = console_line(step, values["sequences"] / self.unit, self.cfg.train.steps, logged)
         self.writer.write(step, logged, console=console)
         self.goodput.write()
         self.mark_step, self.mark_time = step, time.perf_counter()

@@ -18,7 +18,7 @@ from trainer.storage import local_tier
 from trainer.storage import workdir as wd
 from trainer.storage.lease import Lease
 from trainer.storage.metrics import check_fresh_start
-from trainer.training import resume, teacher
+from trainer.training import batch_ramp, resume, teacher
 from trainer.training.setup import Setup, build
 from trainer.training.validation import unread_settings
 
@@ -38,6 +38,9 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str, Lea
     for line in unread_settings(cfg):
         say(f"warning: {line}", flush=True)
     wd.wait_for_storage(workdir, cfg.checkpoint.retry_seconds, say)
+    settled = batch_ramp.settled(cfg, workdir, say)  # another global batch on a resume
+    if settled is not cfg:
+        cfg, setup = settled, build(settled)
     # A resumed run learns from the teacher it started with (the same directory: the model built above).
     cfg = teacher.pinned(cfg, workdir)
     cfg = run_tokenizer.settle(cfg, workdir)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainer.config import stream_rows
 from trainer.config.errors import ConfigError, StorageError
 from trainer.config.forms import flatten, from_dict, with_changes
 from trainer.data import run_tokenizer
@@ -52,8 +53,11 @@ def saved_config(workdir: str):
 
 
 def changed_keys(saved, cfg, view: Callable) -> list[str]:
-    """'key=old there, new here' for each key whose change alone changes `view` of the saved config."""
+    """'key=old there, new here' for each key whose change alone changes `view` of the saved config; none where the
+    views agree (keys that change together and cancel: a new global batch beside the run's data.stream_rows)."""
     before, now, base = flatten(saved), flatten(cfg), view(saved)
+    if view(cfg) == base:
+        return []
     return [
         f"{key}={before[key]!r} there, {now[key]!r} here"
         for key in sorted(now)
@@ -161,7 +165,7 @@ def restore_state(
     ckpt.check_params(step, abstract.params)
     replicated = setup.shard.replicated()
     meta = ckpt.restore_meta(step, replicated)
-    batch_size = cfg.train.global_batch_size
+    batch_size = stream_rows(cfg)
     if "format" not in meta and data_iterator is not None:
         rows = ckpt.data_rows(step)
         if rows is not None and len(rows) < batch_size:
@@ -228,7 +232,7 @@ def _counters(meta: dict, cfg, saved) -> dict:
     counted microbatches, which are global batches here (a checkpoint written
     with accumulation is refused before this).
     """
-    old, batch = meta["stability"], cfg.train.global_batch_size
+    old, batch = meta["stability"], stream_rows(cfg)
     if "clock" in meta:
         counts, scale = meta["clock"], meta["loss_scale"]
         if "batch" in counts:

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trainer.config import stream_rows
+
 EMA_DECAY = 0.99
 
 
@@ -105,7 +107,7 @@ def drill_multipliers(cfg, data_read: dict, rows: int) -> tuple[jax.Array, jax.A
     """(loss multiplier, learning-rate multiplier) for a step that reads `rows` sequences from `data_read` (a
     count, trainer/training/clock.py) on, from the drills in `config.debug`, counted in global batches of the
     data stream; computed on the device."""
-    d, batch = cfg.debug, cfg.train.global_batch_size
+    d, batch = cfg.debug, stream_rows(cfg)
     first = data_read["batches"]
     last = first + (data_read["rows"] + rows - 1) // batch
     poisoned = jnp.zeros((), bool)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from parallelism.rules import LogicalSharding
+from trainer.config import stream_rows
 from trainer.model import adapters
 from trainer.model.decoder import ModelDef, init_params
 from trainer.model.spec import ModelSpec
@@ -46,7 +47,7 @@ def initial_counters(cfg) -> dict:
         "clock": {
             "sequences": clock.zero(),
             "data_read": clock.zero(),
-            "batch": jnp.int32(cfg.train.global_batch_size),
+            "batch": jnp.int32(stream_rows(cfg)),
         },
         "loss_scale": precision.LossScaling.from_config(cfg).initial_state(),
         "stability": stability.initial_state(cfg),

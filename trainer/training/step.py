@@ -31,6 +31,7 @@ import optax
 
 from parallelism import microbatches
 from parallelism.rules import LogicalSharding
+from trainer.config import stream_rows
 from trainer.model import adapters
 from trainer.model.decoder import ModelDef
 from trainer.model.moe import empty_statistics
@@ -157,7 +158,7 @@ def make_train_step(
     k = microbatches
     scaling = LossScaling.from_config(cfg)
     schedule = make_schedule(cfg.optim, cfg.train.steps)
-    batch_size = cfg.train.global_batch_size  # sequences in one full batch: the schedule's unit
+    batch_size = stream_rows(cfg)  # the schedule's unit: the global batch, or the run's first (batch_ramp.py)
     z_loss, weight_decay, moe, mtp_weight = (
         cfg.optim.z_loss,
         cfg.optim.weight_decay,
