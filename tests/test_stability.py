@@ -37,6 +37,23 @@ def records(workdir):
         return [json.loads(line) for line in f]
 
 
+def test_a_bad_step_computed_again_tells_a_flipped_bit_from_a_bad_batch(tmp_path, corpus_dir, capsys):
+    """stability.rerun_bad_steps: one bit flipped once in one gradient (batch 3, read by step 4) gives another
+    result when the step is computed again: transient; a poisoned batch (6, read by step 7) gives the same
+    twice: persistent. Each verdict is in its skipped-step event, and healthy steps are never computed again."""
+    workdir = str(tmp_path / "run")
+    cfg = config(corpus_dir, flip_batches=(3,), poison_batches=(6,))
+    cfg.train.steps, cfg.stability.rerun_bad_steps = 10, True
+    train(cfg, workdir)
+    events = [r for r in records(workdir) if r.get("event") == "skipped"]
+    assert [(e["step"], e["rerun"]) for e in events] == [(4, {"transient": 1, "persistent": 0}),
+                                                         (7, {"transient": 0, "persistent": 1})]  # fmt: skip
+    steps = {r["step"]: r for r in records(workdir) if "loss" in r}
+    assert steps[4]["nonfinite"] == 1 and steps[4]["param_norm"] == steps[3]["param_norm"]
+    assert steps[12]["rerun_transient"] == 1 and steps[12]["rerun_persistent"] == 1  # 10 batches, 2 steps skipped
+    assert "computed again: 1 transient, 0 persistent (another result: a hardware fault" in capsys.readouterr().out
+
+
 def test_an_isolated_poisoned_batch_is_skipped(tmp_path, corpus_dir):
     workdir = str(tmp_path / "run")
     result = train(config(corpus_dir, poison_batches=(7,)), workdir)

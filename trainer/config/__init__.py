@@ -352,9 +352,14 @@ def _declared() -> dict[str, dict]:
         diverge_steps=Num(20, "[0, inf)"),  # ... for this many steps in a row triggers a rollback (0 = off)
         rollback_lr_factor=Num(0.5, "(0, 1]"),  # learning rate multiplied by this at each rollback
         max_rollbacks=Num(3, "[0, inf)"),
+        # A bad step (non-finite or spiking) is computed again in the same step, to tell a transient fault (another
+        # result: the hardware) from a persistent one (the same: the data, or a chip always wrong); each is counted
+        # in the skipped steps' events. It doubles the step's program, not its time.
+        rerun_bad_steps=False,
     )
     c.debug = dict(
         poison_batches=(),  # these data batches yield a non-finite loss and gradients (a drill)
+        flip_batches=(),  # in these data batches one bit of one gradient flips, once (a drill for rerun_bad_steps)
         lr_spike=(),  # (first, last, factor): data batches first..last train at factor x the learning rate
     )
     # Keep the newest `keep`, plus every multiple of `keep_every` (0 = none).

@@ -176,7 +176,12 @@ def default_workdir() -> str:
     return os.path.join("runs", os.path.splitext(os.path.basename(path))[0])
 
 
-NUMBER_LISTS = ("train.profile_steps", "debug.poison_batches", "debug.lr_spike")  # every other list holds strings
+NUMBER_LISTS = (
+    "train.profile_steps",
+    "debug.poison_batches",
+    "debug.flip_batches",
+    "debug.lr_spike",
+)  # every other list holds strings
 
 
 def command_line_form(args: list[str]) -> list[str]:

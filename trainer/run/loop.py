@@ -19,6 +19,7 @@ a process that dies ends the others, naming it (parallelism/distributed.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import jax
@@ -26,7 +27,6 @@ import numpy as np
 
 from parallelism.distributed import fetch, wait_if_a_process_died
 from trainer.config import microbatch_size, stream_rows
-from trainer.config.errors import ConfigError
 from trainer.data import corpora, streams, workers
 from trainer.data.mixture import mixture_shares
 from trainer.data.tokenizers import load_tokenizer
@@ -170,17 +170,10 @@ class Run:
         self.state, self.reset_optimizer, self.reset_label, data = resume.starting_state(
             cfg, setup, workdir, found and found[1], init, self._new_data, self.say)  # fmt: skip
         self.step, self.trained, self.data_read, self.skipped_seen = self._clocks()  # waits for the state
+        self.row_batches = data  # closed by close() from here on, should what follows refuse or fail
         if self.trained >= self.target:  # a finished run run again is no launch of it: its workdir stays as it is
-            self.row_batches = data
             return
-        if (self.target - self.data_read) % self.batch and not t.ramp_batch_size:
-            data.close()
-            left, m = (self.target - self.data_read) // self.unit, max(self.batch // self.unit, 1)
-            raise ConfigError(
-                f"{workdir} has {self.target - self.data_read} sequences left to read (train.steps={t.steps} batches "
-                f"of {self.unit}), which train.global_batch_size={self.batch} does not divide; resume with a "
-                f"train.steps that leaves a multiple of it, e.g. {t.steps + (-left) % m}."
-            )
+        batch_ramp.check_left(cfg, workdir, self.data_read)
         if self.primary:  # once the checkpoint is accepted: a refusal leaves the workdir as it was
             wd.write_config(workdir, cfg)
             if self.identity and wd.run_id(workdir) != self.identity:
@@ -190,11 +183,13 @@ class Run:
         if cfg.data.workers:  # the rows' reading and tokenising in processes of their own, from this state
             state = data.get_state()
             data.close()
+            self.row_batches = None
             data = self.workers = workers.ProcessRows(self.stream, cfg.data.train_split, self.stream_rows, state,
                                                       shuffle=True, workers=cfg.data.workers)  # fmt: skip
         self.row_batches = data
         # A rollout samples from the weights of the step before it: nothing can be read ahead.
-        self.data = data if self.rl else streams.prefetch(data, self._plan, self.data_read)
+        plan = functools.partial(batch_ramp.plan, cfg, self.rows, setup.batch_sharding)
+        self.data = data if self.rl else streams.prefetch(data, plan, self.data_read)
         self.hang = HangWatch(t.hang_seconds, lambda: self.step, workdir,
                               lambda: self.workers.stacks() if self.workers else [])  # fmt: skip
         self.files = wd.GrowingFiles(workdir) if self.primary else None
@@ -228,17 +223,12 @@ class Run:
             return weights, None
         return weights, self.setup.reference(weights, self.inputs) if self.setup.adapted else self.reference
 
-    def _plan(self, read: int) -> tuple[int, list[int]]:
-        """(rows of the step starting `read` sequences into the stream, this process's stream rows)."""
-        size = batch_ramp.step_size(self.cfg, read)
-        if size == self.batch:
-            return size, streams.step_rows(self.rows, size, self.unit, read)
-        mine = streams.process_rows(self.setup.batch_sharding, size, self.cfg.data.seq_len)  # a ramp's few sizes
-        return size, streams.ramp_rows(mine, size, self.batch)
-
     def _clocks(self) -> tuple[int, int, int, int]:
         """(step, sequences trained on, sequences read, skipped steps): a (small) sync with the device."""
-        s = fetch({"step": self.state.step, **self.state.clock, "skipped": self.state.stability["skipped"]})
+        st = self.state.stability
+        s = fetch({"step": self.state.step, **self.state.clock, "skipped": st["skipped"],
+                   **{k: st[f"rerun_{k}"] for k in ("transient", "persistent")}})  # fmt: skip
+        self.reruns_seen = {k: int(s[k]) for k in ("transient", "persistent")}
         trained, read = (clock.value(s[k], self.unit) for k in ("sequences", "data_read"))
         return int(s["step"]), trained, read, int(s["skipped"])
 
@@ -351,11 +341,9 @@ class Run:
         skipped = int(values["skipped_total"]) - self.skipped_seen
         if skipped > 0:
             self.skipped_seen += skipped
-            self.writer.write(
-                step, {"event": "skipped", "steps": skipped, "total": self.skipped_seen},
-                console=f"step {step:>6}  skipped {skipped} step(s) since the last log line (non-finite, spiking "
-                f"or fp16-overflowing gradients; {self.skipped_seen} in all): parameters unchanged by them",
-            )  # fmt: skip
+            event, line, self.reruns_seen = stability.skipped_event(self.cfg, step, skipped, self.skipped_seen,
+                                                                    values, self.reruns_seen)  # fmt: skip
+            self.writer.write(step, event, console=line)
         return stability.trouble(self.cfg, int(values["bad_in_window"]), int(values["diverged_run"]))
 
     def roll_back(self, reason: str) -> None:

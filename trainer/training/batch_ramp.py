@@ -29,6 +29,7 @@ import math
 from trainer.config import microbatch_size, stream_rows
 from trainer.config.errors import ConfigError
 from trainer.config.forms import from_dict, with_changes
+from trainer.data import streams
 from trainer.storage import workdir as wd
 
 
@@ -101,3 +102,27 @@ def settled(cfg, workdir: str, say) -> object:
         f"document streams ({how}), so no document is read twice or skipped; train.steps and the schedule count "
         f"batches of {rows} sequences, so the run's length and learning rate go on in tokens")  # fmt: skip
     return changed
+
+
+def check_left(cfg, workdir: str, read: int) -> None:
+    """Refuse a global batch that does not divide the sequences left to read (after `read`) of the run's length."""
+    t, rows = cfg.train, stream_rows(cfg)
+    left = t.steps * rows - read
+    if t.ramp_batch_size or left <= 0 or left % t.global_batch_size == 0:
+        return
+    more = (-(left // rows)) % max(t.global_batch_size // rows, 1)
+    raise ConfigError(
+        f"{workdir} has {left} sequences left to read (train.steps={t.steps} batches of {rows}), which "
+        f"train.global_batch_size={t.global_batch_size} does not divide; resume with a train.steps that leaves a "
+        f"multiple of it, e.g. {t.steps + more}."
+    )
+
+
+def plan(cfg, positions: list[int], sharding, read: int) -> tuple[int, list[int]]:
+    """(sequences in the step starting `read` sequences into the stream, the stream rows this process reads for
+    it): `positions` are its rows of a full batch, laid out by `sharding`."""
+    size, batch = step_size(cfg, read), cfg.train.global_batch_size
+    if size == batch:
+        return size, streams.step_rows(positions, size, stream_rows(cfg), read)
+    mine = streams.process_rows(sharding, size, cfg.data.seq_len)  # a ramp's few sizes
+    return size, streams.ramp_rows(mine, size, batch)

@@ -38,6 +38,8 @@ def initial_state(cfg) -> dict:
         "diverged_run": jnp.int32(0),  # steps in a row with the loss far above its mean
         "recent_bad": jnp.zeros((cfg.stability.bad_window,), jnp.int32),  # verdicts of the last steps, a ring
         "rollbacks": jnp.int32(0),
+        "rerun_transient": jnp.int32(0),  # bad steps that gave another result when computed again (rerun_bad_steps)
+        "rerun_persistent": jnp.int32(0),  # ... and the same result
     }
 
 
@@ -107,9 +109,8 @@ def drill_multipliers(cfg, data_read: dict, rows: int) -> tuple[jax.Array, jax.A
     """(loss multiplier, learning-rate multiplier) for a step that reads `rows` sequences from `data_read` (a
     count, trainer/training/clock.py) on, from the drills in `config.debug`, counted in global batches of the
     data stream; computed on the device."""
-    d, batch = cfg.debug, stream_rows(cfg)
-    first = data_read["batches"]
-    last = first + (data_read["rows"] + rows - 1) // batch
+    d = cfg.debug
+    first, last = _batches_read(cfg, data_read, rows)
     poisoned = jnp.zeros((), bool)
     if d.poison_batches:
         batches = jnp.asarray(d.poison_batches, jnp.int32)
@@ -119,3 +120,59 @@ def drill_multipliers(cfg, data_read: dict, rows: int) -> tuple[jax.Array, jax.A
         low, high, factor = d.lr_spike
         lr = jnp.where((first <= high) & (last >= low), jnp.float32(factor), lr)
     return jnp.where(poisoned, jnp.float32(jnp.nan), jnp.float32(1.0)), lr
+
+
+def _batches_read(cfg, data_read: dict, rows: int) -> tuple[jax.Array, jax.Array]:
+    """The first and last global batch of the data stream that a step of `rows` sequences reads."""
+    first = data_read["batches"]
+    return first, first + (data_read["rows"] + rows - 1) // stream_rows(cfg)
+
+
+def flipped(cfg, grads: dict, data_read: dict, rows: int) -> dict:
+    """The debug.flip_batches drill: in those data batches the largest element of one gradient has its exponent's
+    highest bit flipped (far past any spike factor), as a fault in one device's arithmetic would, once: computed
+    again (rerun_bad_steps) the step gives another result."""
+    if not cfg.debug.flip_batches:
+        return grads
+    first, last = _batches_read(cfg, data_read, rows)
+    batches = jnp.asarray(cfg.debug.flip_batches, jnp.int32)
+    hit = jnp.any((batches >= first) & (batches <= last))
+    leaves, tree = jax.tree.flatten(grads)
+    flat = leaves[0].ravel()
+    i = jnp.argmax(jnp.abs(flat))
+    bits = jax.lax.bitcast_convert_type(flat[i], jnp.uint32) ^ jnp.uint32(1 << 30)
+    flat = flat.at[i].set(jnp.where(hit, jax.lax.bitcast_convert_type(bits, jnp.float32), flat[i]))
+    return jax.tree.unflatten(tree, [flat.reshape(leaves[0].shape), *leaves[1:]])
+
+
+def rerun(stats: dict, bad, loss, grad_norm, again) -> dict:
+    """stability.rerun_bad_steps: a bad step's loss and gradient norm computed `again()` (only where it was bad).
+    The same result (within 1e-6: the same arithmetic, scheduled inside a conditional; or non-finite both times)
+    is a persistent fault, the batch's or a chip's that is always wrong; another is a transient one. Counted."""
+
+    def same(a, b):
+        finite = jnp.isfinite(a) & jnp.isfinite(b)
+        return (finite & (jnp.abs(a - b) <= 1e-6 * jnp.abs(a))) | (~jnp.isfinite(a) & ~jnp.isfinite(b))
+
+    def compare(_):
+        loss_again, norm_again = again()
+        return same(loss, loss_again) & same(grad_norm, norm_again)
+
+    alike = jax.lax.cond(bad, compare, lambda _: jnp.bool_(True), None)
+    return {**stats, "rerun_persistent": stats["rerun_persistent"] + (bad & alike).astype(jnp.int32),
+            "rerun_transient": stats["rerun_transient"] + (bad & ~alike).astype(jnp.int32)}  # fmt: skip
+
+
+def skipped_event(cfg, step: int, skipped: int, total: int, values: dict, seen: dict) -> tuple[dict, str, dict]:
+    """(the event, its console line, the re-run totals now seen) for `skipped` steps skipped since the last log
+    line (`values`: this one's metrics; `seen`: the re-run totals at the last)."""
+    event, said = {"event": "skipped", "steps": skipped, "total": total}, ""
+    if cfg.stability.rerun_bad_steps:  # each bad step's verdict, computed again on the device
+        now = {k: int(values[f"rerun_{k}"]) for k in seen}
+        event["rerun"] = {k: now[k] - seen[k] for k in seen}
+        seen = now
+        counted = ", ".join(f"{n} {k}" for k, n in event["rerun"].items())
+        said = f"; computed again: {counted} (another result: a hardware fault; the same: the batch, or a bad chip)"
+    line = (f"step {step:>6}  skipped {skipped} step(s) since the last log line (non-finite, spiking or "
+            f"fp16-overflowing gradients; {total} in all): parameters unchanged by them{said}")  # fmt: skip
+    return event, line, seen

@@ -142,6 +142,10 @@ def _balance_router(params: dict, load: jax.Array, rate: float) -> dict:
     return {**params, "layers": {**params["layers"], "moe": {**moe, "router_bias": bias}}}
 
 
+def _loss_and_norm(measured: tuple) -> tuple:
+    return measured[1], optax.global_norm(measured[0])
+
+
 def make_train_step(
     model: ModelDef,
     tx: optax.GradientTransformation,
@@ -231,20 +235,27 @@ def make_train_step(
             return (_add(total[0], new[0]), total[1] + new[1], total[2] + new[2], jnp.maximum(total[3], new[3]),
                     _add(total[4], new[4]), _add(total[5], new[5]))  # fmt: skip
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-        if grad_shardings is not None:
-            zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
-        grads, ce, count, max_logit, moe_stats, extra = _over_microbatches(
-            micro_step, batch, k, shard, (zeros, 0.0, 0.0, 0.0, no_stats, no_extra), combine
-        )
+        def measured():
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+            if grad_shardings is not None:
+                zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
+            grads, ce, count, max_logit, moe_stats, extra = _over_microbatches(
+                micro_step, batch, k, shard, (zeros, 0.0, 0.0, 0.0, no_stats, no_extra), combine
+            )
+            count = jnp.maximum(count, 1.0)
+            # Unscale in fp32, and turn the sum over positions into the mean over target tokens.
+            grads = jax.tree.map(lambda g: g * (positions / (count * scale)), grads)
+            return grads, ce / count * loss_multiplier, count, max_logit, moe_stats, extra
+
+        grads, loss, count, max_logit, moe_stats, extra = measured()
+        grads = stability.flipped(cfg, grads, counts["data_read"], rows)  # the debug.flip_batches drill
         mtp = moe_stats.pop("mtp", None)  # sums, not means
         moe_stats = jax.tree.map(lambda s: s / k, moe_stats)  # each microbatch's are means over its positions
-        count = jnp.maximum(count, 1.0)
-        # Unscale in fp32, and turn the sum over positions into the mean over target tokens.
-        grads = jax.tree.map(lambda g: g * (positions / (count * scale)), grads)
-        loss, grad_norm = ce / count * loss_multiplier, optax.global_norm(grads)
+        grad_norm = optax.global_norm(grads)
         ok, finite, spike = stability.judge(cfg, stats, loss, grad_norm)
         bad = ~ok & ~scaling.overflowed(loss, grad_norm, scale)
+        if cfg.stability.rerun_bad_steps:  # a bad step computed again (without the drill): the same result?
+            stats = stability.rerun(stats, bad, loss, grad_norm, lambda: _loss_and_norm(measured()))
 
         lr = schedule(clock.in_batches(counts["sequences"], batch_size)) * stats["lr_scale"] * lr_multiplier
         opt_state = with_hyperparams(state.opt_state, learning_rate=lr, weight_decay=jnp.float32(weight_decay),
@@ -275,6 +286,8 @@ def make_train_step(
             "nonfinite": (~finite).astype(jnp.int32),
             "spike": spike.astype(jnp.int32),
             "skipped_total": stats["skipped"],
+            "rerun_transient": stats["rerun_transient"],  # totals, as skipped_total (stability.rerun_bad_steps)
+            "rerun_persistent": stats["rerun_persistent"],
             "bad_in_window": jnp.sum(stats["recent_bad"]),
             "diverged_run": stats["diverged_run"],
             # The sequences trained on, in two words (trainer/training/clock.py): the loop makes them one number.

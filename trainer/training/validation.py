@@ -188,11 +188,11 @@ def unread_settings(cfg: ml_collections.ConfigDict) -> list[str]:
 def _check_lists(cfg) -> None:
     """The config's lists: drills and the profiling window."""
     dbg, window = cfg.debug, cfg.train.profile_steps
-    if not all(isinstance(b, int) and b >= 0 for b in dbg.poison_batches):
-        raise ConfigError(
-            f"debug.poison_batches={dbg.poison_batches!r} must be data batch numbers, e.g. "
-            "--config.debug.poison_batches=12,13,14."
-        )
+    for key in ("poison_batches", "flip_batches"):
+        if not all(isinstance(b, int) and b >= 0 for b in dbg[key]):
+            raise ConfigError(
+                f"debug.{key}={dbg[key]!r} must be data batch numbers, e.g. --config.debug.{key}=12,13,14."
+            )
     spike = dbg.lr_spike
     if spike and not (
         len(spike) == 3 and all(isinstance(x, (int, float)) for x in spike) and 0 <= spike[0] <= spike[1]
