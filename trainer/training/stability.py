@@ -113,8 +113,7 @@ def drill_multipliers(cfg, data_read: dict, rows: int) -> tuple[jax.Array, jax.A
     first, last = _batches_read(cfg, data_read, rows)
     poisoned = jnp.zeros((), bool)
     if d.poison_batches:
-        batches = jnp.asarray(d.poison_batches, jnp.int32)
-        poisoned = jnp.any((batches >= first) & (batches <= last))
+        poisoned = _among(d.poison_batches, first, last)
     lr = jnp.float32(1.0)
     if d.lr_spike:
         low, high, factor = d.lr_spike
@@ -128,15 +127,19 @@ def _batches_read(cfg, data_read: dict, rows: int) -> tuple[jax.Array, jax.Array
     return first, first + (data_read["rows"] + rows - 1) // stream_rows(cfg)
 
 
+def _among(batches, first, last) -> jax.Array:
+    """Whether a drill's data batches include one of first..last."""
+    batches = jnp.asarray(batches, jnp.int32)
+    return jnp.any((batches >= first) & (batches <= last))
+
+
 def flipped(cfg, grads: dict, data_read: dict, rows: int) -> dict:
     """The debug.flip_batches drill: in those data batches the largest element of one gradient has its exponent's
     highest bit flipped (far past any spike factor), as a fault in one device's arithmetic would, once: computed
     again (rerun_bad_steps) the step gives another result."""
     if not cfg.debug.flip_batches:
         return grads
-    first, last = _batches_read(cfg, data_read, rows)
-    batches = jnp.asarray(cfg.debug.flip_batches, jnp.int32)
-    hit = jnp.any((batches >= first) & (batches <= last))
+    hit = _among(cfg.debug.flip_batches, *_batches_read(cfg, data_read, rows))
     leaves, tree = jax.tree.flatten(grads)
     flat = leaves[0].ravel()
     i = jnp.argmax(jnp.abs(flat))
