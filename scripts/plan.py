@@ -103,6 +103,11 @@ def print_target(result):
                   f"roofline {plain['roofline_seconds']:.3g} s ({plain['bound']}-bound): quantised "
                   f"{c['roofline_seconds'] / plain['roofline_seconds']:.2f}x; the compiler's model of both, not a "
                   "measurement")  # fmt: skip
+    if "sdc_checker" in result:  # train.sdc_check_every: the checked steps' program, compiled beside the step
+        checker = result["sdc_checker"]
+        flags = " ".join(f"--{k}={str(v).lower()}" for k, v in checker["flags"].items())
+        print(f"sdc checker       every {checker['every']} steps: compiled with {flags}: "
+              f"{checker['compiled_bytes_per_device'] / gib:.2f} GiB per device")  # fmt: skip
     if c["kernels"]["estimated"]:
         print(f"                  counted by their own cost estimates: {', '.join(c['kernels']['estimated'])}")
     if c["kernels"]["uncounted"]:

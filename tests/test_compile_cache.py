@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, cli_args, micro_config
 
 from trainer.storage.compile_cache import place
@@ -21,6 +22,7 @@ def compile_seconds(workdir) -> float:
         return json.load(f)["seconds"]["compile"]
 
 
+@pytest.mark.slow  # six launches of train.py, 45 s (2026-12-06): room for the suite's 10 minutes
 def test_programs_are_kept_shared_across_workdirs_and_a_damaged_cache_is_compiled_afresh(tmp_path):
     cache = tmp_path / "cache"
     args = cli_args(micro_config(train=dict(steps=4, log_every=2)))

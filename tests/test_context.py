@@ -98,6 +98,7 @@ def test_splash_over_the_gathered_keys_equals_one_device():
         np.testing.assert_allclose(a, b, atol=1e-5 * scale)
 
 
+@pytest.mark.slow  # the scripts' whole workflow on a context mesh, 23 s (2026-12-06); the equivalence stays fast
 def test_a_run_split_over_context_trains_resumes_onto_another_context_evaluates_and_decodes(tmp_path):
     """Two steps at context 2 (with fsdp and tensor), two more at context 4: the losses and weights of
     a run on one device's layout (context 1), within fp32 rounding; its checkpoint evaluates the same on

@@ -70,6 +70,7 @@ def uninterrupted(tmp_path_factory, corpus_dir):
     return final_params(workdir, corpus_dir)
 
 
+@pytest.mark.slow  # kill-and-relaunch drill, 37 s and its 19 s fixture (2026-12-06): room for the suite's 10 minutes
 def test_sigkill_at_random_moments_and_a_sigterm_lose_nothing(tmp_path, corpus_dir, uninterrupted):
     """Killed at start-up and twice mid-training (an asynchronous save nearly always in flight),
     then stopped by SIGTERM, which saves the current step and exits 0; the same command resumes and

@@ -277,6 +277,7 @@ def children(pid: int) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # two-process kill drill, 19 s (2026-12-06): room for the suite's 10 minutes
 def test_a_data_worker_killed_mid_run_ends_the_run_in_one_sentence(tmp_path, corpus_dir):
     """data.workers=2 read the rows in processes of their own; one is killed from outside: the run stops
     with a sentence naming the worker, its pid and exit status, and leaves no worker behind."""

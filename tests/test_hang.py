@@ -118,6 +118,7 @@ def test_a_run_whose_storage_hangs_ends_with_its_stacks_and_resumes_exactly(buck
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # a subprocess run past hang_seconds, 31 s (2026-12-06): room for the suite's 10 minutes
 def test_a_long_evaluation_that_makes_batches_is_no_hang(tmp_path):
     """hang_seconds of 2 and an evaluation of 300 batches taking several times that: the run finishes."""
     cfg = config(steps=2, hang_seconds=2.0, eval_every=2, eval_batches=300)

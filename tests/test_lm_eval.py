@@ -167,6 +167,7 @@ def docs(name):
     return [json.loads(line) for line in open(os.path.join(REPO, TASKS, f"{name}.jsonl"))]
 
 
+@pytest.mark.slow  # a pipeline run with the harness and its resume, 26 s (2026-12-06): room for the suite's 10 minutes
 def test_in_the_loop_on_a_pipeline_mesh_it_logs_each_task_and_resume_stays_bit_exact(trained, tmp_path):
     """Harness at steps 3 and 6 on stage 2 x fsdp 2 x tensor 2, the run stopped at 3 and resumed: parameters
     equal a run without the harness bit for bit; the logged figures equal the script's on one device."""

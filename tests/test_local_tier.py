@@ -56,6 +56,7 @@ def committed(local) -> list[int]:
     return sorted(int(n) for n in os.listdir(mine) if n.isdigit()) if mine.is_dir() else []
 
 
+@pytest.mark.slow  # kill-and-relaunch drill, 27 s (2026-12-06): room for the suite's 10 minutes
 def test_a_kill_between_persistent_saves_resumes_from_the_local_tier_and_damage_there_is_set_aside(tmp_path):
     cfg = run_config()
     train = [sys.executable, "scripts/train.py", *cli_args(cfg)]

@@ -108,7 +108,7 @@ def test_a_batch_that_does_not_divide_fails_every_process_with_one_sentence(tmp_
 def test_a_failing_process_fails_the_launch(tmp_path):
     script = tmp_path / "fail_one.py"
     script.write_text(
-        "import os, sys, time\nif os.environ['TRAINER_PROCESS_ID'] == '1':\n    sys.exit(3)\ntime.sleep(60)\n"
+        "import os, sys, time\nif os.environ['TRAINER_PROCESS_ID'] == '1':\n    sys.exit(3)\ntime.sleep(4)\n"
     )
     result = subprocess.run([sys.executable, "scripts/launch_local.py", "-n", "2", "--", sys.executable, str(script)],
                             cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip

@@ -119,6 +119,7 @@ if os.environ.get("PREPARE_SLOWLY"):
 """
 
 
+@pytest.mark.slow  # two processes preparing on Beam, 39 s (2026-12-06): room for the suite's 10 minutes
 def test_two_processes_preparing_one_corpus_end_with_one_corpus(tmp_path):
     """Two scripts/prepare_data.py on the same corpus and data_dir at once (the first made slow by a
     sitecustomize that delays each unit): the second waits for the first and uses its corpus; both succeed,

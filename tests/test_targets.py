@@ -274,3 +274,22 @@ def test_the_model_family_configs_plan_within_the_stated_error_of_their_tpu_comp
     assert result["fits"] and abs(planned - compiled) / compiled < 0.35, (planned, compiled)
     per_device = result["flops_per_step"] / result["devices"]
     assert per_device <= result["cost"]["flops"] <= 1.5 * per_device, (per_device, result["cost"]["flops"])
+
+
+@needs_libtpu
+def test_libtpus_checker_compiles_on_chosen_steps_with_the_chips_own_flags_and_is_one_sentence_off_a_tpu(tmp_path):
+    """train.sdc_check_every: plan.py --target compiles the checked program beside the step, with the megacore
+    check on a v5p (libtpu refuses an option it does not know, so each flag named is one it takes), and the
+    program differs from the step's; a run on the CPU is refused before anything is written."""
+    from trainer.run.loop import train
+
+    cfg = micro_config(train=dict(sdc_check_every=50))
+    checker = plan(cfg, target="v5p-8")["sdc_checker"]
+    assert checker["flags"] == {"xla_tpu_enable_sdc_checker": True, "xla_tpu_sdc_check_repeat_count": 1,
+                                "xla_tpu_sdc_check_halt_on_detection": True,
+                                "xla_tpu_sdc_checker_alternate_megacore_cores": True}  # fmt: skip
+    assert checker["every"] == 50 and checker["differs_from_step"] and checker["compiled_bytes_per_device"] > 0
+    with pytest.raises(ConfigError, match=r"train.sdc_check_every=50 runs libtpu's silent-data-corruption checker, "
+                                          r"which only a TPU has, and this run is on cpu; set it to 0"):  # fmt: skip
+        train(cfg, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()

@@ -335,6 +335,9 @@ def _declared() -> dict[str, dict]:
         # No step, evaluation batch or checkpoint for this long: write every thread's stack and end the run
         # (all its processes), so that the scheduler relaunches it (trainer/run/hang.py); 0 = never.
         hang_seconds=Num(1800.0, "[0, inf)"),
+        # On a TPU, every this many steps run under libtpu's silent-data-corruption checker (trainer/training/sdc.py);
+        # 0 = never.
+        sdc_check_every=Num(0, "[0, inf)"),
         # Compiled programs kept for the next launch (trainer/storage/compile_cache.py): a directory, local or gs://; a
         # relative one is taken from the workdir; "" = none. The default, beside the workdir, gives way to a
         # JAX_COMPILATION_CACHE_DIR in the environment.

@@ -32,7 +32,7 @@ from trainer.planning import fit as fitting
 from trainer.planning import memory, scaling
 from trainer.planning.targets import Target, check_kernel_compiles, parse_target, target_devices
 from trainer.storage import compile_cache
-from trainer.training import rollouts
+from trainer.training import rollouts, sdc
 from trainer.training.setup import build
 from trainer.training.state import param_shardings
 from trainer.training.step import OutOfHbm, compile_with_heap
@@ -168,6 +168,9 @@ def plan(cfg, *, compile_step: bool = True, devices=None, sharding: bool = False
             result.update(judged(CHIPS[chip], compiled["hlo"], result))
         if hardware is not None:
             result.update(on_target(hardware, slices, compiled["hlo"], result))
+            if cfg.train.sdc_check_every and platform == "tpu":  # the checked steps' program beside the step's
+                result["sdc_checker"] = {"every": cfg.train.sdc_check_every,
+                                         **_checked(lowered, hardware, compiled["hlo"])}  # fmt: skip
             if cfg.model.quant.matmul:  # the same step unquantised, compiled too: the cost beside its own
                 plain = with_changes(cfg, {"model.quant.matmul": ""})
                 result["cost_unquantised"] = plan(plain, devices=devices, target=target, slices=slices).get("cost")
@@ -243,6 +246,17 @@ def _compiled(lowered, platform: str, aside: bool = False) -> dict:
     except OutOfHbm as e:
         return {"out_of_memory": str(e), "heap": e.heap}
     return {"hlo": compiled.as_text(), "breakdown": breakdown}
+
+
+def _checked(lowered, hardware: Target, step_hlo: str) -> dict:
+    """The step compiled with libtpu's silent-data-corruption checker (trainer/training/sdc.py): its flags, its
+    heap, and whether the compiled program differs from the step's (the checker acts below the HLO: only
+    its schedule's configuration shows)."""
+    options = sdc.compiler_options(hardware.chip_name)
+    with compile_cache.standing_aside():
+        compiled, breakdown = compile_with_heap(lowered, "tpu", options)
+    return {"flags": options, "compiled_bytes_per_device": breakdown["total"],
+            "differs_from_step": compiled.as_text() != step_hlo}  # fmt: skip
 
 
 def on_target(hardware: Target, slices: int, compiled_hlo: str, result: dict) -> dict:

@@ -34,10 +34,11 @@ from trainer.evaluation import samples
 from trainer.evaluation.loss import Evaluator, eval_line
 from trainer.interop import harness
 from trainer.model.flops import peak_flops
-from trainer.run import preflight, startup
+from trainer.run import elastic, preflight, startup
 from trainer.run.hang import HangWatch
 from trainer.run.preemption import NAMES, watch_for_sigterm
 from trainer.run.profiling import StepProfiler
+from trainer.run.programs import StepPrograms
 from trainer.run.rollback import roll_back, rollback_event
 from trainer.storage import compile_cache
 from trainer.storage import workdir as wd
@@ -45,9 +46,8 @@ from trainer.storage.checkpoint import Checkpointer
 from trainer.storage.goodput import Goodput
 from trainer.storage.local_tier import LocalTier
 from trainer.storage.metrics import MetricsWriter, console_line, floats, read_records
-from trainer.training import batch_ramp, clock, resume, rollouts, stability, teacher
+from trainer.training import batch_ramp, clock, resume, rollouts, sdc, stability, teacher
 from trainer.training.setup import Setup
-from trainer.training.step import memory_per_device
 from trainer.training.student_samples import StudentSamples
 
 
@@ -193,8 +193,10 @@ class Run:
         self.hang = HangWatch(t.hang_seconds, lambda: self.step, workdir,
                               lambda: self.workers.stacks() if self.workers else [])  # fmt: skip
         self.files = wd.GrowingFiles(workdir) if self.primary else None
-        self.goodput.open(self.files, self.step)
+        relaunch = elastic.relaunch_event(cfg, self.goodput.open(self.files, self.step))  # hosts lost or back
         self.writer = MetricsWriter(self.files, resume_step=self.step, cfg=cfg, workdir=workdir, fresh=not self.resumed)
+        if relaunch:
+            self.writer.write(self.step, relaunch[0], console=relaunch[1])
         self.profiler = StepProfiler(t.profile_steps, self.files, workdir)
         self.flops_per_token = setup.flops_per_token()
         self.peak = peak_flops(setup.mesh.devices.flatten().tolist())
@@ -204,7 +206,7 @@ class Run:
         tokens = load_tokenizer(cfg.data) if t.harness_tasks else None
         self.harness = harness.load().InLoop(setup, tokens, workdir, self.hang) if t.harness_tasks else None
         self.sampled = False
-        self.compiled: dict = {}
+        self.programs = StepPrograms(setup, self.abstract, self.micro, self.hang, self.goodput, self.say)
         self.dispatched: list[tuple[int, int]] = []  # (step, tokens) of the steps not yet logged
         self.mixture_taken = np.zeros(len(self.stream.mixture), np.int64)
         self.bos_id = load_tokenizer(cfg.data).bos_id if cfg.data.source != "synthetic" else None
@@ -263,25 +265,11 @@ class Run:
             self.writer.write(0, result, console=eval_line(0, result))
         return {f"{k}_before": v for k, v in result.items() if k.startswith("eval_")}
 
-    def _step_fn(self, size: int):
-        """The train step compiled ahead of time for a batch of `size` sequences (a ramp uses a few sizes)."""
-        if size not in self.compiled:
-            s, batch = self.setup, self.setup.abstract_batch(size)
-            cache = compile_cache.in_use()
-            hits = cache.hits if cache else 0
-            with self.hang.suspended(), self.goodput.phase("compile"):  # no hang: a batch-size ramp's new size
-                start = time.perf_counter()
-                lowered = s.train_step(size // self.micro).lower(self.abstract, batch, *s.step_inputs())
-                self.compiled[size] = lowered.compile()
-                seconds = time.perf_counter() - start
-            used = memory_per_device(self.compiled[size], s.mesh.devices.flat[0].platform)["total"]
-            kept = " (loaded from the compile cache)" if cache and cache.hits > hits else ""
-            if startup.pending("compile"):  # a batch-size ramp's later sizes are not the launch's
-                startup.mark("compile", "from the compile cache" if kept else "compiled")
-            self.say(f"compiled the train step for {size} sequences in {seconds:.1f}s{kept}, {used / 2**30:.2f} GiB "
-                     "per device")  # fmt: skip
-            self.mark_time += seconds  # compiling is not training time
-        return self.compiled[size]
+    def _step_fn(self, size: int, checked: bool = False):
+        """The train step for a batch of `size` sequences (`checked`: under libtpu's checker), compiled once."""
+        program, seconds = self.programs.get(size, checked)
+        self.mark_time += seconds  # compiling is not training time
+        return program
 
     def _mark(self) -> None:
         self.mark_step, self.mark_time = self.step, time.perf_counter()
@@ -300,7 +288,8 @@ class Run:
         if self.student_samples is not None:  # on-policy distillation: some steps train on the student's own text
             batch = self.student_samples(self.setup.weights(self.state.params, self.inputs), batch, self.step)
         self.profiler.before(self.step + 1)
-        self.state, metrics = self._step_fn(size)(self.state, batch, *self.inputs)
+        program = self._step_fn(size, sdc.checked(self.cfg, self.step + 1))
+        self.state, metrics = program(self.state, batch, *self.inputs)
         self.step, self.trained, self.data_read = self.step + 1, self.trained + size, self.data_read + size
         traced = self.profiler.after(self.step, metrics)
         if traced:

@@ -14,11 +14,12 @@ from trainer.data import corpora, prompts, run_tokenizer, streams
 from trainer.data.tokenizers import load_tokenizer
 from trainer.evaluation import samples
 from trainer.interop import harness
+from trainer.run import elastic
 from trainer.storage import local_tier
 from trainer.storage import workdir as wd
 from trainer.storage.lease import Lease
 from trainer.storage.metrics import check_fresh_start
-from trainer.training import batch_ramp, resume, teacher
+from trainer.training import batch_ramp, resume, sdc, teacher
 from trainer.training.setup import Setup, build
 from trainer.training.validation import unread_settings
 
@@ -32,9 +33,11 @@ def prepare_run(cfg, workdir: str) -> tuple[Setup, tuple | None, tuple, str, Lea
     (written to the workdir with its config, once a checkpoint is accepted: trainer/run/loop.py), and the
     workdir's lease (process 0's; trainer/storage/lease.py), which the caller releases.
     """
-    setup = build(cfg)
     primary = jax.process_index() == 0
     say = print if primary else _quiet
+    cfg = elastic.keep_global_batch(cfg, say)  # relaunched on fewer hosts: the same batch by accumulation
+    setup = build(cfg)
+    sdc.check(cfg, setup.mesh.devices.flat[0].platform)
     for line in unread_settings(cfg):
         say(f"warning: {line}", flush=True)
     wd.wait_for_storage(workdir, cfg.checkpoint.retry_seconds, say)

@@ -52,11 +52,12 @@ class Goodput:
         self.file: str | None = None
         self.closed = False  # after the last write the clock stops: what is printed is what the file holds
 
-    def open(self, files, step: int) -> None:
+    def open(self, files, step: int) -> float:
         """Carry on the account kept in the workdir (`files` None: a process that keeps none), for a launch
-        that starts from `step` (a checkpoint's, or 0)."""
+        that starts from `step` (a checkpoint's, or 0); returns what the restart cost: the time since the last
+        launch's last account and the training it did past `step`."""
         if files is None:
-            return
+            return 0.0
         self.file = files.fetch(LEDGER)
         before = None
         if os.path.exists(self.file):
@@ -70,6 +71,7 @@ class Goodput:
                 print(f"warning: {LEDGER} could not be read; kept as {LEDGER}.unreadable, the time account starts "
                       "again from this launch", flush=True)  # fmt: skip
                 before = None
+        lost = 0.0
         if before is not None:
             self._tick()
             for name in BUCKETS:
@@ -77,9 +79,10 @@ class Goodput:
             self.seconds["between_launches"] += max(self.started - before["at"], 0.0)
             self.at_save = {int(s): v for s, v in before["at_save"].items()}
             self.launches = before["launches"] + 1
-            self._lose_since(step, "lost_restart")
+            lost = self._lose_since(step, "lost_restart") + max(self.started - before["at"], 0.0)
         self.at_save[step] = self.seconds["step"]
         self.write()
+        return lost
 
     def enter(self, phase: str) -> str:
         """Start timing `phase`; returns the phase that was being timed."""
@@ -154,15 +157,16 @@ class Goodput:
         self.seconds[self.current] += now - self.since
         self.since = now
 
-    def _lose_since(self, step: int, bucket: str) -> None:
+    def _lose_since(self, step: int, bucket: str) -> float:
         """Move the productive seconds after the save at `step` to `bucket` (nothing when that save is not in
-        the account: a workdir from before goodput was kept)."""
+        the account: a workdir from before goodput was kept); returns them."""
         if step not in self.at_save:
-            return
+            return 0.0
         lost = max(self.seconds["step"] - self.at_save[step], 0.0)
         self.seconds["step"] -= lost
         self.seconds[bucket] += lost
         self.at_save = {s: v for s, v in self.at_save.items() if s <= step}
+        return lost
 
 
 def duration(seconds: float) -> str:

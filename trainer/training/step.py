@@ -402,7 +402,7 @@ class OutOfHbm(Exception):
         self.heap = heap
 
 
-def compile_with_heap(lowered, platform: str):
+def compile_with_heap(lowered, platform: str, options: dict | None = None):
     """Compile, and on a TPU read the HBM heap XLA:TPU assigned: (compiled, bytes per device).
 
     The heap is only written out, in the buffer-assignment report XLA dumps
@@ -412,14 +412,15 @@ def compile_with_heap(lowered, platform: str):
     XLA:TPU placed in on-chip memory beside the heap (`vmem`: tens of MiB; for
     a small step, a good part of it). XLA:TPU writes the report before it
     refuses a step too large for the chip, so a refusal raises OutOfHbm with
-    the heap it would have needed.
+    the heap it would have needed. `options`: more compile options (libtpu's
+    checker, trainer/training/sdc.py).
     """
     if platform != "tpu":
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options=options)
         return compiled, memory_per_device(compiled, platform)
     with tempfile.TemporaryDirectory() as folder:
         try:
-            compiled = lowered.compile(compiler_options={"xla_dump_to": folder})
+            compiled = lowered.compile(compiler_options={"xla_dump_to": folder, **(options or {})})
         except jax.errors.JaxRuntimeError as e:
             if "RESOURCE_EXHAUSTED" not in str(e):
                 raise
