@@ -3,6 +3,7 @@ itself on three of four, keeps its global batch by accumulation, and takes the f
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ def _config(corpus_dir):
     """Data parallelism across hosts, FSDP within each (2 devices): a lost host takes a replica, not a shard."""
     return micro_config(data=dict(source="text_files", data_dir=corpus_dir), mesh=dict(data=-1, fsdp=2),
                         train=dict(steps=14, global_batch_size=24, log_every=1),
-                        checkpoint={"every_steps": 2, "keep": 20})  # fmt: skip
+                        checkpoint={"every_steps": 4, "keep": 20})  # fmt: skip
 
 
 def _records(workdir):
@@ -53,11 +54,11 @@ def _steps(workdir):
 
 @pytest.mark.slow
 def test_a_host_lost_mid_run_and_brought_back_keeps_the_run_the_straight_run(tmp_path, corpus_dir, monkeypatch):
-    """4 hosts x 2 devices, 24 sequences a step. Host 3 goes down after step 3: the launcher relaunches on hosts
-    0-2 with nobody acting, the run resumes from its newest checkpoint with train.grad_accum_steps 2 (24 over 6
-    devices at 2 a device, as 8 had 3), and logs the relaunch with its cause and cost. Host 3 answers again: the
-    run saves, stops and goes on with all four. Every step is logged once, every loss equals the straight
-    one-process run's, and each document stream ends where the straight run leaves it."""
+    """4 hosts x 2 devices, 24 sequences a step. Host 3 goes down after step 5: the launcher relaunches on hosts
+    0-2 with nobody acting, the run resumes from the survivors' local checkpoint tier with train.grad_accum_steps
+    2 (24 over 6 devices at 2 a device, as 8 had 3), and logs the relaunch with its cause and cost. Host 3
+    answers again: the run saves, stops and goes on with all four. Every step is logged once, every loss equals
+    the straight one-process run's, and each document stream ends where the straight run leaves it."""
     cfg = _config(corpus_dir)
     straight, workdir, down = str(tmp_path / "straight"), str(tmp_path / "elastic"), tmp_path / "down"
     train(cfg, straight)
@@ -65,11 +66,12 @@ def test_a_host_lost_mid_run_and_brought_back_keeps_the_run_the_straight_run(tmp
     log = open(tmp_path / "launch.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "scripts/launch_local.py", "-n", "4", "--devices_per_process", "2", "--elastic", str(down),
-         "--", sys.executable, "scripts/train.py", *cli_args(cfg), f"--workdir={workdir}"],
+         "--", sys.executable, "scripts/train.py", *cli_args(cfg), f"--workdir={workdir}",
+         f"--config.checkpoint.local_dir={tmp_path}/local/$TRAINER_HOST", "--config.checkpoint.local_every_steps=1"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
-        _wait(lambda: len(_steps(workdir)) >= 3, proc, "step 3")
+        _wait(lambda: len(_steps(workdir)) >= 5, proc, "step 5")
         killed_after = max(r["step"] for r in _steps(workdir))
         (down / "3").touch()  # host 3 goes down: the launcher ends its process as the machine's end would
         relaunched = lambda n: sum(r.get("event") == "relaunch" for r in _records(workdir)) >= n  # noqa: E731
@@ -97,8 +99,12 @@ def test_a_host_lost_mid_run_and_brought_back_keeps_the_run_the_straight_run(tmp
         ("host 3 answers again", 4, 8, 1),
     ]
     assert all(e["goodput_lost_seconds"] > 0 for e in events)
-    # The first relaunch resumed from a checkpoint before host 3 went: steps past it were trained again.
-    assert events[0]["step"] <= killed_after and events[1]["step"] >= back_at
+    # The first relaunch resumed from the survivors' local tier (each host holds a replica of every array, saved
+    # under the four hosts' layout), past the persistent checkpoint at step 4; the second from the checkpoint
+    # the run saved for host 3's return.
+    local = re.search(r"\[0\] resuming from the local checkpoint at step (\d+)", out)
+    assert local and 4 < int(local.group(1)) == events[0]["step"] <= killed_after, out[-3000:]
+    assert events[1]["step"] >= back_at
     steps = [r["step"] for r in records if "loss" in r]
     assert steps == list(range(1, 15))  # no step counted twice (the superseded ones moved aside), none missing
     expected = {r["step"]: r["loss"] for r in _records(straight) if "loss" in r}

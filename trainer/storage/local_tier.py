@@ -11,9 +11,11 @@ and retention. Each process writes what its devices hold (every shard, replicas
 too), one .npy file per shard with its CRC, into `<step>.partial/`, renamed to
 `<step>` when whole; no process waits on another's disk. Each process also
 writes the data position of every batch row (gathered at the save) and the
-layout it saved under: a local checkpoint is only read by the same process of
-the same mesh. It records its run's config too, which a relaunch checks as a
-persistent resume checks config.json (trainer/training/resume.py).
+layout it saved under: a local checkpoint is read by the same process of the
+same mesh; under another layout (a relaunch on fewer hosts, or more) only where
+this process's own shards hold every array whole (data parallelism across
+hosts), each array then put together and placed anew. It records its run's
+config, which a relaunch checks as a resume checks config.json.
 
 Orbax's own per-process checkpointing (the CheckpointManager its emergency
 checkpointer builds its local tier from: primary_host None, one active process)
@@ -111,12 +113,13 @@ class LocalTier:
         are copied to host memory here; the files are written while training goes on (unless async is off)."""
         rows = _gathered_rows(data_iterator.get_state()["rows"] if data_iterator is not None else {})
         self.wait()
-        shards = {}
+        shards, index = {}, {}
         for i, leaf in enumerate(jax.tree.leaves(_fields(state))):
             for shard in leaf.addressable_shards:
                 shards[f"{i}-{shard.device.id}.npy"] = np.asarray(shard.data)
+                index[f"{i}-{shard.device.id}.npy"] = _key(shard.index, leaf.shape)
         record = {"step": step, "run": self.run, "config": self.config, "layout": self.layout(), "rows": rows,
-                  "reset_optimizer": reset_label}  # fmt: skip
+                  "reset_optimizer": reset_label, "index": index, "whole": _whole(state)}  # fmt: skip
         self._pending = step
         self._writing = threading.Thread(target=self._write, args=(step, shards, record), daemon=True)
         self._writing.start()
@@ -170,9 +173,10 @@ class LocalTier:
         listed = {int(n) for n in os.listdir(self.directory) if n.isdigit()}
         return sorted(listed | ({self._pending} if self._pending is not None else set()))
 
-    def usable_steps(self) -> list[int]:
-        """This process's complete local checkpoints saved under this layout, newest first."""
-        steps = []
+    def usable_steps(self) -> tuple[list[int], list[int]]:
+        """This process's complete local checkpoints, newest first: those saved under this layout, and those
+        saved under another (a relaunch on fewer or more hosts) whose shards on this disk hold every array whole."""
+        steps, whole = [], []
         for step in reversed(self.steps()):
             try:
                 with open(os.path.join(self.directory, str(step), _RECORD)) as f:
@@ -182,7 +186,9 @@ class LocalTier:
                 saved = None  # unreadable: offered all the same, so that a read sets it aside
             if saved is None or saved == (self.run, self.layout()):
                 steps.append(step)
-        return steps[:_MOST_STEPS]
+            elif saved[0] == self.run and record.get("whole"):
+                whole.append(step)
+        return steps[:_MOST_STEPS], whole[:_MOST_STEPS]
 
     def restore(self, after: int, abstract: State, data_iterator, asked_label: int, say, check):
         """(step, the state's fields as saved, the run's last reset label) from the newest local step newer than
@@ -190,8 +196,12 @@ class LocalTier:
         step existed) to use the persistent tier. `check(config)` raises ConfigError for a step whose recorded
         config this one cannot resume, before the step is taken."""
         while True:
-            held = _gathered_steps(self.usable_steps())
+            mine, whole = self.usable_steps()
+            held, everywhere = _gathered_steps(mine), set.intersection(*_gathered_steps(whole))
             choice, why = _choose(held, after, abstract)
+            other = max((s for s in everywhere if s > max(after, choice[0] if choice else -1)), default=None)
+            if other is not None:  # another layout's step, whole on every process: newer than any of this layout
+                choice, why = (other, set(range(jax.process_count()))), None
             if choice is None:
                 if why:
                     say(why)
@@ -242,6 +252,8 @@ class LocalTier:
             with open(os.path.join(folder, _RECORD)) as f:
                 record = json.load(f)
             flat, structure = jax.tree.flatten(_fields(abstract))
+            if record["layout"] != self.layout():  # saved on other hosts: each array whole from this disk's shards
+                return jax.tree.unflatten(structure, _reshard(folder, record, flat)), record, None
             leaves = []
             for i, leaf in enumerate(flat):
                 pieces = []
@@ -350,8 +362,38 @@ def _replicated_for(holders: set[int], abstract: State) -> bool:
     return True
 
 
-def _key(index) -> tuple:
-    return tuple((s.start, s.stop) for s in index)
+def _key(index, shape: tuple | None = None) -> tuple:
+    """A shard's index as (start, stop) per dimension (with `shape`, open ends made explicit)."""
+    given = shape is not None
+    return tuple(s.indices(n)[:2] if given else (s.start, s.stop) for s, n in zip(index, shape or index, strict=True))
+
+
+def _whole(state: State) -> bool:
+    """Whether this process's shards hold every array whole (a sharding's distinct shards tile their array)."""
+    for leaf in jax.tree.leaves(_fields(state)):
+        distinct = {_key(s.index, leaf.shape) for s in leaf.addressable_shards}
+        if sum(int(np.prod([b - a for a, b in k])) for k in distinct) != leaf.size:
+            return False
+    return True
+
+
+def _reshard(folder: str, record: dict, flat: list) -> list:
+    """Each array of a step saved under another layout, put together whole from this process's shards (their
+    CRCs checked) and placed on this layout's devices."""
+    leaves = []
+    for i, leaf in enumerate(flat):
+        whole = np.empty(leaf.shape, leaf.dtype)
+        for name, index in record["index"].items():
+            if name.split("-")[0] != str(i):
+                continue
+            with open(os.path.join(folder, name), "rb") as f:
+                data = f.read()
+            if zlib.crc32(data) != record["crc32"].get(name):
+                raise faults.Damaged(f"{name} in {folder} does not hold what was written")
+            where = tuple(slice(a, b) for a, b in index)
+            whole[where] = np.load(io.BytesIO(data), allow_pickle=False)
+        leaves.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda at, w=whole: w[at]))
+    return leaves
 
 
 def _completed(tree, holders: set[int], abstract: State, mesh):
