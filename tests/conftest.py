@@ -2,6 +2,7 @@
 runs them on a GPU instead (the kernel tests that say so, such as test_attention's cuDNN check)."""
 
 import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -164,3 +165,12 @@ def pytest_xdist_make_scheduler(config, log):
             return nodeid if os.path.splitext(os.path.basename(file))[0] in SPLIT else file
 
     return ByFile(config, log)
+
+
+def data_state(workdir, step):
+    """Every row's stream position in the checkpoint at `step` (each process's file, merged)."""
+    folder, rows = os.path.join(workdir, "checkpoints", str(step), "data"), {}
+    for name in sorted(n for n in os.listdir(folder) if n.startswith("process_")):
+        with open(os.path.join(folder, name)) as f:
+            rows.update(json.load(f)["rows"])
+    return rows

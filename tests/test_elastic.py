@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import REPO, cli_args, micro_config
+from conftest import REPO, cli_args, data_state, micro_config
 
 from trainer.config.errors import ConfigError
 from trainer.run import elastic
@@ -27,14 +27,6 @@ def _config(corpus_dir):
 def _records(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
-
-
-def _data_state(workdir, step):
-    folder, rows = os.path.join(workdir, "checkpoints", str(step), "data"), {}
-    for name in sorted(n for n in os.listdir(folder) if n.startswith("process_")):
-        with open(os.path.join(folder, name)) as f:
-            rows.update(json.load(f)["rows"])
-    return rows
 
 
 def _wait(condition, proc, what, timeout=240):
@@ -109,7 +101,7 @@ def test_a_host_lost_mid_run_and_brought_back_keeps_the_run_the_straight_run(tmp
     assert steps == list(range(1, 15))  # no step counted twice (the superseded ones moved aside), none missing
     expected = {r["step"]: r["loss"] for r in _records(straight) if "loss" in r}
     np.testing.assert_allclose([r["loss"] for r in records if "loss" in r], [expected[s] for s in steps], rtol=2e-5)
-    assert _data_state(workdir, 14) == _data_state(straight, 14)
+    assert data_state(workdir, 14) == data_state(straight, 14)
 
     # A batch that no accumulation over the devices that answer can make: one sentence, before anything is written.
     monkeypatch.setenv("TRAINER_ELASTIC_HOSTS", "4/5")  # this process's 8 devices as 4 hosts of 5 (10 devices)

@@ -178,13 +178,23 @@ def test_an_import_reads_with_the_models_own_tokenizer_and_starts_from_nothing_e
     assert not (tmp_path / "refused").exists()
 
 
-def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits(tmp_path):
-    """Llama 3's frequency scaling (factor 4, original length 32, low/high factors 1 and 4): with head_dim 16
-    the first pair's wavelength (6.3) is kept, the second's (19.9) blended, the rest stretched 4x. Built by
-    transformers, imported, exported again, and loaded back by transformers."""
+# Llama 3's (low/high factors 1 and 4), and YaRN's as gpt-oss and OLMo 3 give it (its ramp untruncated, cos and
+# sin times 0.1 ln 4 + 1), each at factor 4 over an original length of 32.
+SCALINGS = {
+    "llama3": ({"low_freq_factor": 1.0, "high_freq_factor": 4.0}, dict(low_freq_factor=1.0, high_freq_factor=4.0)),
+    "yarn": ({"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+             dict(kind="yarn", beta_fast=32.0, beta_slow=1.0, truncate=False)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", SCALINGS)
+def test_rope_scaling_imports_and_exports_with_transformers_logits(tmp_path, kind):
+    """RoPE's frequency scaling for long context (factor 4, original length 32): with head_dim 16 Llama 3's keeps
+    the first pair's wavelength (6.3), blends the second's (19.9) and stretches the rest 4x; YaRN's ramps by
+    turns over the original length. Built by transformers, imported, exported again, and loaded back."""
     torch.manual_seed(0)
-    scaling = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 32}  # fmt: skip
+    theirs, ours_keys = SCALINGS[kind]
+    scaling = {"rope_type": kind, "factor": 4.0, "original_max_position_embeddings": 32, **theirs}
     hf_config = transformers.LlamaConfig(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5, initializer_range=0.2,
@@ -192,7 +202,7 @@ def test_llama3_rope_scaling_imports_and_exports_with_transformers_logits(tmp_pa
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(hf_config)
     model.save_pretrained(str(tmp_path / "hf"))
-    rope = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=32)
+    rope = dict(factor=4.0, original_max_len=32, **ours_keys)
     with pytest.raises(ConfigError, match=r"model.rope_scaling.factor=4.0 \(config has 1.0\)"):
         import_checkpoint(str(tmp_path / "hf"), micro_config(model=dict(norm_eps=1e-5)), str(tmp_path / "no"))
     cfg = micro_config(model=dict(norm_eps=1e-5, rope_scaling=rope))
@@ -688,6 +698,41 @@ def test_deepseek_v3_imports_from_transformers_decodes_as_it_does_and_exports_ba
     cfg = micro_config(model=dict(n_layers=3, d_ff=96, n_kv_heads=4, norm_eps=1e-6, moe=moe, mtp=dict(depth=1),
                                   mla=dict(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=4, v_dim=12)))  # fmt: skip
     round_trip(model, cfg, tmp_path)
+
+
+def test_kimi_k2_reads_as_deepseek_v3_with_yarn_and_one_group_of_experts(tmp_path):
+    """Kimi K2's checkpoint is a DeepseekV3ForCausalLM: 384 experts in one group, 8 a token, its first layer
+    dense, weights times 2.827, and YaRN RoPE (factor 32 over 4096 positions, beta_fast = beta_slow = 1,
+    mscale = mscale_all_dim = 1), whose softmax temperature latent attention takes. Small, with those
+    settings (16 experts, YaRN over 16 original positions so that its ramp cuts through the rotated pairs):
+    our logits, greedy decoding and export are transformers'."""
+    torch.manual_seed(0)
+    yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 32.0, "original_max_position_embeddings": 16,
+            "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    config = transformers.DeepseekV3Config(vocab_size=384, hidden_size=64, intermediate_size=96,
+                                           moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=4, n_shared_experts=1, n_routed_experts=16,
+                                           num_experts_per_tok=8, n_group=1, topk_group=1,
+                                           routed_scaling_factor=2.827, first_k_dense_replace=1, q_lora_rank=24,
+                                           kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                                           max_position_embeddings=512, initializer_range=0.2, rms_norm_eps=1e-6,
+                                           rope_interleave=True, rope_parameters=yarn)  # fmt: skip
+    model = transformers.DeepseekV3ForCausalLM(config)
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if "norm" in name:
+                w.normal_(1, 0.3)
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    moe = dict(num_experts=16, experts_per_token=8, shared_experts=1, d_ff=32, dense_layers=1, router="sigmoid",
+               routed_scale=2.827)  # fmt: skip
+    scaling = dict(kind="yarn", factor=32.0, original_max_len=16, beta_fast=1.0, beta_slow=1.0, mscale=1.0,
+                   mscale_all_dim=1.0)  # fmt: skip
+    cfg = micro_config(model=dict(n_layers=2, d_ff=96, n_kv_heads=4, norm_eps=1e-6, moe=moe, rope_theta=50000.0,
+                                  rope_scaling=scaling, max_seq_len=512,
+                                  mla=dict(kv_rank=16, q_rank=24, nope_dim=8, rope_dim=8, v_dim=12)))  # fmt: skip
+    round_trip(model, cfg, tmp_path)
+    assert cfg.model.rope_scaling.kind == "yarn"  # the softmax temperature is in play: m(1)^2 at factor 32
+    assert config.rope_parameters["mscale_all_dim"] == 1.0
 
 
 def test_a_family_we_do_not_read_and_a_missing_extra_are_one_sentence_each(tmp_path, monkeypatch):

@@ -125,7 +125,7 @@ def test_no_module_imports_from_a_layer_above_its_own():
     loose = sorted(m for m in known if m != "trainer" and folder_of(m) is None)
     assert not loose, f"modules in no folder of LAYERS: {loose}"
     graph = {name: imported(path, name, known) for name, path in known.items()}
-    assert graph["trainer.run.loop"] >= {"trainer.training.step", "trainer.storage.checkpoint"}
+    assert graph["trainer.run.loop"] >= {"trainer.training.stability", "trainer.storage.checkpoint"}
     assert not upward(graph), "\n".join(upward(graph))
 
 

@@ -93,6 +93,9 @@ def test_a_poisoned_window_longer_than_the_budget_rolls_back_and_the_run_finishe
     # metrics were read), the learning rate halved.
     assert rollback["to_step"] == 10 and rollback["lr_scale"] == 0.5 and rollback["data_batches_skipped"] == 7
     assert (tmp_path / "run" / "rolled_back_checkpoints" / "15").is_dir()
+    # No save is skipped after the rollback (MaxText's bug of September 2026): step 15 is saved again on the new
+    # trajectory, beside the abandoned one set aside, and every later multiple of 5 too.
+    assert {15, 20, 25, 30} <= set(saved_steps(workdir))
     assert math.isfinite(result["loss"]) and result["loss"] < 4.0
 
     # scripts/report.py's picture of it: the logged losses in order (the abandoned stretch included), the

@@ -5,7 +5,7 @@ import math
 import os
 
 import pytest
-from conftest import micro_config
+from conftest import data_state, micro_config
 
 from trainer.config.errors import ConfigError
 from trainer.optim.schedules import make_schedule
@@ -65,15 +65,6 @@ def test_an_unknown_precision_lists_the_valid_ones(tmp_path):
         train(micro_config(precision=dict(compute_dtype="fp8")), str(tmp_path / "run"))
 
 
-def _data_state(workdir, step):
-    """Every row's stream position in the checkpoint at `step` (each process's file, merged)."""
-    folder, rows = os.path.join(workdir, "checkpoints", str(step), "data"), {}
-    for name in sorted(n for n in os.listdir(folder) if n.startswith("process_")):
-        with open(os.path.join(folder, name)) as f:
-            rows.update(json.load(f)["rows"])
-    return rows
-
-
 def test_another_global_batch_on_resume_reads_what_a_straight_run_reads_and_keeps_the_schedule(
     tmp_path, corpus_dir, capsys
 ):
@@ -106,11 +97,11 @@ def test_another_global_batch_on_resume_reads_what_a_straight_run_reads_and_keep
     assert "train.global_batch_size: 16 there, 32 here: the data keeps the run's 16 document streams" in out
     assert "train.global_batch_size: 32 there, 8 here: the data keeps the run's 16 document streams" in out
 
-    assert _data_state(changed, 5) == _data_state(straight, 5)
-    assert _data_state(changed, 3) == _data_state(straight, 4)
-    halfway = _data_state(changed, 4)  # a step of 8 reads every other stream: half of them one window further
-    ahead = [r for r in halfway if halfway[r] != _data_state(straight, 4)[r]]
-    assert ahead == [str(r) for r in range(0, 16, 2)] and all(halfway[r] == _data_state(straight, 5)[r] for r in ahead)
+    assert data_state(changed, 5) == data_state(straight, 5)
+    assert data_state(changed, 3) == data_state(straight, 4)
+    halfway = data_state(changed, 4)  # a step of 8 reads every other stream: half of them one window further
+    ahead = [r for r in halfway if halfway[r] != data_state(straight, 4)[r]]
+    assert ahead == [str(r) for r in range(0, 16, 2)] and all(halfway[r] == data_state(straight, 5)[r] for r in ahead)
     logged = records(changed)
     assert [r["sequences"] for r in logged] == [16, 32, 64, 72, 80]
     schedule = make_schedule(cfg.optim, cfg.train.steps)

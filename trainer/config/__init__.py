@@ -75,14 +75,20 @@ def _declared() -> dict[str, dict]:
         head_dim=Num(0, "[0, inf)"),  # each attention head's width; 0 = d_model / n_heads (Qwen3 sets its own)
         max_seq_len=Num(256, "[1, inf)"),
         rope_theta=Num(10_000.0, "(1, inf)"),
-        # Llama 3's RoPE frequency scaling for long context: factor 1 = none. Wavelengths above
-        # original_max_len / low_freq_factor are stretched by `factor`, those below original_max_len /
-        # high_freq_factor kept, those between blended (trainer/model/primitives.py rope_frequencies).
+        # RoPE's scaling for long context (factor 1: none): llama3 (Llama 3's: wavelengths past original_max_len /
+        # low_freq_factor stretched by `factor`, below / high_freq_factor kept) or yarn (YaRN's: by turns over
+        # original_max_len, beta_slow to beta_fast; temperature mscale, mscale_all_dim): spec.py RopeScaling.
         rope_scaling=dict(
             factor=Num(1.0, "[1, inf)"),
             low_freq_factor=Num(1.0, "(0, inf)"),
             high_freq_factor=Num(4.0, "(0, inf)"),
             original_max_len=Num(8192, "[1, inf)"),
+            kind="llama3",
+            beta_fast=Num(32.0, "(0, inf)"),
+            beta_slow=Num(1.0, "(0, inf)"),
+            mscale=Num(0.0, "[0, inf)"),
+            mscale_all_dim=Num(0.0, "[0, inf)"),
+            truncate=True,
         ),
         norm_eps=Num(1e-5, "(0, inf)"),
         qk_norm=False,  # RMSNorm each query and key head before RoPE (Qwen3's attention)
@@ -138,9 +144,8 @@ def _declared() -> dict[str, dict]:
             aux_loss=Num(0.01, "[0, inf)"),  # weight of the load-balancing loss (Switch Transformer's form)
             z_loss=Num(0.001, "[0, inf)"),  # weight of the router's log(Z)^2
             router_bias=Num(0.0, "[0, inf)"),  # > 0: DeepSeek-V3's loss-free balancing, the bias's step per update
-            # The router's scores: softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3: each score on its own,
-            # the chosen ones normalised and times routed_scale; experts picked within the `groups_per_token`
-            # best of `groups` groups).
+            # The router's scores: softmax (Mixtral, Qwen3-MoE) or sigmoid (DeepSeek-V3: each on its own, the chosen
+            # normalised, times routed_scale; experts picked within the `groups_per_token` best of `groups` groups).
             router=ROUTERS[0],  # one of ROUTERS
             routed_scale=Num(1.0, "(0, inf)"),
             groups=Num(1, "[1, inf)"),
@@ -154,10 +159,7 @@ def _declared() -> dict[str, dict]:
         # module k predicting the token k + 1 after the next from the one before's hidden states and the
         # embedding of the token k ahead, through the shared embedding and head. Their cross-entropy enters
         # the loss times weight / depth; decoding and export leave the modules out.
-        mtp=dict(
-            depth=Num(0, "[0, inf)"),
-            weight=Num(0.3, "[0, inf)"),
-        ),
+        mtp=dict(depth=Num(0, "[0, inf)"), weight=Num(0.3, "[0, inf)")),
         mla=dict(
             kv_rank=Num(0, "[0, inf)"),
             q_rank=Num(0, "[0, inf)"),
@@ -165,10 +167,9 @@ def _declared() -> dict[str, dict]:
             rope_dim=Num(64, "[2, inf)"),
             v_dim=Num(128, "[1, inf)"),
         ),
-        # Low-rank adapters (LoRA; trainer/model/spec.py Adapters): rank > 0 trains them alone, scaled by
-        # alpha / rank, beside the frozen weights of checkpoint.init_from. base: "" (as trained), int8 or nf4
-        # (QLoRA: the base's projections stored quantised; trainer/model/quantised.py). dropout: of the
-        # adapters' inputs, in training steps.
+        # Low-rank adapters (LoRA; trainer/model/spec.py Adapters): rank > 0 trains them alone, scaled by alpha /
+        # rank, beside the frozen weights of checkpoint.init_from. base: "" (as trained), int8 or nf4 (QLoRA: the
+        # base's projections stored quantised; trainer/model/quantised.py). dropout: of the adapters' inputs.
         lora=dict(
             rank=Num(0, "[0, inf)"),
             alpha=Num(16.0, "(0, inf)"),
@@ -335,9 +336,7 @@ def _declared() -> dict[str, dict]:
         # No step, evaluation batch or checkpoint for this long: write every thread's stack and end the run
         # (all its processes), so that the scheduler relaunches it (trainer/run/hang.py); 0 = never.
         hang_seconds=Num(1800.0, "[0, inf)"),
-        # On a TPU, every this many steps run under libtpu's silent-data-corruption checker (trainer/training/sdc.py);
-        # 0 = never.
-        sdc_check_every=Num(0, "[0, inf)"),
+        sdc_check_every=Num(0, "[0, inf)"),  # on a TPU, these steps under libtpu's checker (training/sdc.py); 0: none
         # Compiled programs kept for the next launch (trainer/storage/compile_cache.py): a directory, local or gs://; a
         # relative one is taken from the workdir; "" = none. The default, beside the workdir, gives way to a
         # JAX_COMPILATION_CACHE_DIR in the environment.

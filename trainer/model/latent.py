@@ -46,6 +46,7 @@ class LatentAttention(nnx.Module):
         self.wkv_b = param(rngs, (m.kv_rank, n, m.nope_dim + m.v_dim), ("kv_latent", "heads", "head_dim"), std)
         self.wo = param(rngs, (n, m.v_dim, d), ("heads", "head_dim", "embed"), out_std)
         self.dims = (m.nope_dim, m.rope_dim, m.v_dim)
+        self.softmax_factor = a.rope_scaling.softmax_factor
         self.execution, self.shard = spec.execution, shard
 
     def __call__(self, x, tables, segment_ids, cache=None, key=None):
@@ -61,6 +62,8 @@ class LatentAttention(nnx.Module):
             q = self._project("btr,rnh->btnh", q_latent, self.wq_b)
         else:
             q = self._project("btd,dnh->btnh", x, self.wq)
+        if self.softmax_factor != 1:  # DeepSeek's YaRN: the softmax's scale times m(mscale_all_dim)^2
+            q = q * jnp.asarray(self.softmax_factor, q.dtype)
         q_nope, q_rope = q[..., :nope], apply_rope(q[..., nope:], tables)
         latent = self.kv_latent_norm(self._project("btd,dr->btr", x, self.wkv_a))  # (b, t, kv_rank)
         k_rope = apply_rope(self._project("btd,dh->bth", x, self.wk_rope)[:, :, None, :], tables)  # (b, t, 1, rope)

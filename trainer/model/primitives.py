@@ -92,6 +92,8 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> jax.A
     freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     if scaling.factor == 1:
         return freq
+    if scaling.kind == "yarn":
+        return _yarn(freq, head_dim, theta, scaling)
     wavelength = 2 * jnp.pi / freq
     low, high, original = scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_len
     blend = (original / wavelength - low) / (high - low)
@@ -100,10 +102,26 @@ def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> jax.A
                      jnp.where(wavelength < original / high, freq, blended))  # fmt: skip
 
 
+def _yarn(freq: jax.Array, head_dim: int, theta: float, scaling: RopeScaling) -> jax.Array:
+    """YaRN's frequencies: pairs that turn more than beta_fast times over the original length keep theirs, those
+    turning fewer than beta_slow times are slowed by `factor`, and those between blend linearly by pair index."""
+
+    def pair(turns: float) -> float:  # the pair index that turns `turns` times over the original length
+        return head_dim * math.log(scaling.original_max_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair(scaling.beta_fast), pair(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low) / (high - low if high != low else 1e-3), 0, 1)
+    return freq / scaling.factor * ramp + freq * (1 - ramp)
+
+
 def rope_tables(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling):
-    """cos and sin of shape (batch, seq, 1, head_dim/2) for the given positions."""
+    """cos and sin of shape (batch, seq, 1, head_dim/2) for the given positions (times YaRN's attention factor)."""
     angles = positions.astype(jnp.float32)[..., None] * rope_frequencies(head_dim, theta, scaling)
-    return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    factor = scaling.attention_factor
+    return factor * jnp.cos(angles)[:, :, None, :], factor * jnp.sin(angles)[:, :, None, :]
 
 
 def apply_rope(x: jax.Array, tables) -> jax.Array:

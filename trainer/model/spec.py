@@ -13,6 +13,7 @@ decay, muP and Muon.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 
@@ -30,12 +31,41 @@ LAYERS = "layers"  # the logical axis of the stacked blocks
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3's RoPE frequency scaling (`model.rope_scaling.*`); factor 1 leaves the frequencies alone."""
+    """RoPE's frequency scaling for long context (`model.rope_scaling.*`): Llama 3's (kind llama3) or YaRN's
+    (kind yarn: gpt-oss, DeepSeek-V3, Kimi K2, OLMo 3); factor 1 leaves the frequencies alone."""
 
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_len: int = 8192
+    kind: str = "llama3"
+    beta_fast: float = 32.0  # YaRN: pairs turning more than this often over original_max_len keep their frequency
+    beta_slow: float = 1.0  # ... and those turning fewer times than this are slowed by `factor`
+    mscale: float = 0.0  # YaRN's attention temperature: 0 = the paper's 0.1 ln(factor) + 1 on cos and sin
+    mscale_all_dim: float = 0.0  # DeepSeek's: with mscale, cos and sin get m(mscale) / m(mscale_all_dim) and the
+    # softmax m(mscale_all_dim)^2 (latent attention)
+    truncate: bool = True  # YaRN: the ramp's ends rounded to whole pairs (gpt-oss: false)
+
+    @property
+    def yarn(self) -> bool:
+        return self.kind == "yarn" and self.factor != 1
+
+    def _m(self, scale: float) -> float:
+        return 0.1 * scale * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+
+    @property
+    def attention_factor(self) -> float:
+        """What YaRN multiplies cos and sin by (1 without it)."""
+        if not self.yarn:
+            return 1.0
+        if self.mscale and self.mscale_all_dim:
+            return self._m(self.mscale) / self._m(self.mscale_all_dim)
+        return self._m(1.0)
+
+    @property
+    def softmax_factor(self) -> float:
+        """What DeepSeek's latent attention multiplies its softmax scale by under YaRN (1 without it)."""
+        return self._m(self.mscale_all_dim) ** 2 if self.yarn and self.mscale_all_dim else 1.0
 
 
 @dataclasses.dataclass(frozen=True)

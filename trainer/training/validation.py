@@ -101,7 +101,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     if head % 2:
         raise ConfigError(f"the head size {head} (model.head_dim, or d_model/n_heads) must be even for RoPE.")
     r = m.rope_scaling
-    if r.factor != 1 and r.high_freq_factor <= r.low_freq_factor:
+    if r.kind not in ("llama3", "yarn"):
+        raise ConfigError(f"model.rope_scaling.kind={r.kind!r}; it is llama3 (Llama 3's) or yarn (YaRN's).")
+    if r.factor != 1 and r.kind == "llama3" and r.high_freq_factor <= r.low_freq_factor:
         raise ConfigError(
             f"model.rope_scaling.high_freq_factor={r.high_freq_factor} must exceed low_freq_factor="
             f"{r.low_freq_factor} (Llama 3.1 uses 4 and 1)."

@@ -96,7 +96,8 @@ def common_config(spec: Architecture, max_seq_len: int, kind: str, name: str,
                   special: tuple[int, int, int] = (BOS_ID, EOS_ID, PAD_ID)) -> dict:  # fmt: skip
     """The config keys the families share, for family `kind` (model_type) of class `name`; `special`: the
     tokenizer's (begin, end, padding) ids."""
-    scaled = spec.rope_scaling.factor != 1
+    rope = rope_parameters(spec)
+    scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
     return {
         "architectures": [name],
         "model_type": kind,
@@ -111,12 +112,8 @@ def common_config(spec: Architecture, max_seq_len: int, kind: str, name: str,
         "max_position_embeddings": max_seq_len,
         "rms_norm_eps": spec.norm_eps,
         "rope_theta": spec.rope_theta,  # transformers 4.x
-        "rope_scaling": {"rope_type": "llama3", **llama3_scaling(spec)} if scaled else None,  # 4.x
-        "rope_parameters": {
-            "rope_theta": spec.rope_theta,
-            "rope_type": "llama3" if scaled else "default",
-            **(llama3_scaling(spec) if scaled else {}),
-        },  # 5.x  # fmt: skip
+        "rope_scaling": scaling,  # 4.x
+        "rope_parameters": rope,  # 5.x; rope_theta and rope_scaling beside it for 4.x
         "tie_word_embeddings": spec.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
@@ -136,17 +133,40 @@ STRICT_KEYS = ("architectures", "model_type", "vocab_size", "hidden_size", "inte
 
 
 def strict_common(spec: Architecture, common: dict, name: str, extra: tuple[str, ...] = ()) -> dict:
-    """The common keys a strict config class takes (STRICT_KEYS and `extra`), once Llama 3's RoPE scaling,
-    which those forms lack, is refused."""
+    """The common keys a strict config class takes (STRICT_KEYS and `extra`), once RoPE scaling, which those
+    forms lack, is refused."""
     if spec.rope_scaling.factor != 1:
-        raise ConfigError(f"model.rope_scaling: {name}'s form here has no Llama 3 RoPE scaling; use factor=1.")
+        raise ConfigError(f"model.rope_scaling: {name}'s form here has no RoPE scaling; use factor=1.")
     return {k: common[k] for k in STRICT_KEYS + extra}
 
 
-def llama3_scaling(spec: Architecture) -> dict:
+def rope_parameters(spec: Architecture) -> dict:
+    """transformers' rope_parameters for our RoPE: plain, Llama 3's scaling or YaRN's."""
     r = spec.rope_scaling
-    return {"factor": r.factor, "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor,
-            "original_max_position_embeddings": r.original_max_len}  # fmt: skip
+    plain = {"rope_theta": spec.rope_theta, "rope_type": "default"}
+    if r.factor == 1:
+        return plain
+    if r.kind == "llama3":
+        return {**plain, "rope_type": "llama3", "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+                "high_freq_factor": r.high_freq_factor,
+                "original_max_position_embeddings": r.original_max_len}  # fmt: skip
+    return {**plain, "rope_type": "yarn", "factor": r.factor, "original_max_position_embeddings": r.original_max_len,
+            "beta_fast": r.beta_fast, "beta_slow": r.beta_slow, "truncate": r.truncate,
+            **({"mscale": r.mscale} if r.mscale else {}),
+            **({"mscale_all_dim": r.mscale_all_dim} if r.mscale_all_dim else {})}  # fmt: skip
+
+
+def yarn_keys(rope: dict, config: dict) -> dict:
+    """Our model.rope_scaling.* for a config's YaRN parameters (transformers' _compute_yarn_parameters: a factor
+    left out is max_position_embeddings over the original length; beta_fast 32 and beta_slow 1 by default)."""
+    original = int(rope["original_max_position_embeddings"])
+    return {"rope_scaling.kind": "yarn",
+            "rope_scaling.factor": float(rope.get("factor") or config["max_position_embeddings"] / original),
+            "rope_scaling.original_max_len": original, "rope_scaling.beta_fast": float(rope.get("beta_fast") or 32),
+            "rope_scaling.beta_slow": float(rope.get("beta_slow") or 1),
+            "rope_scaling.mscale": float(rope.get("mscale") or 0),
+            "rope_scaling.mscale_all_dim": float(rope.get("mscale_all_dim") or 0),
+            "rope_scaling.truncate": bool(rope.get("truncate", True))}  # fmt: skip
 
 
 def rope_of(config: dict) -> dict:
@@ -175,11 +195,11 @@ def model_keys(config: dict, rope: dict, unsupported: dict) -> dict:
         "use_bidirectional_attention": bool(config.get("use_bidirectional_attention")),
         "attention_bias": bool(config.get("attention_bias")),
         "mlp_bias": bool(config.get("mlp_bias")),
-        "rope_scaling": rope_type(rope) not in ("default", "llama3"),
+        "rope_scaling": rope_type(rope) not in ("default", "llama3", "yarn") or rope.get("attention_factor"),
         **unsupported,
     })  # fmt: skip
     heads = config["num_attention_heads"]
-    scaling = {}
+    scaling = yarn_keys(rope, config) if rope_type(rope) == "yarn" else {}
     if rope_type(rope) == "llama3":
         scaling = {"rope_scaling.factor": float(rope["factor"]),
                    "rope_scaling.low_freq_factor": float(rope["low_freq_factor"]),

@@ -31,11 +31,12 @@ def claims(spec: Architecture) -> str | None:
     m = spec.moe
     bad = {"moe.router": m.num_experts and m.router != "sigmoid", "moe.every": m.num_experts and m.every != 1,
            "moe.shared_experts": m.num_experts and not m.shared_experts,
-           "rope_scaling.factor": spec.rope_scaling.factor != 1, "tie_embeddings": spec.tie_embeddings}  # fmt: skip
+           "rope_scaling.kind": spec.rope_scaling.factor != 1 and not spec.rope_scaling.yarn,
+           "tie_embeddings": spec.tie_embeddings}  # fmt: skip
     if any(bad.values()):
         said = ", ".join(f"model.{k}" for k, v in bad.items() if v)
         raise ConfigError(f"{said}: DeepSeek-V3, the only family here with latent attention, has a sigmoid router "
-                          "on every layer after its dense ones, shared experts, no RoPE scaling of Llama 3's and "
+                          "on every layer after its dense ones, shared experts, no RoPE scaling but YaRN's and "
                           "an untied head; this model has no Hugging Face form.")  # fmt: skip
     return KIND
 
@@ -56,7 +57,7 @@ def config(spec: Architecture, common: dict) -> dict:
         "qk_nope_head_dim": a.nope_dim,
         "qk_rope_head_dim": a.rope_dim,
         "v_head_dim": a.v_dim,
-        "rope_parameters": {"rope_theta": spec.rope_theta, "rope_type": "default"},
+        "rope_parameters": core.rope_parameters(spec),
         "rope_interleave": False,
         "n_routed_experts": experts,
         "num_experts_per_tok": m.experts_per_token if m.num_experts else 1,
@@ -74,8 +75,9 @@ def config(spec: Architecture, common: dict) -> dict:
 def model_keys(config: dict) -> dict:
     """Our model.* values for a DeepSeek-V3 config; refuses what our model does not implement."""
     rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    kind = rope.get("rope_type", rope.get("type", "default"))
     unsupported = {
-        "rope_parameters": rope.get("rope_type", rope.get("type", "default")) != "default",
+        "rope_parameters": kind not in ("default", "yarn") or rope.get("attention_factor") is not None,
         "hidden_act": config.get("hidden_act", "silu") != "silu",
         "attention_bias": bool(config.get("attention_bias")),
         "norm_topk_prob": not config.get("norm_topk_prob", True),
@@ -96,6 +98,7 @@ def model_keys(config: dict) -> dict:
                    "moe.groups_per_token": config.get("topk_group", 1)}  # fmt: skip
     return {
         **experts,
+        **(core.yarn_keys(rope, config) if kind == "yarn" else {}),
         "mla.kv_rank": config["kv_lora_rank"],
         "mla.q_rank": config.get("q_lora_rank") or 0,
         "mla.nope_dim": config["qk_nope_head_dim"],
