@@ -178,6 +178,7 @@ def test_eval_refuses_bad_steps_empty_workdirs_and_other_models(trained, corpus_
         evaluate_checkpoint(other, trained)
 
 
+@pytest.mark.slow  # four scripts launched, 17 s (2026-12-06): room for the suite's 10 minutes
 def test_the_scripts_print_their_json(trained, corpus_dir):
     common = [*cli_args(micro_config(data=dict(source="text_files", data_dir=corpus_dir))), f"--workdir={trained}"]
     ev = subprocess.run([sys.executable, "scripts/eval.py", *common, "--max_batches=2"], cwd=REPO,

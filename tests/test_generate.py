@@ -125,6 +125,7 @@ def test_a_request_the_model_cannot_make_as_asked_is_refused_in_one_sentence():
         check_request(cfg, tok, "", 8, names, top_p=0.9)
 
 
+@pytest.mark.slow  # the docs' chat command through the script, 18 s (2026-12-06): room for the suite's 10 minutes
 def test_the_documented_chat_command_runs_with_the_new_tokens_that_fit_and_says_a_number_that_works(tmp_path):
     """generate.py --chat --prompt with no --max_new_tokens generates what fits after the message as the chat
     template renders it; too many are refused naming that prompt's real length and a number that works, which

@@ -183,6 +183,7 @@ def test_rollouts_and_steps_on_8_devices_equal_one_device(rows, tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # a stopped and resumed GRPO run, 22 s (2026-12-06): room for the suite's 10 minutes
 def test_a_grpo_run_resumes_exactly_and_says_where_its_reward_started(rows, tmp_path):
     """Four steps straight, against two, a restart and two more, with two policy steps on each rollout (the
     second's ratio no longer 1): the same rollouts (the sampler's keys from the seed and the prompt's place),

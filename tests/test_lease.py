@@ -17,6 +17,7 @@ from trainer.storage import lease as leases
 from trainer.storage.lease import Lease
 
 
+@pytest.mark.slow  # launches and a kill, 13 s (2026-12-06): room for the suite's 10 minutes
 def test_a_second_launch_in_a_held_local_workdir_is_one_sentence_and_a_killed_holder_holds_nothing(tmp_path):
     workdir = tmp_path / "run"
     command = [sys.executable, "scripts/train.py", *cli_args(micro_config(train=dict(steps=2))),

@@ -99,6 +99,7 @@ def one_device(cfg, workdir):
                                        devices=jax.devices()[:1])  # fmt: skip
 
 
+@pytest.mark.slow  # the harness against its HF backend, 22 s (2026-12-06): room for the suite's 10 minutes
 def test_the_harness_scores_a_checkpoint_as_its_hf_backend_scores_the_export(trained):
     cfg, workdir, exported = trained
     ours = one_device(cfg, workdir)
@@ -199,6 +200,7 @@ def test_in_the_loop_on_a_pipeline_mesh_it_logs_each_task_and_resume_stays_bit_e
     assert {"harness/tiny_rolling/word_perplexity", "harness/tiny_choice/acc_norm"} <= set(logged[6])
 
 
+@pytest.mark.slow  # 22 s, and with it the 28 s fixture leaves the README's pytest (2026-12-06)
 def test_an_unknown_task_or_one_whose_data_is_out_of_reach_is_one_sentence(trained, monkeypatch):
     import trainer.interop.harness
 

@@ -164,6 +164,7 @@ def _noise(shape) -> np.ndarray:
     return np.random.default_rng(int(np.prod(shape))).normal(0, 0.05, shape).astype(np.float32)
 
 
+@pytest.mark.slow  # a stopped and resumed LoRA run, 22 s (2026-12-06): room for the suite's 10 minutes
 def test_a_lora_run_with_dropout_resumes_exactly(base_run, tmp_path):
     """With the adapters' dropout on (its masks from the seed, step and microbatch) and two microbatches."""
 
