@@ -45,7 +45,7 @@ def _steps(workdir):
 
 
 @pytest.mark.slow
-def test_a_host_lost_mid_run_and_brought_back_keeps_the_run_the_straight_run(tmp_path, corpus_dir, monkeypatch):
+def test_a_host_lost_mid_run_and_brought_back_keeps_the_run_the_straight_run(tmp_path, corpus_dir):
     """4 hosts x 2 devices, 24 sequences a step. Host 3 goes down after step 5: the launcher relaunches on hosts
     0-2 with nobody acting, the run resumes from the survivors' local checkpoint tier with train.grad_accum_steps
     2 (24 over 6 devices at 2 a device, as 8 had 3), and logs the relaunch with its cause and cost. Host 3
@@ -103,10 +103,25 @@ def test_a_host_lost_mid_run_and_brought_back_keeps_the_run_the_straight_run(tmp
     np.testing.assert_allclose([r["loss"] for r in records if "loss" in r], [expected[s] for s in steps], rtol=2e-5)
     assert data_state(workdir, 14) == data_state(straight, 14)
 
-    # A batch that no accumulation over the devices that answer can make: one sentence, before anything is written.
-    monkeypatch.setenv("TRAINER_ELASTIC_HOSTS", "4/5")  # this process's 8 devices as 4 hosts of 5 (10 devices)
-    odd = _config(corpus_dir)
-    odd.train.global_batch_size = 20  # 2 a device on 10; on 8, no accumulation divides it
+
+def test_the_global_batch_is_kept_over_the_devices_or_slices_that_answer_or_refused_in_one_sentence(monkeypatch):
+    """3 of 4 hosts of 2 devices: 24 sequences go on 6 devices by accumulating 2 microbatches of 12 (2 a device,
+    at most the 3 the full set gave each), over hosts as data replicas or as slices (mesh.dcn_data 4 -> 3). A
+    batch no accumulation can make, and slices that are not one host each, are one sentence."""
+    said = []
+    say = lambda line, **_: said.append(line)  # noqa: E731
+    monkeypatch.setenv("TRAINER_ELASTIC_HOSTS", "3/4")
+    for mesh in (dict(data=-1, fsdp=2), dict(data=1, fsdp=2, dcn_data=4)):
+        kept = elastic.keep_global_batch(micro_config(mesh=mesh, train=dict(global_batch_size=24)), say, 6)
+        assert kept.train.grad_accum_steps == 2 and kept.mesh.dcn_data == (3 if "dcn_data" in mesh else 1)
+    assert said[-2:] == ["elastic: 3 of 4 slices answer: mesh.dcn_data 4 -> 3",
+                         "elastic: 3 of 4 hosts answer (6 devices): the global batch of 24 kept by "
+                         "train.grad_accum_steps 1 -> 2"]  # fmt: skip
+    slices = r"an elastic run over slices takes one host a slice along mesh.dcn_data alone: mesh.dcn_data=2, "
+    with pytest.raises(ConfigError, match=slices + r"dcn_fsdp=1 and dcn_context=1 on 4 hosts"):
+        elastic.keep_global_batch(micro_config(mesh=dict(data=2, fsdp=2, dcn_data=2)), say, 6)
+    monkeypatch.setenv("TRAINER_ELASTIC_HOSTS", "4/5")  # 8 devices of 10: 20 sequences were 2 a device
     with pytest.raises(ConfigError, match=r"the global batch of 20 sequences cannot be made on the 8 devices of the "
                                           r"4 hosts of 5 that answer: .* a multiple of 8\."):  # fmt: skip
-        elastic.keep_global_batch(odd, print)
+        elastic.keep_global_batch(micro_config(mesh=dict(data=-1, fsdp=2), train=dict(global_batch_size=20)),
+                                  say, 8)  # fmt: skip

@@ -22,7 +22,7 @@ import os
 import jax
 
 from parallelism.launcher import ENV_CAUSE, ENV_HOSTS
-from parallelism.mesh import AXES, resolve_shape
+from parallelism.mesh import AXES, dcn_shape, resolve_shape
 from trainer.config.errors import ConfigError
 from trainer.config.forms import with_changes
 
@@ -36,22 +36,35 @@ def hosts() -> tuple[int, int] | None:
     return now, planned
 
 
-def _data_ways(cfg, devices: int) -> int:
-    shape = dict(zip(AXES, resolve_shape(dict(cfg.mesh.items()), devices), strict=True))
-    return shape["data"] * shape["fsdp"] * shape["expert"]
+def _data_ways(cfg, devices: int, slices: int) -> int:
+    """The ways the batch splits over `devices` in `slices` slices (one host each) along mesh.dcn_data."""
+    shape = dict(zip(AXES, resolve_shape(dict(cfg.mesh.items()), devices // slices), strict=True))
+    return shape["data"] * slices * shape["fsdp"] * shape["expert"]
 
 
-def keep_global_batch(cfg, say):
-    """`cfg` with the accumulation that makes its global batch on the devices of the hosts that answer."""
+def keep_global_batch(cfg, say, devices: int = 0):
+    """`cfg` with the accumulation that makes its global batch on the devices of the hosts that answer (`devices`:
+    theirs, all of this run's by default). Over slices (mesh.dcn_data, one host a slice, as launch_local.py's
+    processes are), a lost host is a lost slice: mesh.dcn_data becomes the slices that answer."""
     answering = hosts()
     if answering is None or answering[0] == answering[1]:
         return cfg
     now, planned = answering
-    devices = jax.device_count()
+    devices = devices or jax.device_count()
     t = cfg.train
+    slices = 1
+    if max(dcn_shape(cfg.mesh)) > 1:
+        if cfg.mesh.dcn_fsdp * cfg.mesh.dcn_context != 1 or cfg.mesh.dcn_data != planned:
+            raise ConfigError(
+                f"an elastic run over slices takes one host a slice along mesh.dcn_data alone: mesh.dcn_data="
+                f"{cfg.mesh.dcn_data}, dcn_fsdp={cfg.mesh.dcn_fsdp} and dcn_context={cfg.mesh.dcn_context} on "
+                f"{planned} hosts; set mesh.dcn_data={planned} and the others to 1."
+            )
+        cfg, slices = with_changes(cfg, {"mesh.dcn_data": now}), now
+        say(f"elastic: {now} of {planned} slices answer: mesh.dcn_data {planned} -> {now}", flush=True)
     try:
-        ways = _data_ways(cfg, devices)
-        planned_ways = _data_ways(cfg, devices * planned // now)
+        ways = _data_ways(cfg, devices, slices)
+        planned_ways = _data_ways(cfg, devices * planned // now, planned if slices > 1 else 1)
     except ConfigError as e:
         raise ConfigError(f"on the {devices} devices of the {now} hosts of {planned} that answer: {e}") from None
     share = t.global_batch_size // t.grad_accum_steps / planned_ways  # sequences per device per microbatch
