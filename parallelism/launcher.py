@@ -129,7 +129,8 @@ def run(command: list[str], total: int, devices: int = 0, down_dir: str | None =
         signalled = sorted(h for h, code in codes.items() if code < 0)
         if not any(codes.values()) and not asked_to_stop:
             return 0
-        if down_dir is None or not (signalled or asked_to_stop):
+        failed_itself = any(code > 0 for code in codes.values()) and not signalled  # its own error: not a host
+        if down_dir is None or not (signalled or asked_to_stop) or failed_itself:
             return first or next((code for code in codes.values() if code), 0)
         if asked_to_stop:
             back = sorted(set(range(total)) - set(hosts) - down(down_dir, total))
