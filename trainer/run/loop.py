@@ -309,7 +309,8 @@ class Run:
         trained = clock.value({"batches": values.pop("sequences_batches"), "rows": values.pop("sequences_rows")},
                               self.unit)  # fmt: skip
         values = {**floats(values), "sequences": trained}
-        elapsed = time.perf_counter() - self.mark_time
+        now = time.perf_counter()  # the next interval starts here: writing this record is in it (goodput's step)
+        elapsed = now - self.mark_time
         tokens = sum(n for s, n in self.dispatched if s <= step)
         self.dispatched = [(s, n) for s, n in self.dispatched if s > step]
         tokens_per_sec = tokens / elapsed
@@ -326,7 +327,7 @@ class Run:
         console = console_line(step, values["sequences"] / self.unit, self.cfg.train.steps, logged)
         self.writer.write(step, logged, console=console)
         self.goodput.write()
-        self.mark_step, self.mark_time = step, time.perf_counter()
+        self.mark_step, self.mark_time = step, now
         skipped = int(values["skipped_total"]) - self.skipped_seen
         if skipped > 0:
             self.skipped_seen += skipped
