@@ -161,6 +161,7 @@ def test_a_distilling_step_on_8_devices_equals_one_device_and_logs_the_models_ow
     assert logged[-1]["loss"] < first["loss"]
 
 
+@pytest.mark.slow  # a stopped and resumed distillation, 16 s (2026-12-06): room for the suite's 10 minutes
 def test_a_distilling_run_resumes_exactly_with_the_teacher_it_pinned(teacher_run, tmp_path):
     """With half the steps on the student's own text (distill.on_policy=0.5: the steps drawn from the seed),
     four steps straight equal two, a restart and two more; the run's config.json pins its teacher at the step

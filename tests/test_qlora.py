@@ -101,6 +101,7 @@ def test_the_quantised_base_is_bitsandbytes_nf4_and_the_adapted_model_is_the_flo
                                    rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
+@pytest.mark.slow  # a QLoRA run stopped, resumed and planned, 22 s (2026-12-06): room for the suite's 10 minutes
 def test_a_qlora_run_trains_its_adapters_keeps_the_base_bits_resumes_exactly_and_plans_its_bytes(base_run, tmp_path):
     cfg = qlora("nf4", train=dict(steps=4, log_every=1), checkpoint={"every_steps": 2, "init_from": base_run})
     straight = train(cfg, str(tmp_path / "straight"))
