@@ -76,10 +76,11 @@ class Goodput:
             self._tick()
             for name in BUCKETS:
                 self.seconds[name] += before["seconds"][name]
-            self.seconds["between_launches"] += max(self.started - before["at"], 0.0)
+            gap = max(self.started - before["at"], 0.0)
+            self.seconds["between_launches"] += gap
             self.at_save = {int(s): v for s, v in before["at_save"].items()}
             self.launches = before["launches"] + 1
-            lost = self._lose_since(step, "lost_restart") + max(self.started - before["at"], 0.0)
+            lost = self._lose_since(step, "lost_restart") + gap
         self.at_save[step] = self.seconds["step"]
         self.write()
         return lost
